@@ -1,0 +1,191 @@
+"""The DSpark draft's `config.json`, parsed once into a validated pydantic model.
+
+DSpark settings may live in three places (SGLang reads all of them): the nested `dflash_config`,
+top-level `markov_*` keys, and `dspark_*`-prefixed top-level keys. A value given in two places
+must agree; otherwise the error names both places.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# Settings that may appear in dflash_config / markov_* / dspark_* (besides the Qwen3 body).
+_DSPARK_KEYS = (
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "confidence_head_alpha",
+    "projector_type",
+    "attention_mode",
+    "num_target_layers",
+    "target_hidden_size",
+)
+
+# SGLang also reads the mask token from `dspark_noise_token_id`.
+_ALIASES = {"mask_token_id": ("dspark_noise_token_id",)}
+
+
+class DSparkConfigError(ValueError):
+    """A DSpark config.json that is missing fields or contradicts itself."""
+
+
+class DSparkConfig(BaseModel):
+    """Architecture of a DSpark draft: N Qwen3-style layers over fc-projected target taps."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    max_position_embeddings: int = Field(gt=0)
+    rope_parameters: dict[str, Any] = Field(default_factory=lambda: {"rope_theta": 10000.0})
+    hidden_act: Literal["silu"] = "silu"
+    attention_bias: Literal[False] = False
+
+    block_size: int = Field(gt=0, le=64)
+    num_target_layers: int = Field(gt=0)
+    target_layer_ids: tuple[int, ...] = Field(min_length=1)
+    target_hidden_size: int = Field(gt=0)
+    mask_token_id: int = Field(ge=0)
+    markov_rank: int = Field(default=0, ge=0)
+    markov_head_type: Literal["vanilla", "none"] = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    confidence_head_alpha: float = 1.0
+    projector_type: Literal["dspark"] = "dspark"
+    attention_mode: Literal["gqa"] = "gqa"
+
+    eos_token_id: int | None = None
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+    @property
+    def has_markov(self) -> bool:
+        return self.markov_head_type == "vanilla" and self.markov_rank > 0
+
+    @property
+    def gamma(self) -> int:
+        """Drafts per step (SGLang's `speculative_dspark_block_size`)."""
+        return self.block_size
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DSparkConfig:
+        problems: list[str] = []
+        bad_layers = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad_layers:
+            problems.append(
+                f"target_layer_ids {list(bad_layers)} must be in [0, num_target_layers="
+                f"{self.num_target_layers})"
+            )
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            problems.append(f"target_layer_ids {list(self.target_layer_ids)} has duplicates")
+        if self.mask_token_id >= self.vocab_size:
+            problems.append(
+                f"mask_token_id={self.mask_token_id} must be < vocab_size={self.vocab_size}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even (rotary embedding)")
+        if self.markov_head_type == "vanilla" and self.markov_rank == 0:
+            problems.append("markov_head_type='vanilla' needs markov_rank > 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # --- parsing ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> DSparkConfig:
+        flat = _resolve_dspark_keys(raw, source)
+        try:
+            return cls.model_validate(flat)
+        except ValidationError as exc:
+            lines = []
+            for err in exc.errors():
+                loc = ".".join(str(p) for p in err["loc"]) or "config"
+                msg = err["msg"].removeprefix("Value error, ")
+                lines.append(f"{loc}: {msg}" if err["type"] != "missing" else f"{loc}: missing")
+            raise DSparkConfigError(
+                f"{source}: invalid DSpark config:\n  - " + "\n  - ".join(lines)
+            ) from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> DSparkConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise DSparkConfigError(f"{path}: no config.json") from None
+        except json.JSONDecodeError as exc:
+            raise DSparkConfigError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise DSparkConfigError(f"{path}: expected a JSON object")
+        return cls.from_dict(raw, str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The published layout: Qwen3 body at top level, DSpark settings in `dflash_config`."""
+        data = self.model_dump(mode="json")
+        top_level = ("block_size", "num_target_layers")
+        dflash = {k: data.pop(k) for k in _DSPARK_KEYS if k not in top_level}
+        return {"architectures": ["DSparkDraftModel"], "model_type": "qwen3", **data,
+                "dflash_config": dflash}
+
+
+def _resolve_dspark_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    flat = {k: v for k, v in raw.items() if k != "dflash_config" and not k.startswith("dspark_")}
+    nested = raw.get("dflash_config") or {}
+    if not isinstance(nested, dict):
+        raise DSparkConfigError(f"{source}: dflash_config must be an object")
+    places: dict[str, list[tuple[str, Any]]] = {}
+    for key in _DSPARK_KEYS:
+        for where, value in (
+            (key, raw.get(key)),
+            (f"dflash_config.{key}", nested.get(key)),
+            (f"dspark_{key}", raw.get(f"dspark_{key}")),
+            *((alias, raw.get(alias)) for alias in _ALIASES.get(key, ())),
+        ):
+            if value is not None:
+                places.setdefault(key, []).append((where, value))
+    conflicts = []
+    for key, found in places.items():
+        if any(v != found[0][1] for _, v in found[1:]):
+            conflicts.append(" vs ".join(f"{w}={v!r}" for w, v in found))
+        flat[key] = found[0][1]
+    if conflicts:
+        raise DSparkConfigError(
+            f"{source}: contradictory DSpark settings:\n  - " + "\n  - ".join(conflicts)
+        )
+    if "head_dim" not in flat and "hidden_size" in flat and "num_attention_heads" in flat:
+        flat["head_dim"] = flat["hidden_size"] // flat["num_attention_heads"]
+    if "target_hidden_size" not in flat and "hidden_size" in flat:
+        flat["target_hidden_size"] = flat["hidden_size"]
+    if "rope_parameters" not in flat:
+        # Older Qwen3 configs: rope_theta + rope_scaling instead of rope_parameters.
+        rope = dict(flat.get("rope_scaling") or {})
+        rope["rope_theta"] = flat.get("rope_theta", 10000.0)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        flat["rope_parameters"] = rope
+    if "dtype" not in flat and "torch_dtype" in flat:
+        flat["dtype"] = flat["torch_dtype"]
+    return flat

@@ -1,0 +1,166 @@
+"""Paged token-slot allocation and the DSpark draft's context KV cache.
+
+Every request owns a list of fixed-size pages; the token at absolute position p of a request
+lives in slot `page[p // page_size] * page_size + p % page_size` of a flat pool. The target's latent
+cache and the draft's context cache index the same way, so one allocator can serve both: a token
+committed at position p occupies the same slot in each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+
+class KVCapacityError(RuntimeError):
+    """A request does not fit in the KV pool."""
+
+
+class PagedAllocator:
+    """Page tables over a pool of `num_pages * page_size` token slots."""
+
+    def __init__(self, capacity_tokens: int, page_size: int = 16) -> None:
+        if capacity_tokens < page_size or page_size <= 0:
+            raise ValueError(
+                f"capacity_tokens={capacity_tokens} must be >= page_size={page_size} > 0"
+            )
+        self.page_size = page_size
+        self.num_pages = capacity_tokens // page_size
+        self._free_pages: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._pages: dict[Hashable, list[int]] = {}
+        self._lengths: dict[Hashable, int] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def free_tokens(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    @property
+    def used_tokens(self) -> int:
+        return self.capacity_tokens - self.free_tokens
+
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._pages
+
+    def length(self, rid: Hashable) -> int:
+        return self._lengths[rid]
+
+    def pages_needed(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def add(self, rid: Hashable) -> None:
+        if rid in self._pages:
+            raise KeyError(f"request {rid!r} already has a page table")
+        self._pages[rid] = []
+        self._lengths[rid] = 0
+
+    def reserve(self, rid: Hashable, length: int) -> None:
+        """Make room for positions [0, length) of `rid`; all or nothing."""
+        pages = self._pages[rid]
+        extra = self.pages_needed(length) - len(pages)
+        if extra > len(self._free_pages):
+            raise KVCapacityError(
+                f"request {rid!r} needs {extra * self.page_size} more KV tokens "
+                f"(length {length}); {self.free_tokens} of {self.capacity_tokens} are free"
+            )
+        for _ in range(max(extra, 0)):
+            pages.append(self._free_pages.pop())
+        self._lengths[rid] = max(self._lengths[rid], length)
+
+    def truncate(self, rid: Hashable, length: int) -> None:
+        """Forget positions >= length and return whole pages past it to the pool."""
+        pages = self._pages[rid]
+        keep = self.pages_needed(length)
+        while len(pages) > keep:
+            self._free_pages.append(pages.pop())
+        self._lengths[rid] = min(self._lengths[rid], length)
+
+    def free(self, rid: Hashable) -> None:
+        self._free_pages.extend(reversed(self._pages.pop(rid)))
+        del self._lengths[rid]
+
+    def slots(self, rid: Hashable, start: int, end: int) -> torch.Tensor:
+        """Pool slots of positions [start, end) of `rid` (already reserved)."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(self._pages[rid], dtype=torch.long)
+        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def batch_slots(
+        self, rids: Sequence[Hashable], lengths: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, Lmax] slots of positions [0, length) per request, padded with slot 0, and the
+        [B, Lmax] validity mask."""
+        lengths = [self._lengths[r] for r in rids] if lengths is None else list(lengths)
+        lmax = max(lengths, default=0)
+        index = torch.zeros(len(rids), lmax, dtype=torch.long)
+        valid = torch.arange(lmax)[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
+        for b, (rid, n) in enumerate(zip(rids, lengths, strict=True)):
+            if n:
+                index[b, :n] = self.slots(rid, 0, n)
+        return index, valid
+
+
+class DraftKVCache:
+    """Per-layer K/V of the draft's context rows (committed target tokens only).
+
+    Block rows (anchor + masks) are never written here: each draft step attends to the cached
+    context plus its own freshly computed block, which is the "draft block, drop block" cycle
+    with nothing to undo.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity_tokens: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        allocator: PagedAllocator | None = None,
+    ) -> None:
+        self._owns_allocator = allocator is None
+        self.allocator = allocator or PagedAllocator(capacity_tokens, page_size)
+        slots = self.allocator.capacity_tokens
+        shape = (num_layers, slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Committed context rows per request; may lag the allocator's length when the
+        # allocator is shared with a target cache that runs ahead.
+        self._lengths: dict[Hashable, int] = {}
+
+    def add(self, rid: Hashable) -> None:
+        if rid not in self.allocator:
+            self.allocator.add(rid)
+        self._lengths[rid] = 0
+
+    def free(self, rid: Hashable) -> None:
+        self._lengths.pop(rid)
+        if self._owns_allocator:
+            self.allocator.free(rid)
+
+    def length(self, rid: Hashable) -> int:
+        return self._lengths[rid]
+
+    def truncate(self, rid: Hashable, length: int) -> None:
+        self._lengths[rid] = min(self._lengths[rid], length)
+        if self._owns_allocator:
+            self.allocator.truncate(rid, length)
+
+    def reserve_append(self, rids: Sequence[Hashable], counts: Sequence[int]) -> torch.Tensor:
+        """Reserve room for `counts[i]` new rows after each request's context; returns their
+        flat slots (concatenated in request order) and advances the lengths."""
+        slots = []
+        for rid, n in zip(rids, counts, strict=True):
+            start = self._lengths[rid]
+            self.allocator.reserve(rid, start + n)
+            slots.append(self.allocator.slots(rid, start, start + n))
+            self._lengths[rid] = start + n
+        return torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
+
+    def context(self, rids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.allocator.batch_slots(rids, [self._lengths[r] for r in rids])

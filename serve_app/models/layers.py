@@ -1,0 +1,106 @@
+"""Building blocks shared by the target and the draft: RMSNorm, rotary embeddings (with YaRN).
+
+Plain PyTorch, no fused kernels: the reference engine favours readability; the production path
+is SGLang.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: bf16 sums of squares lose too much precision at hidden 7168.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
+    return (dim * math.log(max_pos / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def rope_inv_freq(
+    head_dim: int, rope_parameters: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale ("attention factor") for a rope config.
+
+    Follows the Hugging Face `rope_type` conventions (default, linear, yarn) that both SGLang and
+    transformers implement for Qwen3 and DeepseekV3.
+    """
+    base = float(rope_parameters.get("rope_theta", 10000.0))
+    rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    pos_freqs = base**exponents
+    if rope_type in ("default", None):
+        return (1.0 / pos_freqs).float(), 1.0
+    factor = float(rope_parameters["factor"])
+    if rope_type == "linear":
+        return (1.0 / (factor * pos_freqs)).float(), 1.0
+    if rope_type != "yarn":
+        raise ValueError(
+            f"rope_parameters.rope_type={rope_type!r} is not supported; "
+            "allowed: 'default', 'linear', 'yarn'"
+        )
+    original_max = int(rope_parameters["original_max_position_embeddings"])
+    beta_fast = float(rope_parameters.get("beta_fast", 32.0))
+    beta_slow = float(rope_parameters.get("beta_slow", 1.0))
+    low = math.floor(_yarn_correction_dim(beta_fast, head_dim, base, original_max))
+    high = math.ceil(_yarn_correction_dim(beta_slow, head_dim, base, original_max))
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1.0 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (
+        1.0 / pos_freqs
+    ) * extrapolation_weight
+    # SGLang ignores HF's `attention_factor` key; so do we, to produce the same numbers.
+    if "mscale" in rope_parameters and "mscale_all_dim" in rope_parameters:
+        attention_factor = _yarn_mscale(factor, rope_parameters["mscale"]) / _yarn_mscale(
+            factor, rope_parameters["mscale_all_dim"]
+        )
+    else:
+        attention_factor = _yarn_mscale(factor)
+    return inv_freq.float(), attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for arbitrary absolute positions (requests in a batch sit at different offsets)."""
+
+    def __init__(self, head_dim: int, rope_parameters: dict[str, Any]) -> None:
+        super().__init__()
+        inv_freq, self.attention_factor = rope_inv_freq(head_dim, rope_parameters)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style (rotate-half) rotation. x: [..., T, D]; cos/sin broadcastable to x."""
+    x32 = x.float()
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
