@@ -3,17 +3,17 @@
 from serve_app.models.checkpoint import CheckpointError
 from serve_app.models.dspark import DraftOutput, DSparkDraft, load_dspark, save_dspark
 from serve_app.models.dspark_config import DSparkConfig, DSparkConfigError
-from serve_app.models.kv_cache import DraftKVCache, KVCapacityError, PagedAllocator
+from serve_app.models.kv_cache import KVCapacityError, PagedAllocator, PagedKVCache
 
 __all__ = [
     "CheckpointError",
     "DSparkConfig",
     "DSparkConfigError",
     "DSparkDraft",
-    "DraftKVCache",
     "DraftOutput",
     "KVCapacityError",
     "PagedAllocator",
+    "PagedKVCache",
     "load_dspark",
     "save_dspark",
 ]

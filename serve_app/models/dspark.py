@@ -31,7 +31,7 @@ from serve_app.models.checkpoint import (
     save_tensors,
 )
 from serve_app.models.dspark_config import DSparkConfig
-from serve_app.models.kv_cache import DraftKVCache
+from serve_app.models.kv_cache import PagedKVCache
 from serve_app.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -178,12 +178,12 @@ class DSparkDraft(nn.Module):
 
     def new_cache(
         self, capacity_tokens: int, page_size: int = 16, **kwargs: object
-    ) -> DraftKVCache:
+    ) -> PagedKVCache:
         p = next(self.parameters())
-        return DraftKVCache(
+        entry = (self.config.num_key_value_heads, self.config.head_dim)
+        return PagedKVCache(
             self.config.num_hidden_layers,
-            self.config.num_key_value_heads,
-            self.config.head_dim,
+            {"k": entry, "v": entry},
             capacity_tokens,
             page_size,
             dtype=p.dtype,
@@ -197,7 +197,7 @@ class DSparkDraft(nn.Module):
 
     @torch.no_grad()
     def append_context(
-        self, cache: DraftKVCache, rids: Sequence[Hashable], taps: Sequence[torch.Tensor]
+        self, cache: PagedKVCache, rids: Sequence[Hashable], taps: Sequence[torch.Tensor]
     ) -> None:
         """Commit target rows: taps[i] is [n_i, taps * target_hidden] for the next n_i positions
         of request rids[i]. All requests are projected in one batch."""
@@ -208,19 +208,19 @@ class DSparkDraft(nn.Module):
             [torch.arange(cache.length(r), cache.length(r) + n) for r, n in zip(rids, counts, strict=True)]
         )
         slots = cache.reserve_append(rids, counts)
-        dev = cache.k.device
+        dev = cache.device
         rows = self.project_context(torch.cat(list(taps)).to(dev, self.fc.weight.dtype))
         cos, sin = self.rotary(positions.to(dev))
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(rows, cos, sin)
-            cache.k[i, slots.to(dev)] = k.to(cache.k.dtype)
-            cache.v[i, slots.to(dev)] = v.to(cache.v.dtype)
+            cache.buffers["k"][i, slots] = k.to(cache.buffers["k"].dtype)
+            cache.buffers["v"][i, slots] = v.to(cache.buffers["v"].dtype)
 
     # --- drafting ----------------------------------------------------------------------------
 
     def block_hidden(
         self,
-        cache: DraftKVCache,
+        cache: PagedKVCache,
         rids: Sequence[Hashable],
         anchors: torch.Tensor,
         embed_tokens: torch.Tensor,
@@ -233,18 +233,18 @@ class DSparkDraft(nn.Module):
         block_ids[:, 0] = anchors.to(dev)
         x = F.embedding(block_ids, embed_tokens).to(self.fc.weight.dtype)
         index, valid = cache.context(rids)
-        index, valid = index.to(dev), valid.to(dev)
         starts = torch.tensor([cache.length(r) for r in rids], device=dev)
         positions = starts[:, None] + torch.arange(gamma, device=dev)[None, :]
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i][index], cache.v[i][index], valid)
+            k, v = cache.buffers["k"][i][index], cache.buffers["v"][i][index]
+            x = layer(x, cos, sin, k, v, valid)
         return self.norm(x)
 
     @torch.no_grad()
     def draft(
         self,
-        cache: DraftKVCache,
+        cache: PagedKVCache,
         rids: Sequence[Hashable],
         anchors: torch.Tensor,
         embed_tokens: torch.Tensor,

@@ -8,7 +8,7 @@ committed at position p occupies the same slot in each.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
@@ -104,19 +104,19 @@ class PagedAllocator:
         return index, valid
 
 
-class DraftKVCache:
-    """Per-layer K/V of the draft's context rows (committed target tokens only).
+class PagedKVCache:
+    """Per-layer cache entries of committed tokens, in named buffers of shape
+    [num_layers, slots, *entry_shape]: `k`/`v` for the draft's context rows, `latent` for the
+    target's MLA latent + rope key.
 
-    Block rows (anchor + masks) are never written here: each draft step attends to the cached
-    context plus its own freshly computed block, which is the "draft block, drop block" cycle
-    with nothing to undo.
+    A request's cached length may lag its allocator length when the allocator is shared with
+    another cache that runs ahead (the target verifies tokens the draft never caches).
     """
 
     def __init__(
         self,
         num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        entry_shapes: Mapping[str, tuple[int, ...]],
         capacity_tokens: int,
         page_size: int = 16,
         dtype: torch.dtype = torch.float32,
@@ -126,12 +126,15 @@ class DraftKVCache:
         self._owns_allocator = allocator is None
         self.allocator = allocator or PagedAllocator(capacity_tokens, page_size)
         slots = self.allocator.capacity_tokens
-        shape = (num_layers, slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # Committed context rows per request; may lag the allocator's length when the
-        # allocator is shared with a target cache that runs ahead.
+        self.buffers = {
+            name: torch.zeros((num_layers, slots, *shape), dtype=dtype, device=device)
+            for name, shape in entry_shapes.items()
+        }
         self._lengths: dict[Hashable, int] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.buffers.values())).device
 
     def add(self, rid: Hashable) -> None:
         if rid not in self.allocator:
@@ -143,24 +146,31 @@ class DraftKVCache:
         if self._owns_allocator:
             self.allocator.free(rid)
 
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._lengths
+
     def length(self, rid: Hashable) -> int:
         return self._lengths[rid]
 
     def truncate(self, rid: Hashable, length: int) -> None:
+        """Roll back to `length` cached tokens."""
         self._lengths[rid] = min(self._lengths[rid], length)
         if self._owns_allocator:
             self.allocator.truncate(rid, length)
 
     def reserve_append(self, rids: Sequence[Hashable], counts: Sequence[int]) -> torch.Tensor:
-        """Reserve room for `counts[i]` new rows after each request's context; returns their
-        flat slots (concatenated in request order) and advances the lengths."""
-        slots = []
-        for rid, n in zip(rids, counts, strict=True):
-            start = self._lengths[rid]
+        """Reserve room for `counts[i]` new entries after each request's cached tokens; returns
+        their flat slots (concatenated in request order) and advances the lengths. All or
+        nothing: on KVCapacityError no length has moved."""
+        starts = [self._lengths[r] for r in rids]
+        for rid, start, n in zip(rids, starts, counts, strict=True):
             self.allocator.reserve(rid, start + n)
-            slots.append(self.allocator.slots(rid, start, start + n))
+        slots = [self.allocator.slots(r, s, s + n) for r, s, n in zip(rids, starts, counts, strict=True)]
+        for rid, start, n in zip(rids, starts, counts, strict=True):
             self._lengths[rid] = start + n
-        return torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
+        return torch.cat(slots).to(self.device) if slots else torch.zeros(0, dtype=torch.long)
 
     def context(self, rids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.allocator.batch_slots(rids, [self._lengths[r] for r in rids])
+        """[B, Lmax] slots of every cached entry per request and the validity mask."""
+        index, valid = self.allocator.batch_slots(rids, [self._lengths[r] for r in rids])
+        return index.to(self.device), valid.to(self.device)
