@@ -1,0 +1,35 @@
+"""Capacity planner for Kimi K3 (+ DSpark draft): pure numbers from config.json files and data
+tables. This package never imports `serve_app`; Ray is imported only inside `emit`."""
+
+from capacity.config import Layout, Speculation, Workload
+from capacity.errors import CapacityError
+from capacity.formats import KvDtype, WeightFormat
+from capacity.memory import MemoryReport, memory_per_gpu
+from capacity.model import ModelDescriptor, describe_model
+from capacity.planner import PlanResult, PlanRow, plan
+from capacity.tables import GpuSpec, PriceRow, load_gpus, load_prices
+from capacity.timing import DEFAULT_CONSTANTS, TimeConstants, decode_rate, prefill_seconds
+
+__all__ = [
+    "DEFAULT_CONSTANTS",
+    "CapacityError",
+    "GpuSpec",
+    "KvDtype",
+    "Layout",
+    "MemoryReport",
+    "ModelDescriptor",
+    "PlanResult",
+    "PlanRow",
+    "PriceRow",
+    "Speculation",
+    "TimeConstants",
+    "WeightFormat",
+    "Workload",
+    "decode_rate",
+    "describe_model",
+    "load_gpus",
+    "load_prices",
+    "memory_per_gpu",
+    "plan",
+    "prefill_seconds",
+]

@@ -1,0 +1,3 @@
+from capacity.cli import main
+
+main()

@@ -1,0 +1,543 @@
+"""`kimi-capacity`: size Kimi K3 + DSpark fleets from config.json files and data tables."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections.abc import Callable
+from datetime import date
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from capacity.calibration import evaluate, fit
+from capacity.config import Layout, Speculation, Workload, validated
+from capacity.errors import CapacityError
+from capacity.formats import KvDtype, WeightFormat, parse_kv_dtype, parse_weight_format
+from capacity.memory import max_running_requests, memory_per_gpu
+from capacity.model import Component, ModelDescriptor, describe_model
+from capacity.planner import DEFAULT_MAX_NODES, explain_infeasible, plan
+from capacity.tables import (
+    GpuSpec,
+    PriceRow,
+    check_price_gpus,
+    gpu_spec,
+    load_gpus,
+    load_prices,
+)
+from capacity.timing import DEFAULT_CONSTANTS, decode_rate, prefill_seconds
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Capacity planner for Kimi K3 (+ DSpark draft) on AMD and NVIDIA GPUs.",
+)
+out = Console()
+err = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _user_errors(func: F) -> F:
+    """Bad input ends the command with one line and exit status 2, never a traceback."""
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except CapacityError as exc:
+            err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def parse_tokens(text: str) -> int:
+    """'131072', '128K' or '1M' (binary multiples, as context lengths are quoted)."""
+    value = text.strip().upper()
+    scale = 1
+    if value.endswith("K"):
+        scale, value = 1024, value[:-1]
+    elif value.endswith("M"):
+        scale, value = 1024 * 1024, value[:-1]
+    try:
+        tokens = int(float(value) * scale)
+    except ValueError:
+        raise CapacityError(f"length {text!r} is not a number (e.g. 131072, 128K, 1M)") from None
+    if tokens <= 0:
+        raise CapacityError(f"length must be positive, got {text!r}")
+    return tokens
+
+
+def _split(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def _formats(text: str) -> list[WeightFormat | None]:
+    return [None if f.lower() == "native" else parse_weight_format(f) for f in _split(text)]
+
+
+def _kv_dtypes(text: str) -> list[KvDtype]:
+    return [parse_kv_dtype(k) for k in _split(text)]
+
+
+def _tables(gpus_file: Path | None, prices_file: Path | None) -> tuple[dict[str, GpuSpec],
+                                                                       list[PriceRow]]:
+    gpus = load_gpus(gpus_file)
+    prices = load_prices(prices_file)
+    check_price_gpus(prices, gpus, str(prices_file or "prices.csv"))
+    return gpus, prices
+
+
+def _price_age_line(rows: list[PriceRow], today: date | None = None) -> str:
+    if not rows:
+        return "prices: none used"
+    ages = sorted(r.age_days(today) for r in rows)
+    dates = sorted(r.date_read for r in rows)
+    return (f"prices read {dates[0]} to {dates[-1]} ({ages[0]} to {ages[-1]} days old on "
+            f"{(today or date.today()).isoformat()}); replace them with --prices FILE")
+
+
+def _draft_and_spec(draft: str | None, acceptance: float, gamma: int | None
+                    ) -> tuple[ModelDescriptor | None, Speculation | None]:
+    if not draft:
+        return None, None
+    descriptor = describe_model(draft)
+    if not descriptor.is_draft:
+        raise CapacityError(f"--draft {draft!r} is not a DSpark draft config ({descriptor.family})")
+    block = gamma or (descriptor.draft.block_size if descriptor.draft else 7)
+    return descriptor, validated(Speculation, gamma=block, acceptance_length=acceptance)
+
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m",
+                                       help="config.json path or kimi-k3 / kimi-k2")]
+DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
+                                              help="draft config.json path or kimi-k3-dspark")]
+ContextOpt = Annotated[str, typer.Option("--context", "-c", help="tokens per request: 131072, 128K, 1M")]
+PricesOpt = Annotated[Path | None, typer.Option("--prices", help="price CSV (default: packaged)")]
+GpusOpt = Annotated[Path | None, typer.Option("--gpu-table", help="GPU spec CSV (default: packaged)")]
+AcceptOpt = Annotated[float, typer.Option("--acceptance", help="draft acceptance length")]
+GammaOpt = Annotated[int | None, typer.Option("--gamma", help="drafts per step (default: block_size)")]
+
+
+@app.command("model")
+@_user_errors
+def model_cmd(
+    path: Annotated[str, typer.Argument(help="config.json, its folder, or a packaged name")],
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Parameter and byte counts per component for every weight format."""
+    descriptor = describe_model(path)
+    formats: list[WeightFormat] = list(WeightFormat)
+    params = descriptor.params_by_component
+    per_format = {f: descriptor.bytes_by_component(f) for f in formats}
+    native = descriptor.bytes_by_component()
+    if as_json:
+        print(json.dumps({
+            "name": descriptor.name, "family": descriptor.family.value,
+            "native_format": descriptor.native_format.value,
+            "total_params": descriptor.total_params, "active_params": descriptor.active_params,
+            "params": {c.value: n for c, n in params.items()},
+            "bytes": {f.value: {c.value: b for c, b in per_format[f].items()} for f in formats}
+            | {"native": {c.value: b for c, b in native.items()}},
+            "mla_kv_bytes_per_token_bf16": descriptor.kv_bytes_per_token(),
+            "kda_state_bytes_per_request": descriptor.kda_state_bytes(),
+            "gqa_kv_bytes_per_token_bf16": descriptor.gqa_kv_bytes_per_token(),
+        }, indent=2))
+        return
+    table = Table(title=f"{descriptor.name} ({descriptor.family.value}, native "
+                        f"{descriptor.native_format.value})")
+    table.add_column("component")
+    table.add_column("params", justify="right")
+    table.add_column("native GB", justify="right")
+    for f in formats:
+        table.add_column(f"{f.value} GB", justify="right")
+    for comp in Component:
+        if comp not in params:
+            continue
+        table.add_row(comp.value, f"{params[comp]:,}", f"{native[comp] / 1e9:.2f}",
+                      *[f"{per_format[f][comp] / 1e9:.2f}" for f in formats])
+    table.add_row("total", f"{descriptor.total_params:,}",
+                  f"{sum(native.values()) / 1e9:.2f}",
+                  *[f"{sum(per_format[f].values()) / 1e9:.2f}" for f in formats], style="bold")
+    out.print(table)
+    out.print(f"active params per token: {descriptor.active_params:,}")
+    if descriptor.mla:
+        kv = descriptor.kv_bytes_per_token()
+        out.print(f"MLA latent KV: {kv:,} B/token in BF16 over {descriptor.mla_layers} MLA layers "
+                  f"({kv * 1_048_576 / 1e9:.1f} GB per 1M-token request, on every attention-TP "
+                  "rank)")
+    if descriptor.kda:
+        out.print(f"KDA state: {descriptor.kda_state_bytes():,} B per request over "
+                  f"{descriptor.kda_layers} KDA layers (constant in context)")
+    if descriptor.gqa:
+        out.print(f"GQA KV: {descriptor.gqa_kv_bytes_per_token():,} B/token in BF16 "
+                  f"({descriptor.gqa.kv_heads} KV heads x {descriptor.gqa.head_dim})")
+    if descriptor.ignore_patterns:
+        out.print("kept in BF16 by the quantization config: " + ", ".join(descriptor.ignore_patterns))
+
+
+def _plan_rows_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("#", "GPU", "layout", "weights/KV", "GPUs", "nodes", "GB/GPU w+free",
+                "max req", "run", "tok/s user", "tok/s total", "TTFT s", "$/h", "$/Mtok",
+                "price"):
+        table.add_column(col, justify="left" if col in ("GPU", "layout", "price") else "right")
+    for i, r in enumerate(rows, start=1):
+        table.add_row(
+            str(i), r["gpu"], r["layout"] + (f" x{r['replicas']}" if r["replicas"] > 1 else ""),
+            f"{r['weights']}/{r['kv_dtype']}", str(r["gpus"]), str(r["nodes"]),
+            f"{r['weights_gb_per_gpu']:.0f}+{r['free_gb_per_gpu']:.0f}",
+            str(r["max_concurrent_per_replica"]), str(r["concurrency_per_replica"]),
+            f"{r['tokens_s_per_user']:.0f}", f"{r['tokens_s_total']:.0f}", f"{r['prefill_s']:.1f}",
+            "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}",
+            "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.2f}",
+            "-" if r["provider"] is None else f"{r['provider']} {r['price_date']}",
+        )
+    return table
+
+
+def _markdown(rows: list[dict[str, Any]], title: str) -> str:
+    lines = [
+        f"**{title}**",
+        "",
+        "| # | layout | weights/KV | GPUs | weights + free GB/GPU | max req | tok/s per user "
+        "| tok/s total | TTFT s | $/h | $/M tok | price (date) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows, start=1):
+        cost = "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}"
+        per_m = "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.2f}"
+        price = "-" if r["provider"] is None else f"{r['provider']} ({r['price_date']})"
+        lines.append(
+            f"| {i} | {r['layout']} | {r['weights']}/{r['kv_dtype']} | {r['gpus']} | "
+            f"{r['weights_gb_per_gpu']:.0f} + {r['free_gb_per_gpu']:.0f} | "
+            f"{r['max_concurrent_per_replica']} | {r['tokens_s_per_user']:.0f} | "
+            f"{r['tokens_s_total']:.0f} | {r['prefill_s']:.1f} | {cost} | {per_m} | {price} |"
+        )
+    return "\n".join(lines)
+
+
+@app.command("plan")
+@_user_errors
+def plan_cmd(
+    model: ModelOpt = "kimi-k3",
+    draft: DraftOpt = None,
+    context: ContextOpt = "128K",
+    concurrency: Annotated[int | None, typer.Option(help="concurrent requests to serve")] = None,
+    target_tps: Annotated[float | None, typer.Option("--target-tps",
+                                                     help="total output tokens/s to serve")] = None,
+    min_user_tps: Annotated[float | None, typer.Option("--min-user-tps",
+                                                       help="per-user tokens/s floor")] = None,
+    gpus: Annotated[str | None, typer.Option(help="allowed GPU types, e.g. MI300X,H100,H200")] = None,
+    weights: Annotated[str, typer.Option(help="native,bf16,fp8,mxfp4,int4,nvfp4")] = "native",
+    kv: Annotated[str, typer.Option(help="KV dtypes: bf16,fp8")] = "bf16",
+    max_nodes: Annotated[int, typer.Option(help="largest replica in nodes")] = DEFAULT_MAX_NODES,
+    mem_fraction: Annotated[float | None, typer.Option(help="engine static memory share")] = None,
+    acceptance: AcceptOpt = 3.45,
+    gamma: GammaOpt = None,
+    prices: PricesOpt = None,
+    gpu_table: GpusOpt = None,
+    top: Annotated[int, typer.Option(help="rows to show")] = 10,
+    per_gpu: Annotated[int | None, typer.Option(help="at most this many rows per GPU type")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="print a markdown table")] = False,
+    csv_path: Annotated[Path | None, typer.Option("--csv", help="write all rows to CSV")] = None,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="write a Pareto PNG")] = None,
+) -> None:
+    """Rank feasible fleets: cheapest per million output tokens first."""
+    if top <= 0:
+        raise CapacityError(f"--top must be positive, got {top}")
+    if mem_fraction is not None and not 0 < mem_fraction <= 0.98:
+        raise CapacityError(f"--mem-fraction must be in (0, 0.98], got {mem_fraction}")
+    target = describe_model(model)
+    draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    gpu_specs, price_rows = _tables(gpu_table, prices)
+    allowed = _split(gpus) or None
+    for name in allowed or []:
+        gpu_spec(gpu_specs, name)
+    result = plan(
+        target, gpu_specs, price_rows, parse_tokens(context), draft_model,
+        allowed_gpus=allowed, concurrency=concurrency, target_tokens_s=target_tps,
+        min_user_tokens_s=min_user_tps, weight_formats=_formats(weights),
+        kv_dtypes=_kv_dtypes(kv), max_nodes=max_nodes, mem_fraction=mem_fraction,
+        speculation=spec,
+    )
+    if not result.rows:
+        raise CapacityError(explain_infeasible(result, max_nodes))
+    shown = result.top(top, per_gpu)
+    dicts = [r.as_dict() for r in shown]
+    used_prices = [r.price for r in shown if r.price]
+    if csv_path:
+        all_rows = [r.as_dict() for r in result.rows]
+        with csv_path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(all_rows[0]))
+            writer.writeheader()
+            writer.writerows(all_rows)
+    if plot_path:
+        from capacity.plot import pareto_plot
+
+        pareto_plot(result, plot_path)
+    if as_json:
+        print(json.dumps({
+            "model": result.model, "draft": result.draft,
+            "context_length": result.context_length, "layouts_evaluated": result.evaluated,
+            "feasible": len(result.rows), "prices": _price_age_line(used_prices),
+            "rows": dicts,
+        }, indent=2))
+        return
+    what = target.name + (f" + {draft_model.name}" if draft_model else "")
+    if markdown:
+        print(_markdown(dicts, f"{what}, {result.context_length:,}-token context"))
+        print(f"\n{_price_age_line(used_prices)}")
+        return
+    out.print(_plan_rows_table(dicts, f"{what} at {result.context_length:,} tokens "
+                                      f"({len(result.rows)} of {result.evaluated} layouts fit)"))
+    out.print(_price_age_line(used_prices))
+    if spec:
+        out.print(f"speculation: gamma {spec.gamma}, acceptance {spec.acceptance_length}; "
+                  "tok/s are steady decode at full context; TTFT is one prompt alone")
+    if result.rejected:
+        for gpu, why in sorted(result.rejected.items()):
+            out.print(f"[dim]{gpu}: no layout fits: {why}[/dim]", soft_wrap=True)
+
+
+def _layout_from_options(
+    gpu_specs: dict[str, GpuSpec], gpu: str, nodes: int, tp: int | None, dp: int, ep: int | None,
+    pp: int, weights: str, kv: str, mem_fraction: float | None,
+) -> Layout:
+    spec = gpu_spec(gpu_specs, gpu)
+    stage = nodes * spec.gpus_per_node // max(1, pp)
+    fmt = _formats(weights)
+    if len(fmt) != 1:
+        raise CapacityError("--weights takes one format here")
+    extra = {"mem_fraction": mem_fraction} if mem_fraction is not None else {}
+    return validated(
+        Layout, gpu=spec.gpu, gpus_per_node=spec.gpus_per_node, nodes=nodes,
+        attention_tp=tp or max(1, stage // max(1, dp)), attention_dp=dp,
+        expert_parallel=ep or stage, pipeline_stages=pp, weight_format=fmt[0],
+        kv_dtype=parse_kv_dtype(kv), **extra,
+    )
+
+
+GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type, e.g. MI300X")]
+NodesOpt = Annotated[int, typer.Option(help="nodes per replica")]
+TpOpt = Annotated[int | None, typer.Option("--tp", help="attention TP (default: stage / dp)")]
+DpOpt = Annotated[int, typer.Option("--dp", help="attention data parallel ranks")]
+EpOpt = Annotated[int | None, typer.Option("--ep", help="expert parallel (default: whole stage)")]
+PpOpt = Annotated[int, typer.Option("--pp", help="pipeline stages")]
+
+
+@app.command("explain")
+@_user_errors
+def explain_cmd(
+    gpu: GpuOpt,
+    model: ModelOpt = "kimi-k3",
+    draft: DraftOpt = None,
+    context: ContextOpt = "128K",
+    nodes: NodesOpt = 1,
+    tp: TpOpt = None,
+    dp: DpOpt = 1,
+    ep: EpOpt = None,
+    pp: PpOpt = 1,
+    weights: Annotated[str, typer.Option()] = "native",
+    kv: Annotated[str, typer.Option()] = "bf16",
+    mem_fraction: Annotated[float | None, typer.Option()] = None,
+    concurrency: Annotated[int | None, typer.Option(help="default: most that fits")] = None,
+    acceptance: AcceptOpt = 3.45,
+    gamma: GammaOpt = None,
+    gpu_table: GpusOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Full memory and time breakdown of one layout."""
+    target = describe_model(model)
+    draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    gpu_specs = load_gpus(gpu_table)
+    layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
+                                  mem_fraction)
+    spec_gpu = gpu_spec(gpu_specs, gpu)
+    tokens = parse_tokens(context)
+    report = memory_per_gpu(target, layout, validated(Workload, context_length=tokens), spec_gpu,
+                            draft_model, spec)
+    running = concurrency or min(max(1, report.max_concurrent), max_running_requests(draft_model))
+    if concurrency is not None and concurrency <= 0:
+        raise CapacityError(f"--concurrency must be positive, got {concurrency}")
+    rate = decode_rate(target, layout, spec_gpu, running, tokens, draft_model, spec)
+    ttft = prefill_seconds(target, layout, spec_gpu, tokens, 1)
+    data = {
+        "layout": layout.label(), "gpu_memory_gb": report.capacity_bytes / 1e9,
+        "fits": report.fits, "reasons": list(report.reasons),
+        "max_concurrent": report.max_concurrent,
+        "stages": [{
+            "stage": s.stage, "layers": [s.first_layer, s.last_layer],
+            "static_pool_gb": s.budget / 1e9,
+            "weights_gb": {k: v / 1e9 for k, v in s.weights.items()},
+            "per_request_gb": {k: v / 1e9 for k, v in s.per_request.items()},
+            "outside_pool_gb": {k: v / 1e9 for k, v in s.outside_pool.items()},
+            "free_for_requests_gb": s.free_for_requests / 1e9,
+            "max_requests_per_attention_dp_rank": s.max_requests_per_rank,
+        } for s in report.stages],
+        "time": {
+            "concurrency": running, "step_ms": rate.step.step_s * 1e3,
+            "memory_ms": rate.step.memory_s * 1e3, "compute_ms": rate.step.compute_s * 1e3,
+            "fixed_ms": rate.step.fixed_s * 1e3, "communication_ms": rate.step.communication_s * 1e3,
+            "draft_ms": rate.step.draft_s * 1e3, "tokens_per_step": rate.step.tokens_per_step,
+            "tokens_s_per_user": rate.per_user_tokens_s, "tokens_s_total": rate.total_tokens_s,
+            "bytes_per_gpu_per_step_gb": rate.step.bytes_per_gpu / 1e9,
+            "prefill_s_one_prompt": ttft,
+        },
+    }
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    out.print(f"[bold]{target.name}{' + ' + draft_model.name if draft_model else ''} on "
+              f"{layout.label()}[/bold], {tokens:,}-token context, {spec_gpu.memory_label} per GPU, "
+              f"mem_fraction {layout.mem_fraction}")
+    for s in data["stages"]:
+        table = Table(title=f"stage {s['stage']} (layers {s['layers'][0]}-{s['layers'][1]}), "
+                            "GB per GPU")
+        table.add_column("term")
+        table.add_column("GB", justify="right")
+        for k, v in s["weights_gb"].items():
+            table.add_row(f"weights: {k}", f"{v:.3f}")
+        table.add_row("static pool (mem_fraction x memory)", f"{s['static_pool_gb']:.2f}",
+                      style="bold")
+        table.add_row("free for requests", f"{s['free_for_requests_gb']:.2f}", style="bold")
+        for k, v in s["per_request_gb"].items():
+            table.add_row(f"per request: {k}", f"{v:.4f}")
+        for k, v in s["outside_pool_gb"].items():
+            table.add_row(f"outside pool: {k}", f"{v:.2f}")
+        table.add_row("requests per attention-DP rank", str(s["max_requests_per_attention_dp_rank"]))
+        out.print(table)
+    verdict = "fits" if report.fits else "does NOT fit: " + "; ".join(report.reasons)
+    out.print(f"max concurrent requests: {report.max_concurrent} ({verdict})", soft_wrap=True)
+    t = data["time"]
+    out.print(
+        f"decode at {running} concurrent: step {t['step_ms']:.2f} ms = max(memory "
+        f"{t['memory_ms']:.2f}, compute {t['compute_ms']:.2f}) + fixed {t['fixed_ms']:.2f} + comm "
+        f"{t['communication_ms']:.2f} + draft {t['draft_ms']:.2f}; {t['tokens_per_step']:.1f} "
+        f"tokens/step -> {t['tokens_s_per_user']:.1f} tok/s per user, {t['tokens_s_total']:.0f} "
+        f"total; prefill of one {tokens:,}-token prompt {ttft:.1f} s"
+    )
+
+
+@app.command("simple")
+@_user_errors
+def simple_cmd(
+    model: ModelOpt = "kimi-k3-dspark",
+    prices: PricesOpt = None,
+    price_source: Annotated[str, typer.Option(help="use price rows whose source contains this; "
+                                                   "'' for all")] = "SAVRN",
+    bits: Annotated[str, typer.Option(help="precisions in bits")] = "16,8,4",
+    gpu_table: GpusOpt = None,
+) -> None:
+    """The seed's rule: weights at a precision + 20%, cheapest priced GPUs that hold them."""
+    from capacity.simple import simple_table
+
+    descriptor = describe_model(model)
+    gpu_specs, price_rows = _tables(gpu_table, prices)
+    try:
+        precisions = [int(b) for b in _split(bits)]
+    except ValueError:
+        raise CapacityError(f"--bits must be integers, got {bits!r}") from None
+    result = simple_table(descriptor, gpu_specs, price_rows, precisions, price_source or None)
+    out.print(result.summary(), soft_wrap=True, highlight=False)
+    used = [s.price for row in result.rows for s in row.setups]
+    out.print(_price_age_line(used), highlight=False)
+
+
+@app.command("calibrate")
+@_user_errors
+def calibrate_cmd(
+    refit: Annotated[bool, typer.Option("--fit", help="refit the constants first")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Time-model error against each published measurement."""
+    constants = fit() if refit else DEFAULT_CONSTANTS
+    results = evaluate(constants)
+    if as_json:
+        print(json.dumps({
+            "constants": constants.__dict__,
+            "anchors": [{
+                "name": r.anchor.name, "measured": r.anchor.measured, "unit": r.anchor.unit,
+                "predicted": r.predicted, "error": r.error, "assumption": r.anchor.assumption,
+                "source": r.anchor.source,
+            } for r in results],
+        }, indent=2))
+        return
+    table = Table(title="calibration anchors (goal: within 25% each)")
+    for col in ("anchor", "measured", "model", "error", "unit", "assumption"):
+        table.add_column(col, justify="right" if col in ("measured", "model", "error") else "left")
+    for r in results:
+        error = "n/a" if r.error is None else f"{r.error * 100:+.1f}%"
+        model_value = "-" if r.predicted is None else f"{r.predicted:,.2f}"
+        table.add_row(r.anchor.name, f"{r.anchor.measured:,.2f}", model_value, error, r.anchor.unit,
+                      r.anchor.assumption)
+    out.print(table)
+    errors = [abs(r.error) for r in results if r.error is not None]
+    out.print(f"worst |error| {max(errors) * 100:.1f}%, mean {sum(errors) / len(errors) * 100:.1f}%"
+              f" over {len(errors)} modeled anchors; constants: {constants}")
+
+
+@app.command("emit")
+@_user_errors
+def emit_cmd(
+    gpu: GpuOpt,
+    model: ModelOpt = "kimi-k3",
+    draft: DraftOpt = None,
+    model_ref: Annotated[str | None, typer.Option(help="checkpoint path/repo in the Serve config")
+                         ] = None,
+    draft_ref: Annotated[str | None, typer.Option(help="draft checkpoint path/repo")] = None,
+    context: ContextOpt = "128K",
+    nodes: NodesOpt = 1,
+    tp: TpOpt = None,
+    dp: DpOpt = 1,
+    ep: EpOpt = None,
+    pp: PpOpt = 1,
+    weights: Annotated[str, typer.Option()] = "native",
+    kv: Annotated[str, typer.Option()] = "bf16",
+    mem_fraction: Annotated[float | None, typer.Option()] = None,
+    replicas: Annotated[int, typer.Option(help="engine replicas")] = 1,
+    auth_mode: Annotated[str, typer.Option(help="RAY_AUTH_MODE for the cluster: token|disabled")
+                         ] = "token",
+    out_dir: Annotated[Path, typer.Option(help="folder for the two YAML files")] = Path("."),
+    acceptance: AcceptOpt = 3.45,
+    gamma: GammaOpt = None,
+) -> None:
+    """Write a validated Serve config and cluster-launcher config for one layout."""
+    from capacity.emit import emit
+
+    if replicas <= 0:
+        raise CapacityError(f"--replicas must be positive, got {replicas}")
+    target = describe_model(model)
+    draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    gpu_specs = load_gpus()
+    layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
+                                  mem_fraction)
+    tokens = parse_tokens(context)
+    report = memory_per_gpu(target, layout, validated(Workload, context_length=tokens),
+                            gpu_spec(gpu_specs, gpu), draft_model, spec)
+    if not report.fits:
+        raise CapacityError(f"{layout.label()} does not fit: {'; '.join(report.reasons)}")
+    running = min(report.max_concurrent, max_running_requests(draft_model))
+    result = emit(out_dir, target, model_ref or target.name, layout, tokens, running, replicas,
+                  draft_model, draft_ref or (draft_model.name if draft_model else None), spec,
+                  auth_mode)
+    out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "
+              f"(cluster launcher schema: valid); max_running_requests {running}")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

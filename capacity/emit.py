@@ -1,0 +1,230 @@
+"""Write a Ray Serve config and a Ray cluster-launcher config for one planned layout.
+
+Both are plain YAML. They are checked offline with Ray's own validators (imported lazily, so the
+rest of the planner never needs Ray): `ray.serve.schema.ServeDeploySchema` for the Serve file and
+the cluster launcher's `prepare_config` + `validate_config` (ray/autoscaler/ray-schema.json).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from capacity.config import Layout, Speculation
+from capacity.errors import CapacityError
+from capacity.model import ModelDescriptor
+
+SERVE_IMPORT_PATH = "serve_app.app:build_app"
+TARGET_DEPLOYMENT = "TargetDeployment"
+# The replica actor itself only coordinates; rank workers take the GPUs of its bundles.
+REPLICA_CPUS = 1
+CPUS_PER_GPU = 8
+HEAD_CPUS = 8
+AUTH_MODES = ("token", "disabled")
+
+
+@dataclass(frozen=True)
+class EmitResult:
+    serve_path: Path
+    cluster_path: Path
+    serve_config: dict[str, Any]
+    cluster_config: dict[str, Any]
+
+
+def serve_config(
+    model: ModelDescriptor,
+    model_ref: str,
+    layout: Layout,
+    context_length: int,
+    max_running_requests: int,
+    replicas: int = 1,
+    draft: ModelDescriptor | None = None,
+    draft_ref: str | None = None,
+    speculation: Speculation | None = None,
+) -> dict[str, Any]:
+    """The Serve application: one target deployment whose replica owns one placement group
+    (one bundle per node); the builder's `args` carry the app's config tree."""
+    gpn = layout.gpus_per_node
+    bundles = [{"GPU": gpn, "CPU": gpn * CPUS_PER_GPU} for _ in range(layout.nodes)]
+    kv_dtype = "fp8_e4m3" if layout.kv_dtype.value == "fp8" else "auto"
+    sglang_args: dict[str, Any] = {
+        "tp_size": layout.attention_tp * layout.attention_dp,
+        "ep_size": layout.expert_parallel,
+        "pp_size": layout.pipeline_stages,
+        "nnodes": layout.nodes,
+        "mem_fraction_static": layout.mem_fraction,
+        "context_length": context_length,
+        "kv_cache_dtype": kv_dtype,
+        "max_running_requests": max_running_requests,
+    }
+    if layout.attention_dp > 1:
+        sglang_args["enable_dp_attention"] = True
+        sglang_args["dp_size"] = layout.attention_dp
+    engine: dict[str, Any] = {
+        "backend": "sglang",
+        "dtype": "bfloat16",
+        "weight_format": layout.weight_format.value if layout.weight_format else "native",
+        "kv_cache_dtype": layout.kv_dtype.value,
+        "context_length": context_length,
+        "max_running_requests": max_running_requests,
+        "speculation": {"enabled": False},
+        "sglang": sglang_args,
+    }
+    models: dict[str, Any] = {"target": model_ref, "tokenizer": model_ref}
+    if draft is not None:
+        spec = speculation or Speculation()
+        models["draft"] = draft_ref or draft.name
+        engine["speculation"] = {
+            "enabled": True,
+            "algorithm": "DSPARK",
+            "gamma": spec.gamma,
+            "expected_acceptance_length": spec.acceptance_length,
+        }
+        sglang_args["speculative_algorithm"] = "DSPARK"
+        sglang_args["speculative_dspark_block_size"] = spec.gamma
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": 8000},
+        "applications": [
+            {
+                "name": "kimi",
+                "route_prefix": "/",
+                "import_path": SERVE_IMPORT_PATH,
+                "runtime_env": {
+                    # SGLang's Ray backend manages CUDA_VISIBLE_DEVICES itself.
+                    "env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"},
+                },
+                "args": {
+                    "models": models,
+                    "engine": engine,
+                    "parallelism": {
+                        "tp": layout.attention_tp * layout.attention_dp,
+                        "ep": layout.expert_parallel,
+                        "attention_dp": layout.attention_dp,
+                        "pp": layout.pipeline_stages,
+                        "nodes": layout.nodes,
+                        "gpus_per_node": gpn,
+                    },
+                    "capacity": {
+                        "gpu": layout.gpu,
+                        "layout": layout.label(),
+                        "planned_by": "kimi-capacity",
+                    },
+                },
+                "deployments": [
+                    {
+                        "name": TARGET_DEPLOYMENT,
+                        "num_replicas": replicas,
+                        "max_ongoing_requests": max_running_requests,
+                        "ray_actor_options": {"num_cpus": REPLICA_CPUS, "num_gpus": 0},
+                        "placement_group_bundles": bundles,
+                        "placement_group_strategy": (
+                            "STRICT_PACK" if layout.nodes == 1 else "STRICT_SPREAD"
+                        ),
+                    }
+                ],
+            }
+        ],
+    }
+
+
+def cluster_config(
+    layout: Layout, replicas: int = 1, cluster_name: str = "kimi-k3", auth_mode: str = "token",
+    ray_version: str = "2.60.0",
+) -> dict[str, Any]:
+    """An on-premise (provider: local) cluster: a GPU-free head node plus one worker per node of
+    every replica. Addresses are placeholders for the rented machines."""
+    if auth_mode not in AUTH_MODES:
+        raise CapacityError(f"auth mode {auth_mode!r} unknown; allowed: {', '.join(AUTH_MODES)}")
+    workers = layout.nodes * replicas
+    env = f"RAY_AUTH_MODE={auth_mode}"
+    if auth_mode == "token":
+        # Every node reads the same token file, synced from the launcher machine.
+        env += " RAY_AUTH_TOKEN_PATH=~/.ray/auth_token"
+    return {
+        "cluster_name": cluster_name,
+        "max_workers": workers,
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 60,
+        "provider": {
+            "type": "local",
+            "head_ip": "HEAD_NODE_IP",
+            "worker_ips": [f"WORKER_{i}_IP" for i in range(workers)],
+        },
+        "auth": {"ssh_user": "ubuntu", "ssh_private_key": "~/.ssh/id_ed25519"},
+        "file_mounts": {"~/.ray/auth_token": "~/.ray/auth_token"} if auth_mode == "token" else {},
+        "setup_commands": [
+            f"pip install -U 'ray[serve]=={ray_version}'",
+            f"echo 'export {env}' >> ~/.bashrc",
+        ],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [
+            "ray stop",
+            # The head schedules nothing on GPUs: replicas' placement groups land on workers.
+            f"{env} ray start --head --port=6379 --num-gpus=0 --num-cpus={HEAD_CPUS} "
+            "--autoscaling-config=~/ray_bootstrap_config.yaml",
+        ],
+        "worker_start_ray_commands": [
+            "ray stop",
+            f"{env} ray start --address=$RAY_HEAD_IP:6379 --num-gpus={layout.gpus_per_node}",
+        ],
+    }
+
+
+def validate_serve_config(config: dict[str, Any]) -> None:
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(config)
+    except ValidationError as exc:
+        raise CapacityError(f"emitted Serve config is invalid: {exc.errors()[0]}") from None
+
+
+def validate_cluster_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Runs the cluster launcher's own preparation and schema validation; returns the
+    prepared config (defaults filled in)."""
+    import jsonschema
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    try:
+        prepared = prepare_config(copy.deepcopy(config))
+        validate_config(prepared)
+    except (jsonschema.ValidationError, ValueError, RuntimeError) as exc:
+        message = getattr(exc, "message", str(exc))
+        raise CapacityError(f"emitted cluster config is invalid: {message}") from None
+    return prepared
+
+
+def emit(
+    out_dir: str | Path,
+    model: ModelDescriptor,
+    model_ref: str,
+    layout: Layout,
+    context_length: int,
+    max_running_requests: int,
+    replicas: int = 1,
+    draft: ModelDescriptor | None = None,
+    draft_ref: str | None = None,
+    speculation: Speculation | None = None,
+    auth_mode: str = "token",
+) -> EmitResult:
+    serve = serve_config(model, model_ref, layout, context_length, max_running_requests,
+                         replicas, draft, draft_ref, speculation)
+    cluster = cluster_config(layout, replicas, auth_mode=auth_mode)
+    validate_serve_config(serve)
+    validate_cluster_config(cluster)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{layout.gpu.lower()}-{layout.nodes}x{layout.gpus_per_node}"
+    serve_path = out / f"serve-{stem}.yaml"
+    cluster_path = out / f"cluster-{stem}.yaml"
+    header = f"# Generated by kimi-capacity emit for {layout.label()}; edit values, not shape.\n"
+    serve_path.write_text(header + yaml.safe_dump(serve, sort_keys=False))
+    cluster_path.write_text(header + yaml.safe_dump(cluster, sort_keys=False))
+    return EmitResult(serve_path, cluster_path, serve, cluster)

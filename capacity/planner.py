@@ -1,0 +1,315 @@
+"""Enumerate layouts, keep the ones that fit, price and rank them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import date
+from functools import cache, cached_property
+
+from capacity.config import Layout, Speculation, Workload
+from capacity.errors import CapacityError
+from capacity.formats import KvDtype, WeightFormat
+from capacity.memory import MemoryReport, check_context, max_running_requests, memory_per_gpu
+from capacity.model import ModelDescriptor
+from capacity.tables import GpuSpec, PriceRow, cheapest_prices, gpu_spec
+from capacity.timing import (
+    DEFAULT_CONSTANTS,
+    DecodeRate,
+    TimeConstants,
+    decode_rate,
+    prefill_seconds,
+)
+
+DEFAULT_MAX_NODES = 8
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    layout: Layout
+    memory: MemoryReport
+    replicas: int
+    concurrency_per_replica: int
+    per_user_tokens_s: float
+    total_tokens_s: float
+    price: PriceRow | None
+    _prefill: Callable[[], float] = field(repr=False, compare=False)
+
+    @cached_property
+    def prefill_s(self) -> float:
+        """Seconds to prefill one full-context prompt alone (time to first token, no queue);
+        computed on demand because a sweep ranks thousands of rows it never prints."""
+        return self._prefill()
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.layout.total_gpus
+
+    @property
+    def nodes(self) -> int:
+        return self.replicas * self.layout.nodes
+
+    @property
+    def usd_per_hour(self) -> float | None:
+        return self.gpus * self.price.usd_per_gpu_hour if self.price else None
+
+    @property
+    def usd_per_million_tokens(self) -> float | None:
+        if self.usd_per_hour is None or self.total_tokens_s <= 0:
+            return None
+        return self.usd_per_hour / (self.total_tokens_s * 3600) * 1e6
+
+    def as_dict(self, today: date | None = None) -> dict[str, object]:
+        stage = self.memory.worst_stage
+        layout = self.layout
+        return {
+            "gpu": layout.gpu,
+            "layout": layout.label(),
+            "weights": (layout.weight_format.value if layout.weight_format else "native"),
+            "kv_dtype": layout.kv_dtype.value,
+            "replicas": self.replicas,
+            "gpus": self.gpus,
+            "nodes": self.nodes,
+            "attention_tp": layout.attention_tp,
+            "attention_dp": layout.attention_dp,
+            "expert_parallel": layout.expert_parallel,
+            "pipeline_stages": layout.pipeline_stages,
+            "weights_gb_per_gpu": round(stage.weight_bytes / 1e9, 2),
+            "free_gb_per_gpu": round(stage.free_for_requests / 1e9, 2),
+            "request_gb_per_gpu": round(stage.request_bytes / 1e9, 3),
+            "max_concurrent_per_replica": self.memory.max_concurrent,
+            "concurrency_per_replica": self.concurrency_per_replica,
+            "tokens_s_per_user": round(self.per_user_tokens_s, 2),
+            "tokens_s_total": round(self.total_tokens_s, 1),
+            "prefill_s": round(self.prefill_s, 2),
+            "usd_per_hour": None if self.usd_per_hour is None else round(self.usd_per_hour, 2),
+            "usd_per_million_tokens": (
+                None if self.usd_per_million_tokens is None
+                else round(self.usd_per_million_tokens, 3)
+            ),
+            "provider": self.price.provider if self.price else None,
+            "price_date": self.price.date_read if self.price else None,
+            "price_age_days": self.price.age_days(today) if self.price else None,
+            "price_source": self.price.source if self.price else None,
+        }
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    model: str
+    draft: str | None
+    context_length: int
+    rows: tuple[PlanRow, ...]
+    evaluated: int
+    rejected: dict[str, str]  # GPU -> why its best attempt failed
+
+    def top(self, n: int, per_gpu: int | None = None) -> list[PlanRow]:
+        if per_gpu is None:
+            return list(self.rows[:n])
+        seen: dict[str, int] = {}
+        picked: list[PlanRow] = []
+        for row in self.rows:
+            if seen.get(row.layout.gpu, 0) < per_gpu:
+                seen[row.layout.gpu] = seen.get(row.layout.gpu, 0) + 1
+                picked.append(row)
+        return picked[:n]
+
+    def pareto(self) -> list[PlanRow]:
+        """Priced rows no other row beats on both cost per hour and total throughput."""
+        priced = sorted(
+            (r for r in self.rows if r.usd_per_hour is not None),
+            key=lambda r: (r.usd_per_hour, -r.total_tokens_s),
+        )
+        frontier: list[PlanRow] = []
+        best_tps = -1.0
+        for row in priced:
+            if row.total_tokens_s > best_tps:
+                frontier.append(row)
+                best_tps = row.total_tokens_s
+        return frontier
+
+
+def _powers_of_two_dividing(n: int) -> list[int]:
+    out = []
+    d = 1
+    while d <= n:
+        if n % d == 0:
+            out.append(d)
+        d *= 2
+    return out
+
+
+def candidate_layouts(
+    model: ModelDescriptor,
+    gpu: GpuSpec,
+    max_nodes: int = DEFAULT_MAX_NODES,
+    weight_formats: Sequence[WeightFormat | None] = (None,),
+    kv_dtypes: Sequence[KvDtype] = (KvDtype.BF16,),
+    mem_fraction: float | None = None,
+) -> list[Layout]:
+    """Layouts SGLang can run: EP over the whole stage, attention DP in powers of two, pipeline
+    stages either 1 or one per node; attention TP must divide the attention heads."""
+    return list(_candidate_layouts(model, gpu, max_nodes, tuple(weight_formats),
+                                   tuple(kv_dtypes), mem_fraction))
+
+
+@cache
+def _candidate_layouts(
+    model: ModelDescriptor,
+    gpu: GpuSpec,
+    max_nodes: int,
+    weight_formats: tuple[WeightFormat | None, ...],
+    kv_dtypes: tuple[KvDtype, ...],
+    mem_fraction: float | None,
+) -> tuple[Layout, ...]:
+    heads = [h for h in (model.mla.heads if model.mla else None,
+                         model.kda.heads if model.kda else None) if h]
+    layouts: list[Layout] = []
+    extra = {"mem_fraction": mem_fraction} if mem_fraction is not None else {}
+    for nodes in range(1, max_nodes + 1):
+        world = nodes * gpu.gpus_per_node
+        for stages in sorted({1, nodes}):
+            stage_gpus = world // stages
+            for dp in _powers_of_two_dividing(stage_gpus):
+                tp = stage_gpus // dp
+                if any(h % tp for h in heads):
+                    continue
+                for fmt in weight_formats:
+                    for kv in kv_dtypes:
+                        layouts.append(Layout(
+                            gpu=gpu.gpu, gpus_per_node=gpu.gpus_per_node, nodes=nodes,
+                            attention_tp=tp, attention_dp=dp, expert_parallel=stage_gpus,
+                            pipeline_stages=stages, weight_format=fmt, kv_dtype=kv, **extra,
+                        ))
+    return tuple(layouts)
+
+
+def _choose_concurrency(
+    rate_at: Callable[[int], DecodeRate], cap: int, min_user_tokens_s: float | None
+) -> int | None:
+    """The largest concurrency up to `cap` whose per-user rate meets the floor."""
+    if min_user_tokens_s is None:
+        return cap
+    if rate_at(1).per_user_tokens_s < min_user_tokens_s:
+        return None
+    low, high = 1, cap
+    while low < high:
+        mid = (low + high + 1) // 2
+        if rate_at(mid).per_user_tokens_s >= min_user_tokens_s:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def plan(
+    model: ModelDescriptor,
+    gpus: dict[str, GpuSpec],
+    prices: Iterable[PriceRow],
+    context_length: int,
+    draft: ModelDescriptor | None = None,
+    *,
+    allowed_gpus: Sequence[str] | None = None,
+    concurrency: int | None = None,
+    target_tokens_s: float | None = None,
+    min_user_tokens_s: float | None = None,
+    weight_formats: Sequence[WeightFormat | None] = (None,),
+    kv_dtypes: Sequence[KvDtype] = (KvDtype.BF16,),
+    max_nodes: int = DEFAULT_MAX_NODES,
+    mem_fraction: float | None = None,
+    speculation: Speculation | None = None,
+    constants: TimeConstants = DEFAULT_CONSTANTS,
+    require_price: bool = False,
+) -> PlanResult:
+    """Ranked feasible fleets (cheapest per million output tokens first)."""
+    check_context(model, context_length)
+    if concurrency is not None and concurrency <= 0:
+        raise CapacityError(f"concurrency must be positive, got {concurrency}")
+    if target_tokens_s is not None and target_tokens_s <= 0:
+        raise CapacityError(f"target tokens/s must be positive, got {target_tokens_s}")
+    if max_nodes <= 0:
+        raise CapacityError(f"max nodes must be positive, got {max_nodes}")
+    if draft is not None and speculation is None:
+        speculation = Speculation(gamma=draft.draft.block_size if draft.draft else 7)
+    names = allowed_gpus or [g.gpu for g in gpus.values()]
+    specs = [gpu_spec(gpus, n) for n in names]
+    best_price = cheapest_prices(prices)
+    workload = Workload(context_length=context_length)
+    running_cap = max_running_requests(draft)
+
+    rows: list[PlanRow] = []
+    rejected: dict[str, tuple[int, str]] = {}
+    evaluated = 0
+    for spec in specs:
+        price = best_price.get(spec.gpu.upper())
+        if require_price and price is None:
+            rejected[spec.gpu] = (10**18, "no price in the price table")
+            continue
+        for layout in _candidate_layouts(model, spec, max_nodes, tuple(weight_formats),
+                                         tuple(kv_dtypes), mem_fraction):
+            evaluated += 1
+            report = memory_per_gpu(model, layout, workload, spec, draft, speculation)
+            if not report.fits:
+                free = report.worst_stage.free_for_requests
+                if spec.gpu not in rejected or free > rejected[spec.gpu][0]:
+                    rejected[spec.gpu] = (free, f"{report.reasons[0]} (best try: {layout.label()})")
+                continue
+            cap = min(report.max_concurrent, running_cap)
+
+            def rate_at(c: int, layout: Layout = layout, spec: GpuSpec = spec) -> DecodeRate:
+                return decode_rate(model, layout, spec, c, context_length, draft, speculation,
+                                   constants)
+
+            per_replica = _choose_concurrency(rate_at, cap, min_user_tokens_s)
+            if per_replica is None:
+                rejected.setdefault(
+                    spec.gpu,
+                    (-1, f"one request decodes below {min_user_tokens_s} tokens/s on "
+                         f"{layout.label()}"),
+                )
+                continue
+            replicas = 1
+            if concurrency is not None:
+                replicas = math.ceil(concurrency / per_replica)
+                per_replica = math.ceil(concurrency / replicas)
+            rate = rate_at(per_replica)
+            if target_tokens_s is not None and concurrency is None:
+                replicas = max(1, math.ceil(target_tokens_s / rate.total_tokens_s))
+            rows.append(PlanRow(
+                layout=layout,
+                memory=report,
+                replicas=replicas,
+                concurrency_per_replica=per_replica,
+                per_user_tokens_s=rate.per_user_tokens_s,
+                total_tokens_s=rate.total_tokens_s * replicas,
+                price=price,
+                _prefill=lambda layout=layout, spec=spec: prefill_seconds(
+                    model, layout, spec, context_length, 1, constants
+                ),
+            ))
+    for row in rows:
+        rejected.pop(row.layout.gpu, None)
+
+    def rank(row: PlanRow) -> tuple[float, float]:
+        cost = row.usd_per_million_tokens
+        return (math.inf if cost is None else cost, -row.total_tokens_s)
+
+    rows.sort(key=rank)
+    return PlanResult(
+        model=model.name,
+        draft=draft.name if draft else None,
+        context_length=context_length,
+        rows=tuple(rows),
+        evaluated=evaluated,
+        rejected={gpu: why for gpu, (_, why) in rejected.items()},
+    )
+
+
+def explain_infeasible(result: PlanResult, max_nodes: int) -> str:
+    what = result.model + (f" + {result.draft}" if result.draft else "")
+    reasons = "; ".join(f"{gpu}: {why}" for gpu, why in sorted(result.rejected.items()))
+    return (
+        f"no layout of up to {max_nodes} nodes serves {what} at {result.context_length:,} "
+        f"tokens: {reasons}"
+    )

@@ -1,0 +1,188 @@
+"""GPU specifications and on-demand prices, loaded from CSV tables with sources and dates."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable, Sequence
+from datetime import date
+from importlib import resources
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from capacity.errors import CapacityError
+
+T = TypeVar("T", bound=BaseModel)
+
+GIB = 1024**3
+GB = 1000**3
+
+
+class GpuSpec(BaseModel):
+    """One row of gpus.csv: dense (non-sparse) peaks per GPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpu: str = Field(min_length=1)
+    vendor: str
+    memory: float = Field(gt=0)
+    memory_unit: Literal["GB", "GiB"]
+    hbm_tbps: float = Field(gt=0)
+    bf16_tflops: float = Field(gt=0)
+    fp8_tflops: float | None = Field(default=None, gt=0)
+    fp4_tflops: float | None = Field(default=None, gt=0)
+    native_fp4: bool
+    scale_up_gbps: float = Field(gt=0, description="per GPU, per direction")
+    scale_up_note: str = ""
+    scale_out_gbps: float = Field(gt=0, description="per GPU NIC bandwidth")
+    gpus_per_node: int = Field(gt=0)
+    scale_up_domain: int = Field(gt=0, description="GPUs that reach each other at scale-up speed")
+    source: str = Field(min_length=1)
+    as_of: date
+
+    @field_validator("fp8_tflops", "fp4_tflops", mode="before")
+    @classmethod
+    def _blank_is_none(cls, value: object) -> object:
+        return None if value in ("", "-") else value
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory * (GIB if self.memory_unit == "GiB" else GB))
+
+    @property
+    def memory_label(self) -> str:
+        return f"{self.memory:g} {self.memory_unit}"
+
+
+class PriceRow(BaseModel):
+    """One row of prices.csv: an on-demand price for one GPU from one provider."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    provider: str = Field(min_length=1)
+    gpu: str = Field(min_length=1)
+    usd_per_gpu_hour: float = Field(gt=0)
+    date_read: str = Field(description="YYYY-MM-DD or YYYY-MM as published")
+    source: str = Field(min_length=1)
+    note: str = ""
+
+    @field_validator("date_read")
+    @classmethod
+    def _date_parses(cls, value: str) -> str:
+        _parse_loose_date(value)
+        return value
+
+    @property
+    def read_on(self) -> date:
+        return _parse_loose_date(self.date_read)
+
+    def age_days(self, today: date | None = None) -> int:
+        return ((today or date.today()) - self.read_on).days
+
+
+def _parse_loose_date(value: str) -> date:
+    text = value.strip()
+    try:
+        if len(text) == 7:  # a month-only date is taken as the first of that month
+            return date.fromisoformat(text + "-01")
+        return date.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"date {value!r} is not YYYY-MM-DD or YYYY-MM") from None
+
+
+def _read_rows(
+    model: type[T], text: str, label: str, key_fields: Sequence[str]
+) -> list[T]:
+    reader = csv.DictReader(io.StringIO(text))
+    expected = set(model.model_fields)
+    header = set(reader.fieldnames or [])
+    required = {n for n, f in model.model_fields.items() if f.is_required()}
+    if not required <= header:
+        missing = ", ".join(sorted(required - header))
+        raise CapacityError(f"{label}: header is missing columns: {missing}")
+    unknown = header - expected
+    if unknown:
+        raise CapacityError(
+            f"{label}: unknown columns {', '.join(sorted(unknown))}; allowed: "
+            f"{', '.join(model.model_fields)}"
+        )
+    rows: list[T] = []
+    for line_no, raw in enumerate(reader, start=2):
+        if not any((v or "").strip() for v in raw.values()):
+            continue
+        cleaned = {k: (v or "").strip() for k, v in raw.items() if k is not None}
+        try:
+            rows.append(model.model_validate(cleaned))
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error["loc"]) or "row"
+            ident = ", ".join(f"{k}={cleaned.get(k, '')!r}" for k in key_fields)
+            raise CapacityError(
+                f"{label} line {line_no} ({ident}): {where}: {error['msg']}"
+            ) from None
+    if not rows:
+        raise CapacityError(f"{label}: no data rows")
+    return rows
+
+
+def _table_text(path: str | Path | None, packaged_name: str) -> tuple[str, str]:
+    if path is None:
+        return resources.files("capacity.data").joinpath(packaged_name).read_text(), packaged_name
+    file = Path(path)
+    if not file.is_file():
+        raise CapacityError(f"table file {str(file)!r} does not exist")
+    return file.read_text(), str(file)
+
+
+def load_gpus(path: str | Path | None = None) -> dict[str, GpuSpec]:
+    """GPU specs keyed by upper-case name; the packaged table unless a path is given."""
+    text, label = _table_text(path, "gpus.csv")
+    rows = _read_rows(GpuSpec, text, label, ("gpu",))
+    table: dict[str, GpuSpec] = {}
+    for row in rows:
+        key = row.gpu.upper()
+        if key in table:
+            raise CapacityError(f"{label}: GPU {row.gpu!r} is listed twice")
+        table[key] = row
+    return table
+
+
+def load_prices(path: str | Path | None = None) -> list[PriceRow]:
+    """All price rows; the packaged table unless a path is given."""
+    text, label = _table_text(path, "prices.csv")
+    return _read_rows(PriceRow, text, label, ("provider", "gpu"))
+
+
+def gpu_spec(gpus: dict[str, GpuSpec], name: str) -> GpuSpec:
+    spec = gpus.get(name.upper())
+    if spec is None:
+        raise CapacityError(f"unknown GPU {name!r}; allowed: {', '.join(g.gpu for g in gpus.values())}")
+    return spec
+
+
+def cheapest_prices(
+    prices: Iterable[PriceRow], source_contains: str | None = None,
+    provider_contains: str | None = None,
+) -> dict[str, PriceRow]:
+    """The cheapest row per GPU (upper-case key), optionally filtered by source or provider."""
+    best: dict[str, PriceRow] = {}
+    for row in prices:
+        if source_contains and source_contains.lower() not in row.source.lower():
+            continue
+        if provider_contains and provider_contains.lower() not in row.provider.lower():
+            continue
+        key = row.gpu.upper()
+        if key not in best or row.usd_per_gpu_hour < best[key].usd_per_gpu_hour:
+            best[key] = row
+    return best
+
+
+def check_price_gpus(prices: Iterable[PriceRow], gpus: dict[str, GpuSpec], label: str) -> None:
+    for index, row in enumerate(prices, start=2):
+        if row.gpu.upper() not in gpus:
+            raise CapacityError(
+                f"{label} line {index} (provider={row.provider!r}): unknown GPU {row.gpu!r}; "
+                f"allowed: {', '.join(g.gpu for g in gpus.values())}"
+            )

@@ -1,0 +1,173 @@
+"""The `kimi-capacity` commands end to end (in-process), including the seed table and emit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from capacity.cli import app
+from capacity.emit import cluster_config, validate_cluster_config, validate_serve_config
+
+runner = CliRunner()
+
+# hardware-and-prices.md, "The seed's own sizing rule and table".
+SEED = (
+    "Kimi-K3-DSpark, 2.2B params: 16-bit 4.5 GB weights / 5.4 GB needed; 8-bit 2.2 / 2.7; "
+    "4-bit 1.1 / 1.3. Cheapest setup at every precision: 1x MI300X (192 GB) Vultr $1.85/h; "
+    "also fits: 1x H100 $1.99, 1x MI325X $2.00."
+)
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def assert_user_error(result, fragment: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert fragment in result.output
+
+
+def test_simple_reproduces_seed_table():
+    result = invoke("simple", "--model", "kimi-k3-dspark")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0] == SEED
+    assert "days old" in result.output
+
+
+def test_model_breakdown_json():
+    result = invoke("model", "kimi-k3-dspark", "--json")
+    data = json.loads(result.output)
+    assert data["total_params"] == 2_249_289_601
+    assert data["gqa_kv_bytes_per_token_bf16"] == 20_480
+    assert data["bytes"]["bf16"]["draft_fc"] == 2 * 256_901_120
+
+
+def test_plan_json_and_csv(tmp_path: Path):
+    csv_path = tmp_path / "rows.csv"
+    result = invoke("plan", "--draft", "kimi-k3-dspark", "--context", "128K", "--gpus",
+                    "MI300X,H200", "--max-nodes", "3", "--json", "--csv", str(csv_path),
+                    "--top", "3")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["context_length"] == 131_072 and len(data["rows"]) == 3
+    assert "days old" in data["prices"]
+    row = data["rows"][0]
+    assert row["gpu"] in ("MI300X", "H200") and row["usd_per_million_tokens"] > 0
+    assert row["price_age_days"] >= 0 and row["max_concurrent_per_replica"] >= 1
+    assert len(csv_path.read_text().splitlines()) > 4
+
+
+def test_plan_plot_writes_png(tmp_path: Path):
+    png = tmp_path / "pareto.png"
+    result = invoke("plan", "--draft", "kimi-k3-dspark", "--gpus", "MI300X,H200",
+                    "--max-nodes", "2", "--plot", str(png))
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_infeasible_context_explains():
+    result = invoke("plan", "--draft", "kimi-k3-dspark", "--context", "1M", "--gpus", "H100",
+                    "--max-nodes", "2")
+    assert_user_error(result, "H100")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("plan", "--gpus", "TPU9"), "unknown GPU 'TPU9'"),
+        (("plan", "--context", "0"), "must be positive"),
+        (("plan", "--context", "-128K"), "must be positive"),
+        (("plan", "--context", "2M"), "exceeds Kimi-K3's maximum 1,048,576"),
+        (("plan", "--weights", "fp3"), "unknown weight format 'fp3'; allowed: bf16"),
+        (("explain", "--gpu", "H200", "--nodes", "2", "--tp", "5"), "must equal"),
+        (("model", "/no/such/config.json"), "neither a config.json path"),
+    ],
+)
+def test_bad_input_is_one_line(args, fragment):
+    assert_user_error(invoke(*args), fragment)
+
+
+def test_malformed_price_table_names_the_row(tmp_path: Path):
+    prices = tmp_path / "prices.csv"
+    prices.write_text(
+        "provider,gpu,usd_per_gpu_hour,date_read,source,note\n"
+        "Acme,H100,2.10,2026-10-01,test,\n"
+        "Broken,H200,-1,2026-10-01,test,\n"
+    )
+    result = invoke("plan", "--prices", str(prices))
+    assert_user_error(result, "line 3 (provider='Broken', gpu='H200')")
+    prices.write_text("provider,gpu,usd_per_gpu_hour,date_read,source\n"
+                      "Acme,H100,2.10,yesterday,test\n")
+    assert_user_error(invoke("plan", "--prices", str(prices)), "date_read")
+
+
+def test_user_price_table_is_used(tmp_path: Path):
+    prices = tmp_path / "prices.csv"
+    prices.write_text("provider,gpu,usd_per_gpu_hour,date_read,source\n"
+                      "Acme,H200,1.00,2026-10-01,my quote\n")
+    result = invoke("plan", "--draft", "kimi-k3-dspark", "--gpus", "H200", "--max-nodes", "2",
+                    "--prices", str(prices), "--json", "--top", "1")
+    row = json.loads(result.output)["rows"][0]
+    assert row["provider"] == "Acme" and row["usd_per_hour"] == pytest.approx(row["gpus"] * 1.0)
+
+
+def test_explain_json_breakdown():
+    result = invoke("explain", "--gpu", "H200", "--nodes", "2", "--draft", "kimi-k3-dspark",
+                    "--context", "128K", "--json")
+    data = json.loads(result.output)
+    stage = data["stages"][0]
+    assert data["fits"] and data["max_concurrent"] >= 1
+    assert stage["per_request_gb"]["mla_kv"] == pytest.approx(27_648 * 131_136 / 1e9, rel=1e-6)
+    assert stage["weights_gb"]["routed_experts"] == pytest.approx(1446.46 / 16, rel=0.01)
+    assert data["time"]["step_ms"] > 0
+
+
+def test_calibrate_lists_every_anchor():
+    result = invoke("calibrate", "--json")
+    data = json.loads(result.output)
+    assert len(data["anchors"]) >= 11
+    assert all("error" in a and "source" in a for a in data["anchors"])
+
+
+def test_emit_writes_valid_configs(tmp_path: Path):
+    result = invoke("emit", "--gpu", "MI300X", "--nodes", "2", "--draft", "kimi-k3-dspark",
+                    "--model-ref", "/models/Kimi-K3", "--out-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    serve = yaml.safe_load((tmp_path / "serve-mi300x-2x8.yaml").read_text())
+    cluster = yaml.safe_load((tmp_path / "cluster-mi300x-2x8.yaml").read_text())
+    validate_serve_config(serve)
+    validate_cluster_config(cluster)
+    app_cfg = serve["applications"][0]
+    deployment = app_cfg["deployments"][0]
+    assert app_cfg["import_path"] == "serve_app.app:build_app"
+    assert deployment["placement_group_bundles"] == [{"GPU": 8, "CPU": 64}] * 2
+    assert deployment["placement_group_strategy"] == "STRICT_SPREAD"
+    assert app_cfg["args"]["parallelism"] == {
+        "tp": 16, "ep": 16, "attention_dp": 1, "pp": 1, "nodes": 2, "gpus_per_node": 8,
+    }
+    assert app_cfg["args"]["engine"]["speculation"]["algorithm"] == "DSPARK"
+    assert "--num-gpus=0" in cluster["head_start_ray_commands"][1]
+    assert all("RAY_AUTH_MODE=token" in c for c in cluster["worker_start_ray_commands"][1:])
+
+
+def test_emit_validation_rejects_broken_configs():
+    from capacity import CapacityError
+
+    broken = cluster_config(
+        __import__("capacity").Layout(gpu="H200", gpus_per_node=8, attention_tp=8,
+                                      expert_parallel=8))
+    broken["provider"]["type"] = 7
+    with pytest.raises(CapacityError, match="cluster config is invalid"):
+        validate_cluster_config(broken)
+    with pytest.raises(CapacityError, match="Serve config is invalid"):
+        validate_serve_config({"applications": [{"import_path": 3}]})
+
+
+def test_emit_refuses_layout_that_does_not_fit(tmp_path: Path):
+    assert_user_error(invoke("emit", "--gpu", "H200", "--nodes", "1", "--out-dir",
+                             str(tmp_path)), "does not fit")

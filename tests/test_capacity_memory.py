@@ -1,0 +1,143 @@
+"""Each memory term on a tiny hand-checked hybrid model (3 KDA + 1 MLA layer)."""
+
+from __future__ import annotations
+
+from datetime import date
+
+import pytest
+
+from capacity import CapacityError, GpuSpec, Layout, Speculation, Workload, memory_per_gpu
+from capacity.memory import NCCL_BYTES, RUNTIME_OTHER_BYTES
+from capacity.model import descriptor_from_config
+
+TINY = {
+    "hidden_size": 64, "vocab_size": 100, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+    "q_lora_rank": 32, "num_experts": 8, "num_experts_per_token": 2,
+    "moe_intermediate_size": 16, "intermediate_size": 128, "first_k_dense_replace": 1,
+    "max_position_embeddings": 4096, "routed_expert_hidden_size": 32, "num_shared_experts": 1,
+    "mla_use_output_gate": True,
+    "linear_attn_config": {"num_heads": 4, "head_dim": 8, "short_conv_kernel_size": 4,
+                           "kda_layers": [1, 2, 3], "full_attn_layers": [4],
+                           "use_full_rank_gate": True},
+}
+TINY_DRAFT = {
+    "architectures": ["DSparkDraftModel"], "hidden_size": 64, "vocab_size": 100,
+    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+    "intermediate_size": 32, "block_size": 3,
+    "dflash_config": {"target_layer_ids": [1, 2], "markov_rank": 4,
+                      "enable_confidence_head": True},
+}
+GPU = GpuSpec(
+    gpu="TOY", vendor="test", memory=100, memory_unit="GB", hbm_tbps=1, bf16_tflops=100,
+    native_fp4=False, scale_up_gbps=100, scale_out_gbps=10, gpus_per_node=8, scale_up_domain=8,
+    source="test", as_of=date(2026, 1, 1),
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return descriptor_from_config(TINY, name="tiny", source="test")
+
+
+@pytest.fixture(scope="module")
+def tiny_draft():
+    return descriptor_from_config(TINY_DRAFT, name="tiny-draft", source="test")
+
+
+def layout(tp: int, dp: int = 1, ep: int | None = None, mem_fraction: float = 0.5) -> Layout:
+    return Layout(gpu="TOY", gpus_per_node=tp * dp, attention_tp=tp, attention_dp=dp,
+                  expert_parallel=ep or tp * dp, mem_fraction=mem_fraction)
+
+
+def run(model, lay, context=1000, draft=None, spec=None):
+    return memory_per_gpu(model, lay, Workload(context_length=context), GPU, draft, spec)
+
+
+def test_mla_attention_weights_split_by_attention_tp(tiny):
+    # q_a 32x64 + q_a_norm 32 + q_b 64x32 + kv_a 24x64 + kv_a_norm 16 + kv_b 64x16 + o 64x32
+    # + output gate 32x64 = 10,800 BF16 params.
+    assert run(tiny, layout(1)).stages[0].weights["attention"] == 21_600
+    assert run(tiny, layout(4)).stages[0].weights["attention"] == 5_400
+    # Attention DP replicates attention weights: TP2 x DP2 holds half, not a quarter.
+    assert run(tiny, layout(2, dp=2)).stages[0].weights["attention"] == 10_800
+
+
+def test_routed_experts_split_by_ep(tiny):
+    # 3 MoE layers x 8 experts x (2 x 16x32 + 32x16) x 2 B = 73,728 B in BF16.
+    assert run(tiny, layout(1)).stages[0].weights["routed_experts"] == 73_728
+    assert run(tiny, layout(4)).stages[0].weights["routed_experts"] == 18_432
+    # EP2 inside a 4-GPU stage: 4 experts per EP rank, each split by MoE TP 2.
+    assert run(tiny, layout(4, ep=2)).stages[0].weights["routed_experts"] == 18_432
+    # 8 experts over EP3: the busiest rank holds 3, split by MoE TP 2.
+    assert run(tiny, layout(2, dp=3, ep=3)).stages[0].weights["routed_experts"] == 13_824
+
+
+def test_mla_kv_replicated_on_every_tp_rank(tiny):
+    # ceil((1000 + 1) / 64) = 16 pages of 64 tokens x (16 + 8) latent x 2 B x 1 MLA layer.
+    for tp in (1, 2, 4):
+        assert run(tiny, layout(tp)).stages[0].per_request["mla_kv"] == 1024 * 24 * 2
+
+
+def test_attention_dp_splits_requests(tiny):
+    single = run(tiny, layout(4))
+    split = run(tiny, layout(1, dp=4))
+    per_rank = split.stages[0].max_requests_per_rank
+    assert split.max_concurrent == 4 * per_rank
+    assert split.stages[0].per_request["mla_kv"] == single.stages[0].per_request["mla_kv"]
+
+
+def test_kda_state_per_request_split_by_tp_and_slots(tiny):
+    # Per KDA layer: 4 heads x 8 x 8 FP32 = 1,024 B + conv 3 x 32 channels x 3 x 2 B = 576 B.
+    assert run(tiny, layout(1)).stages[0].per_request["kda_state"] == 3 * 1600
+    assert run(tiny, layout(2)).stages[0].per_request["kda_state"] == 3 * 1600 // 2
+    slots = memory_per_gpu(tiny, layout(2), Workload(context_length=1000, kda_state_slots=3), GPU)
+    assert slots.stages[0].per_request["kda_state"] == 3 * 3 * 1600 // 2
+    # Constant in context length.
+    assert run(tiny, layout(1), context=4000).stages[0].per_request["kda_state"] == 3 * 1600
+
+
+def test_draft_weights_and_gqa_kv(tiny, tiny_draft):
+    spec = Speculation(gamma=3, acceptance_length=2.0)
+    report = run(tiny, layout(2), draft=tiny_draft, spec=spec)
+    stage = report.stages[0]
+    assert stage.weights["draft"] == -(-tiny_draft.total_bytes() // 2)
+    # ceil((1000 + 4) / 64) = 16 pages; 2 layers x (K, V) x 1 head per rank x 8 x 2 B.
+    assert stage.per_request["draft_kv"] == 1024 * 2 * 2 * 1 * 8 * 2
+    alone = run(tiny, layout(1), draft=tiny_draft, spec=spec).stages[0]
+    assert alone.per_request["draft_kv"] == 1024 * 2 * 2 * 2 * 8 * 2
+    # TP4 > 2 KV heads: each rank keeps one (replicated) head, not half of one.
+    wide = run(tiny, layout(4), draft=tiny_draft, spec=spec).stages[0]
+    assert wide.per_request["draft_kv"] == 1024 * 2 * 2 * 1 * 8 * 2
+    # Rolling back a rejected draft needs a KDA state per verified position.
+    assert stage.per_request["kda_verify_states"] == 4 * 3 * 1600 // 2
+
+
+def test_fraction_reserve_and_max_concurrent(tiny):
+    report = run(tiny, layout(1))
+    stage = report.stages[0]
+    assert stage.budget == 50_000_000_000
+    assert stage.outside_pool["runtime_reserve"] == RUNTIME_OTHER_BYTES + NCCL_BYTES
+    # 8192 prefill tokens x 64 hidden x 2 B x 16 buffers + FP32 logits of 1024 rows x 100.
+    assert stage.outside_pool["activation_workspace"] == 8192 * 64 * 2 * 16 + 1024 * 100 * 4
+    expected = (stage.budget - stage.weight_bytes) // stage.request_bytes
+    assert report.fits and report.max_concurrent == expected
+    greedy = memory_per_gpu(tiny, layout(1, mem_fraction=0.98), Workload(context_length=10), GPU)
+    assert not greedy.fits and "outside the static pool" in greedy.reasons[0]
+
+
+def test_context_and_heads_are_checked(tiny):
+    with pytest.raises(CapacityError, match="exceeds tiny's maximum 4,096"):
+        run(tiny, layout(1), context=5000)
+    with pytest.raises(CapacityError, match="attention_tp \\(3\\) must divide"):
+        run(tiny, Layout(gpu="TOY", gpus_per_node=3, attention_tp=3, expert_parallel=3))
+
+
+def test_pipeline_stages_split_layers(tiny):
+    report = run(tiny, Layout(gpu="TOY", gpus_per_node=2, attention_tp=1, pipeline_stages=2,
+                              expert_parallel=1, mem_fraction=0.5))
+    first, last = report.stages
+    assert (first.first_layer, first.last_layer, last.first_layer, last.last_layer) == (0, 1, 2, 3)
+    assert "embeddings" in first.weights and "embeddings" not in last.weights
+    assert "lm_head" in last.weights and "lm_head" not in first.weights
+    assert first.per_request["mla_kv"] == 0 and last.per_request["mla_kv"] > 0
