@@ -180,7 +180,8 @@ class DSparkDraft(nn.Module):
         self, capacity_tokens: int, page_size: int = 16, **kwargs: object
     ) -> PagedKVCache:
         p = next(self.parameters())
-        entry = (self.config.num_key_value_heads, self.config.head_dim)
+        # Local KV heads: fewer than the config's once the draft is tensor-parallel sharded.
+        entry = (self.layers[0].self_attn.num_kv_heads, self.config.head_dim)
         return PagedKVCache(
             self.config.num_hidden_layers,
             {"k": entry, "v": entry},
@@ -250,14 +251,15 @@ class DSparkDraft(nn.Module):
         embed_tokens: torch.Tensor,
         lm_head: torch.Tensor,
         temperature: torch.Tensor | float = 0.0,
-        generator: torch.Generator | None = None,
+        generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
     ) -> DraftOutput:
         """Propose gamma tokens per request after its anchor (the last verified token, whose
         context entry is not yet cached). `temperature` is per request ([B]) or shared; 0 means
-        greedy. Sampled drafts come with their distributions q for rejection sampling."""
+        greedy. `generators`: one per request (or one shared). Sampled drafts come with their
+        distributions q for rejection sampling."""
         h = self.block_hidden(cache, rids, anchors, embed_tokens)
         base_logits = (h @ lm_head.to(h.dtype).T).float()
-        return self.decode_heads(h, base_logits, anchors, temperature, generator)
+        return self.decode_heads(h, base_logits, anchors, temperature, generators)
 
     def decode_heads(
         self,
@@ -265,13 +267,16 @@ class DSparkDraft(nn.Module):
         base_logits: torch.Tensor,
         anchors: torch.Tensor,
         temperature: torch.Tensor | float = 0.0,
-        generator: torch.Generator | None = None,
+        generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
     ) -> DraftOutput:
         """Apply the Markov head left to right, choose drafts, and score confidence."""
         b, gamma, _ = base_logits.shape
         dev = base_logits.device
         temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).expand(b)
         sampled = temp > 0
+        if generators is None or isinstance(generators, torch.Generator):
+            generators = [generators] * b
+        sampled_rows = sampled.nonzero().flatten().tolist()
         prev = anchors.to(dev).long()
         tokens, logits_out, probs_out, feats_out = [], [], [], []
         for k in range(gamma):
@@ -282,11 +287,11 @@ class DSparkDraft(nn.Module):
                 logits = logits + correction.float()
             tok = logits.argmax(-1)
             probs = F.one_hot(tok, logits.shape[-1]).float()
-            if sampled.any():
-                scaled = logits[sampled] / temp[sampled, None]
-                q = torch.softmax(scaled, dim=-1)
+            if sampled_rows:
+                q = torch.softmax(logits[sampled] / temp[sampled, None], dim=-1)
                 tok = tok.clone()
-                tok[sampled] = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                for i, row in enumerate(sampled_rows):
+                    tok[row] = torch.multinomial(q[i], 1, generator=generators[row]).squeeze()
                 probs[sampled] = q
             tokens.append(tok)
             logits_out.append(logits)

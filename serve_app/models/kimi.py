@@ -1,0 +1,649 @@
+"""The target model: a Kimi K2 / DeepseekV3-architecture decoder in plain PyTorch.
+
+Parameter names are exactly Hugging Face DeepseekV3's, so a published checkpoint folder (BF16 or
+FP8 block-quantized) loads without conversion.
+
+Attention is MLA in the weight-absorbed form: the cache holds, per token and layer, only the
+normalized compressed latent c (kv_lora_rank) and the rotated shared rope key k_pe. Each head's
+no-rope query is mapped into latent space through kv_b_proj's K rows (q_nope @ W_uk), so
+scores = (q_nope W_uk) . c + q_pe . k_pe, and the attention output (a mix of latents) goes back
+through kv_b_proj's V rows. Per-head keys and values are never materialized.
+
+Tensor parallelism (gpt-fast style: each rank builds modules of its own shard's shape):
+  - attention heads split across ranks: q_b_proj / q_proj and kv_b_proj rows by head, o_proj
+    columns by head; q_a / kv_a projections and their norms are replicated, so every rank
+    computes (and caches) the same latents;
+  - dense MLP and shared experts: gate/up split by rows, down by columns;
+  - routed experts: rank r owns the CONTIGUOUS range [r * E/tp, (r+1) * E/tp) (the layout of
+    SGLang's expert parallelism); the router is replicated and routing is computed identically
+    on every rank, each rank adds only its own experts' contributions;
+  - embeddings, final norm and lm_head replicated, so every rank returns the full logits;
+  - one all-reduce after o_proj and one after each MLP/MoE block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from serve_app.models.checkpoint import (
+    CheckpointError,
+    TensorSpec,
+    load_tensors,
+    read_index,
+    save_tensors,
+)
+from serve_app.models.kimi_config import Fp8QuantConfig, KimiConfig, KimiConfigError
+from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
+from serve_app.models.layers import RMSNorm, rope_inv_freq
+
+__all__ = [
+    "KimiConfig",
+    "KimiConfigError",
+    "KimiForCausalLM",
+    "KimiOutput",
+    "checkpoint_specs",
+    "dequantize_fp8_block",
+    "load_kimi",
+    "quantize_fp8_block",
+    "save_kimi",
+]
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_SCALE_SUFFIX = "_scale_inv"  # "weight" -> "weight_scale_inv"
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Where this replica of the modules sits in its tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+# --- rotary (DeepSeek: interleaved pairs) ------------------------------------------------------
+
+
+class DeepseekRotary(nn.Module):
+    """cos/sin of shape [..., rope_dim/2] for absolute positions, YaRN-scaled like SGLang's
+    DeepseekScalingRotaryEmbedding (inverse frequencies from `layers.rope_inv_freq`)."""
+
+    def __init__(self, config: KimiConfig) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: it must stay fp32 (model.to(bf16) would round it) and
+        # real even when the modules are built on the meta device.
+        with torch.device("cpu"):
+            self.inv_freq, _ = rope_inv_freq(config.qk_rope_head_dim, config.rope_parameters)
+        self.attention_factor = config.rope_attention_factor
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by frequency i (SGLang is_neox_style=False, DeepSeek's
+    default). HF DeepseekV3 de-interleaves first and returns a permuted layout; attention scores
+    are the same because q_pe and k_pe receive the same permutation."""
+    x32 = x.float()
+    x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+# --- attention -------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionBatch:
+    """What every layer's attention needs about the batch, computed once per forward."""
+
+    cos: torch.Tensor  # [B, T, rope/2]
+    sin: torch.Tensor
+    valid: torch.Tensor  # [B, T] bool: real (not padding) new tokens
+    slots: torch.Tensor  # [N_valid] cache slots of the valid new tokens, row-major order
+    context_index: torch.Tensor  # [B, Lc] cache slots of already-cached tokens (padded)
+    mask: torch.Tensor  # [B, 1, T, Lc + T] bool: key visible to query
+
+
+class KimiAttention(nn.Module):
+    def __init__(self, config: KimiConfig, tp: TPContext) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads // tp.size  # heads on this rank
+        self.nope = config.qk_nope_head_dim
+        self.rope = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.softmax_scale = config.softmax_scale
+        self.tp = tp
+        h = config.hidden_size
+        q_out = self.num_heads * config.qk_head_dim
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, config.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden] -> q: [B, T, heads, nope + rope] (rope part not yet rotated)."""
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:-1], self.num_heads, self.nope + self.rope)
+
+    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] -> cache entries [..., kv_lora_rank + rope]: normalized compressed
+        KV and the rotated single-head rope key."""
+        compressed, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
+        return torch.cat(
+            [self.kv_a_layernorm(compressed), apply_rotary_interleaved(k_pe, cos, sin)], dim=-1
+        )
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_uk [heads, nope, lora] and W_uv [heads, v, lora]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_layer: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden]; cache_layer: this layer's [slots, latent_dim] pool (written in
+        place for the valid new tokens)."""
+        b, t, _ = x.shape
+        q_nope, q_pe = self.query(x).split([self.nope, self.rope], dim=-1)
+        q_pe = apply_rotary_interleaved(q_pe, batch.cos[:, :, None], batch.sin[:, :, None])
+        # Round new entries through the cache dtype so a token's key is bit-identical whether it
+        # is attended in the pass that computed it or read back from the cache later.
+        new = self.latent(x, batch.cos, batch.sin).to(cache_layer.dtype)
+        cache_layer[batch.slots] = new[batch.valid]
+        keys = torch.cat([cache_layer[batch.context_index], new], dim=1).to(x.dtype)
+
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.einsum("bthn,hnl->bhtl", q_nope, w_uk)
+        q_full = torch.cat([q_latent, q_pe.transpose(1, 2)], dim=-1)  # [B, H, T, lora + rope]
+        # MQA over one shared latent "head": keys are the whole entry, values its latent part.
+        out_latent = F.scaled_dot_product_attention(
+            q_full,
+            keys[:, None],
+            keys[:, None, :, : self.kv_lora_rank],
+            attn_mask=batch.mask,
+            scale=self.softmax_scale,
+            enable_gqa=True,
+        )  # [B, H, T, lora]
+        out = torch.einsum("bhtl,hvl->bthv", out_latent, w_uv).reshape(b, t, -1)
+        return self.tp.all_reduce(self.o_proj(out))
+
+
+# --- MLP and MoE -----------------------------------------------------------------------------
+
+
+class KimiMLP(nn.Module):
+    """SiLU-gated MLP; under TP `intermediate` is this rank's share (the caller all-reduces)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEGate(nn.Module):
+    """Router: `weight` [experts, hidden] and the noaux_tc `e_score_correction_bias` [experts]
+    (fp32, as HF stores it: in bf16 its spread collapses and reorders top-k)."""
+
+    def __init__(self, config: KimiConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.n_routed_experts, dtype=torch.float32)
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] -> (weights [N, k] fp32, expert ids [N, k] int64). DeepseekV3 noaux_tc:
+        the bias only steers the choice; weights are the unbiased scores of the chosen experts,
+        renormalized if norm_topk_prob, times routed_scaling_factor."""
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias.float()
+        if c.n_group > 1:
+            n = x.shape[0]
+            grouped = choice.view(n, c.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, groups]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(c.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
+        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+
+class KimiMoE(nn.Module):
+    def __init__(self, config: KimiConfig, tp: TPContext) -> None:
+        super().__init__()
+        per_rank = config.n_routed_experts // tp.size
+        self.expert_range = range(tp.rank * per_rank, (tp.rank + 1) * per_rank)
+        self.gate = MoEGate(config)
+        # Keyed by the GLOBAL expert id so state-dict names match the checkpoint's on every rank.
+        self.experts = nn.ModuleDict(
+            {str(e): KimiMLP(config.hidden_size, config.moe_intermediate_size)
+             for e in self.expert_range}
+        )
+        self.shared_experts = (
+            KimiMLP(config.hidden_size, config.shared_intermediate_size // tp.size)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden] -> this rank's partial sum [N, hidden] (the caller all-reduces)."""
+        weights, ids = self.gate(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.gate.weight.shape[0]).tolist()
+        token_of = order // ids.shape[1]
+        weight_of = weights.flatten()[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n and e in self.expert_range:
+                rows = token_of[start : start + n]
+                y = self.experts[str(e)](x[rows]).float() * weight_of[start : start + n, None]
+                out.index_add_(0, rows, y)
+            start += n
+        if self.shared_experts is not None:
+            out += self.shared_experts(x).float()
+        return out.to(x.dtype)
+
+
+# --- decoder ---------------------------------------------------------------------------------
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, config: KimiConfig, layer: int, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.self_attn = KimiAttention(config, tp)
+        self.mlp: KimiMLP | KimiMoE = (
+            KimiMoE(config, tp)
+            if config.is_moe_layer(layer)
+            else KimiMLP(config.hidden_size, config.intermediate_size // tp.size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_layer: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache_layer)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, KimiMoE):
+            # Route only real tokens: padding must not cost expert compute.
+            mlp_out = torch.zeros_like(h)
+            mlp_out[batch.valid] = self.mlp(h[batch.valid])
+        else:
+            mlp_out = self.mlp(h)
+        return x + self.tp.all_reduce(mlp_out)
+
+
+class KimiModel(nn.Module):
+    def __init__(self, config: KimiConfig, tp: TPContext) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            KimiDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@dataclass
+class KimiOutput:
+    logits: torch.Tensor  # [B, T, vocab] float32
+    taps: torch.Tensor | None  # [B, T, len(capture_layers) * hidden], or None if none requested
+
+
+class KimiForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: KimiConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        config.validate_tp(tp_size)
+        if not 0 <= tp_rank < tp_size:
+            raise KimiConfigError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+        self.config = config
+        self.tp = TPContext(tp_rank, tp_size, group)
+        self.model = KimiModel(config, self.tp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = DeepseekRotary(config)
+
+    # --- cache -------------------------------------------------------------------------------
+
+    def new_cache(
+        self, capacity_tokens: int, page_size: int = 16, allocator: PagedAllocator | None = None
+    ) -> PagedKVCache:
+        """A latent cache: per layer and token, kv_lora_rank + qk_rope_head_dim elements
+        (replicated on every TP rank, like SGLang's MLA cache)."""
+        w = self.model.embed_tokens.weight
+        return PagedKVCache(
+            self.config.num_hidden_layers,
+            {"latent": (self.config.latent_dim,)},
+            capacity_tokens,
+            page_size,
+            dtype=w.dtype,
+            device=w.device,
+            allocator=allocator,
+        )
+
+    # --- forward -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: PagedKVCache,
+        rids: Sequence[Hashable],
+        num_new: torch.Tensor,
+        capture_layers: Sequence[int] = (),
+    ) -> KimiOutput:
+        """Append num_new[b] tokens (row b of input_ids, right-padded) to each request at
+        positions cache.length(rids[b]) + arange(num_new[b]); attend causally over the cached
+        tokens and the new ones; cache the new tokens' latents."""
+        b, t = input_ids.shape
+        counts = [int(n) for n in torch.as_tensor(num_new).tolist()]
+        layers = list(capture_layers)
+        problems = []
+        if len(rids) != b or len(counts) != b:
+            problems.append(f"{len(rids)} rids and {len(counts)} num_new for {b} rows")
+        if any(not 0 <= n <= t for n in counts):
+            problems.append(f"num_new {counts} must be in [0, T={t}]")
+        bad = [i for i in layers if not 0 <= i < self.config.num_hidden_layers]
+        if bad:
+            problems.append(f"capture_layers {bad} outside [0, {self.config.num_hidden_layers})")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+        dev = self.model.embed_tokens.weight.device
+        starts = [cache.length(r) for r in rids]
+        # Reserve first: a KVCapacityError leaves the cache untouched and costs no compute.
+        slots = cache.reserve_append(rids, counts).to(dev)
+        batch = self._attention_batch(cache, rids, starts, counts, slots, t)
+
+        ids = torch.where(batch.valid, input_ids.to(dev), 0)
+        x = self.model.embed_tokens(ids)
+        pool = cache.buffers["latent"]
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, batch, pool[i])
+            if i in layers:
+                captured[i] = x
+        logits = self.lm_head(self.model.norm(x)).float()
+        taps = torch.cat([captured[i] for i in layers], dim=-1) if layers else None
+        return KimiOutput(logits=logits, taps=taps)
+
+    def _attention_batch(
+        self,
+        cache: PagedKVCache,
+        rids: Sequence[Hashable],
+        starts: list[int],
+        counts: list[int],
+        slots: torch.Tensor,
+        t: int,
+    ) -> AttentionBatch:
+        dev = slots.device
+        context_index, context_valid = cache.allocator.batch_slots(rids, starts)
+        start = torch.tensor(starts, dtype=torch.long, device=dev)
+        count = torch.tensor(counts, dtype=torch.long, device=dev)
+        steps = torch.arange(t, device=dev)
+        valid = steps[None, :] < count[:, None]
+        cos, sin = self.rotary(start[:, None] + steps[None, :])
+        # Causal over the new tokens. Rows are right-padded, so causality alone hides padded keys
+        # from every valid query, and a padded query still sees itself (no empty row, no NaN).
+        new_mask = (steps[None, :] <= steps[:, None]).expand(len(starts), -1, -1)  # [B, T, T]
+        ctx_mask = context_valid.to(dev)[:, None, :].expand(-1, t, -1)
+        mask = torch.cat([ctx_mask, new_mask], dim=-1)[:, None]
+        return AttentionBatch(
+            cos=cos,
+            sin=sin,
+            valid=valid,
+            slots=slots,
+            context_index=context_index.to(dev),
+            mask=mask,
+        )
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+
+def _param_shapes(config: KimiConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Full (unsharded) names and shapes of a checkpoint, in module order. Computed directly:
+    building K2's 70k expert modules even on the meta device takes seconds."""
+    c = config
+    h = c.hidden_size
+    yield "model.embed_tokens.weight", (c.vocab_size, h)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q_out = c.num_attention_heads * c.qk_head_dim
+        if c.q_lora_rank is None:
+            yield p + "self_attn.q_proj.weight", (q_out, h)
+        else:
+            yield p + "self_attn.q_a_proj.weight", (c.q_lora_rank, h)
+            yield p + "self_attn.q_a_layernorm.weight", (c.q_lora_rank,)
+            yield p + "self_attn.q_b_proj.weight", (q_out, c.q_lora_rank)
+        yield p + "self_attn.kv_a_proj_with_mqa.weight", (c.latent_dim, h)
+        yield p + "self_attn.kv_a_layernorm.weight", (c.kv_lora_rank,)
+        yield p + "self_attn.kv_b_proj.weight", (
+            c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
+            c.kv_lora_rank,
+        )
+        yield p + "self_attn.o_proj.weight", (h, c.num_attention_heads * c.v_head_dim)
+        mlps: list[tuple[str, int]]
+        if c.is_moe_layer(i):
+            yield p + "mlp.gate.weight", (c.n_routed_experts, h)
+            yield p + "mlp.gate.e_score_correction_bias", (c.n_routed_experts,)
+            mlps = [(f"mlp.experts.{e}.", c.moe_intermediate_size)
+                    for e in range(c.n_routed_experts)]
+            if c.n_shared_experts:
+                mlps.append(("mlp.shared_experts.", c.shared_intermediate_size))
+        else:
+            mlps = [("mlp.", c.intermediate_size)]
+        for name, inter in mlps:
+            yield p + name + "gate_proj.weight", (inter, h)
+            yield p + name + "up_proj.weight", (inter, h)
+            yield p + name + "down_proj.weight", (h, inter)
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (c.vocab_size, h)
+
+
+def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def checkpoint_specs(config: KimiConfig) -> dict[str, TensorSpec]:
+    """Every tensor a checkpoint of this config must hold (FP8 weights with their scales when
+    the config says the checkpoint is quantized)."""
+    specs: dict[str, TensorSpec] = {}
+    q = config.quantization_config
+    for name, shape in _param_shapes(config):
+        if q is not None and config.is_fp8_weight(name):
+            specs[name] = TensorSpec(shape, frozenset({"F8_E4M3"}))
+            specs[name + _SCALE_SUFFIX] = TensorSpec(
+                _scale_shape(shape, q.weight_block_size), frozenset({"F32"})
+            )
+        else:
+            specs[name] = TensorSpec(shape)
+    return specs
+
+
+def quantize_fp8_block(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek block FP8: per [bn, bk] block, scale = amax / 448; returns (F8_E4M3 weight,
+    F32 scale_inv [ceil(out/bn), ceil(in/bk)]) with weight ~= fp8 * scale_inv per block."""
+    out_f, in_f = weight.shape
+    bn, bk = block
+    sr, sc = _scale_shape(weight.shape, block)
+    w = F.pad(weight.float(), (0, sc * bk - in_f, 0, sr * bn - out_f))
+    blocks = w.view(sr, bn, sc, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / _FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(sr * bn, sc * bk)[:out_f, :in_f].contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    rows: slice = slice(None),
+    cols: slice = slice(None),
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """weight[rows, cols] dequantized; only the blocks that cover the region are read (a TP
+    shard of a memory-mapped tensor costs its own size, not the full tensor's)."""
+    bn, bk = block
+    r0, r1, _ = rows.indices(weight.shape[0])
+    c0, c1, _ = cols.indices(weight.shape[1])
+    br0, br1 = r0 // bn, -(-r1 // bn)
+    bc0, bc1 = c0 // bk, -(-c1 // bk)
+    sub = weight[br0 * bn : br1 * bn, bc0 * bk : bc1 * bk].to(device).float()
+    s = scale_inv[br0:br1, bc0:bc1].to(device).float()
+    s = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: sub.shape[0], : sub.shape[1]]
+    return (sub * s)[r0 - br0 * bn : r1 - br0 * bn, c0 - bc0 * bk : c1 - bc0 * bk].to(dtype)
+
+
+def _shard_region(name: str, shape: tuple[int, ...], tp: TPContext) -> tuple[slice, slice] | None:
+    """(rows, cols) of a full checkpoint tensor that this rank holds, or None if replicated.
+    Routed experts are never split (a rank holds its own experts whole)."""
+    if tp.size == 1 or ".mlp.experts." in name or len(shape) != 2:
+        return None
+    row_split = (
+        "self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+    )
+    col_split = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight")
+    if name.endswith(row_split):
+        n = shape[0] // tp.size
+        return slice(tp.rank * n, (tp.rank + 1) * n), slice(None)
+    if name.endswith(col_split):
+        n = shape[1] // tp.size
+        return slice(None), slice(tp.rank * n, (tp.rank + 1) * n)
+    return None
+
+
+def _mtp_specs(folder: str | os.PathLike[str], config: KimiConfig) -> dict[str, TensorSpec]:
+    """DeepSeek V3 checkpoints append `num_nextn_predict_layers` MTP layers after the decoder;
+    they are accepted (whatever their shapes) and not loaded."""
+    if not config.num_nextn_predict_layers:
+        return {}
+    first = config.num_hidden_layers
+    extra = {f"model.layers.{first + i}." for i in range(config.num_nextn_predict_layers)}
+    return {
+        name: TensorSpec(info.shape, frozenset({info.dtype}))
+        for name, info in read_index(folder).items()
+        if any(name.startswith(p) for p in extra)
+    }
+
+
+def load_kimi(
+    folder: str | os.PathLike[str],
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    group: dist.ProcessGroup | None = None,
+) -> KimiForCausalLM:
+    """Load a Hugging Face DeepseekV3 / Kimi K2 checkpoint folder strictly (every problem in one
+    CheckpointError), memory-mapped, keeping only this rank's shard; FP8 block-quantized weights
+    are dequantized to `dtype` (default: the config's torch_dtype)."""
+    config = KimiConfig.from_file(folder)
+    dtype = dtype or _TORCH_DTYPES[config.torch_dtype]
+    with torch.device("meta"):
+        model = KimiForCausalLM(config, tp_rank, tp_size, group)
+    expected = {**checkpoint_specs(config), **_mtp_specs(folder, config)}
+    # dtype=None and CPU: every tensor stays a zero-copy view of the mapped files until sliced.
+    views = load_tensors(folder, expected, prefixes=())
+    q: Fp8QuantConfig | None = config.quantization_config
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.state_dict().items():
+        src = views[name]
+        region = _shard_region(name, tuple(src.shape), model.tp)
+        rows, cols = region or (slice(None), slice(None))
+        # The router bias decides top-k among near-equal scores: keep it fp32 in any model dtype.
+        target = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+        if q is not None and config.is_fp8_weight(name):
+            t = dequantize_fp8_block(
+                src, views[name + _SCALE_SUFFIX], q.weight_block_size, rows, cols, device, target
+            )
+        elif region:
+            # Slice the mapped view first, so only the shard's bytes are read and copied.
+            t = src[rows, cols].to(device=device, dtype=target).contiguous()
+        else:
+            t = src.to(device=device, dtype=target)
+        if tuple(t.shape) != tuple(param.shape):
+            raise CheckpointError(folder, [f"tensor {name!r}: shard {list(t.shape)} does not "
+                                           f"match the module's {list(param.shape)}"])
+        state[name] = t
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval()
+
+
+def save_kimi(
+    model: KimiForCausalLM,
+    folder: str | os.PathLike[str],
+    fp8: bool = False,
+    block: tuple[int, int] = (128, 128),
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Write config.json + safetensors in the Hugging Face layout; with fp8=True, every
+    quantizable weight is stored F8_E4M3 with an F32 `weight_scale_inv` (the K2 release format)."""
+    if model.tp.size != 1:
+        raise ValueError("save_kimi needs the full model (tp_size=1), not a TP shard")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = model.model.embed_tokens.weight.dtype
+    quant = Fp8QuantConfig(quant_method="fp8", weight_block_size=block) if fp8 else None
+    config = model.config.model_copy(
+        update={"quantization_config": quant, "torch_dtype": _DTYPE_NAMES[dtype]}
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if fp8 and config.is_fp8_weight(name):
+            tensors[name], tensors[name + _SCALE_SUFFIX] = quantize_fp8_block(t, block)
+        else:
+            tensors[name] = t
+    (folder / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    save_tensors(folder, tensors, max_shard_bytes=max_shard_bytes)
