@@ -1,0 +1,129 @@
+"""Build the reference engine on one rank from checkpoint folders and typed settings."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_app.engines.reference.engine import EngineCore, SpeculationSettings
+from serve_app.engines.reference.model_runner import ModelRunner
+from serve_app.engines.reference.proposer import DSparkProposer
+from serve_app.engines.reference.sequence import Detokenize
+from serve_app.engines.reference.tensor_parallel import shard_dspark
+from serve_app.models.dspark import DSparkDraft, load_dspark
+from serve_app.models.kimi import KimiForCausalLM, load_kimi
+from serve_app.models.kv_cache import PagedAllocator
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class SpeculationConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    gamma: int | None = Field(default=None, ge=1, description="drafts verified per step; "
+                              "default: the draft's block_size")
+    confidence_threshold: float = Field(default=0.0, ge=0.0, lt=1.0, description=(
+        "verify drafts while their cumulative acceptance estimate stays >= this; 0 = all"))
+
+
+class ReferenceEngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    kv_capacity_tokens: int = Field(default=16384, gt=0)
+    page_size: int = Field(default=16, gt=0)
+    max_batch_size: int = Field(default=32, gt=0)
+    prefill_chunk_tokens: int = Field(default=512, gt=0)
+    speculation: SpeculationConfig = SpeculationConfig()
+
+
+def check_pair(target: KimiForCausalLM, draft: DSparkDraft) -> None:
+    """The draft must fit the target it runs beside; every mismatch is named."""
+    t, d = target.config, draft.config
+    problems = []
+    bad = [i for i in d.target_layer_ids if i >= t.num_hidden_layers]
+    if bad:
+        problems.append(f"draft target_layer_ids {bad} do not exist in the target "
+                        f"(num_hidden_layers={t.num_hidden_layers})")
+    if d.num_target_layers != t.num_hidden_layers:
+        problems.append(f"draft num_target_layers={d.num_target_layers} != target "
+                        f"num_hidden_layers={t.num_hidden_layers}")
+    if d.vocab_size != t.vocab_size:
+        problems.append(f"draft vocab_size={d.vocab_size} != target vocab_size={t.vocab_size}")
+    if d.target_hidden_size != t.hidden_size:
+        problems.append(f"draft target_hidden_size={d.target_hidden_size} != target "
+                        f"hidden_size={t.hidden_size}")
+    if d.hidden_size != t.hidden_size:
+        problems.append(f"draft hidden_size={d.hidden_size} != target hidden_size="
+                        f"{t.hidden_size} (the draft embeds with the target's embedding)")
+    if problems:
+        raise ValueError("draft and target do not match: " + "; ".join(problems))
+
+
+def init_tensor_parallel(
+    rendezvous: str, tp_rank: int, tp_size: int, backend: str | None = None,
+    timeout_s: float = 300.0,
+) -> dist.ProcessGroup:
+    """Join a TP group at `rendezvous` (tcp://host:port); gloo on CPU, NCCL on CUDA."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=rendezvous, rank=tp_rank,
+                                world_size=tp_size, timeout=timedelta(seconds=timeout_s))
+    group = dist.group.WORLD
+    assert group is not None
+    return group
+
+
+def build_runner(
+    target_path: str | os.PathLike[str],
+    draft_path: str | os.PathLike[str] | None,
+    config: ReferenceEngineConfig,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    group: dist.ProcessGroup | None = None,
+) -> ModelRunner:
+    """Load this rank's shards of the target and the draft, on the same device."""
+    device: torch.device | str = config.device
+    if config.device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = DTYPES[config.dtype]
+    target = load_kimi(target_path, dtype=dtype, device=device, tp_rank=tp_rank,
+                       tp_size=tp_size, group=group)
+    allocator = PagedAllocator(config.kv_capacity_tokens, config.page_size)
+    proposer = None
+    if draft_path is not None:
+        draft = load_dspark(draft_path, dtype=dtype, device=device)
+        check_pair(target, draft)
+        draft = shard_dspark(draft, tp_rank, tp_size, group)
+        proposer = DSparkProposer(draft, target.model.embed_tokens.weight,
+                                  target.lm_head.weight, allocator)
+    return ModelRunner(target, proposer, allocator, tp_rank, tp_size, group)
+
+
+def build_engine(
+    runner: ModelRunner,
+    config: ReferenceEngineConfig,
+    eos_token_ids: list[int] | None = None,
+    detokenize: Detokenize | None = None,
+) -> EngineCore:
+    """Rank 0's engine around its runner."""
+    target_cfg = runner.target.config
+    eos = eos_token_ids if eos_token_ids is not None else (
+        [target_cfg.eos_token_id] if getattr(target_cfg, "eos_token_id", None) is not None else [])
+    spec = config.speculation
+    return EngineCore(
+        runner,
+        eos_token_ids=eos,
+        detokenize=detokenize,
+        max_batch_size=config.max_batch_size,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
+        speculation=SpeculationSettings(spec.enabled, spec.gamma, spec.confidence_threshold),
+        max_model_len=target_cfg.max_position_embeddings,
+    )

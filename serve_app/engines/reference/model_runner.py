@@ -1,0 +1,142 @@
+"""Runs the target and the proposer on one rank; under tensor parallelism, keeps ranks in step.
+
+Rank 0 decides everything (scheduling, sampling, acceptance). Each operation that touches a
+model or a cache is broadcast to the follower ranks first, so every rank runs the same forward
+(their all-reduces meet) and keeps identical page tables. Followers never sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from serve_app.engines.reference.proposer import Proposer
+from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        target: Any,
+        proposer: Proposer | None,
+        allocator: PagedAllocator,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.allocator = allocator
+        self.cache: PagedKVCache = target.new_cache(
+            allocator.capacity_tokens, allocator.page_size, allocator=allocator
+        )
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.group = group
+        self._taps: torch.Tensor | None = None
+        self._tap_rids: list[Hashable] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    # --- the protocol between rank 0 and followers ------------------------------------------
+
+    def _broadcast(self, op: str, *args: Any) -> None:
+        if self.tp_size > 1 and self.tp_rank == 0:
+            dist.broadcast_object_list([(op, args)], src=dist.get_global_rank(self.group, 0)
+                                       if self.group is not None else 0, group=self.group)
+
+    def follow(self) -> None:
+        """Followers: execute rank 0's operations until it shuts down."""
+        while True:
+            box: list[Any] = [None]
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            dist.broadcast_object_list(box, src=src, group=self.group)
+            op, args = box[0]
+            if op == "shutdown":
+                return
+            getattr(self, "_" + op)(*args)
+
+    def shutdown(self) -> None:
+        self._broadcast("shutdown")
+
+    # --- operations (public = rank 0 entry point, _private = what every rank runs) ----------
+
+    def add(self, rid: Hashable) -> None:
+        self._broadcast("add", rid)
+        self._add(rid)
+
+    def _add(self, rid: Hashable) -> None:
+        self.allocator.add(rid)
+        self.cache.add(rid)
+        if self.proposer is not None:
+            self.proposer.add(rid)
+
+    def free(self, rid: Hashable) -> None:
+        self._broadcast("free", rid)
+        self._free(rid)
+
+    def _free(self, rid: Hashable) -> None:
+        if rid not in self.allocator:
+            return
+        self.cache.free(rid)
+        if self.proposer is not None:
+            self.proposer.free(rid)
+        self.allocator.free(rid)
+
+    def forward(
+        self, rows: Sequence[Sequence[int]], rids: Sequence[Hashable], capture: bool
+    ) -> torch.Tensor:
+        """Append `rows[i]` to request rids[i] in the target cache and return logits
+        [B, T, V] (float32). With `capture`, the proposer's tap rows are kept for `commit`."""
+        self._broadcast("forward", [list(r) for r in rows], list(rids), capture)
+        return self._forward(rows, rids, capture)
+
+    @torch.no_grad()
+    def _forward(
+        self, rows: Sequence[Sequence[int]], rids: Sequence[Hashable], capture: bool
+    ) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        num_new = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        layers = self.proposer.tap_layers if capture and self.proposer is not None else ()
+        out = self.target(ids.to(self.device), self.cache, list(rids), num_new.to(self.device),
+                          capture_layers=layers)
+        self._taps = out.taps
+        self._tap_rids = list(rids)
+        return out.logits
+
+    def commit(self, rids: Sequence[Hashable], lengths: Sequence[int],
+               tap_rows: Sequence[int]) -> None:
+        """Roll each request's target cache back to `lengths[i]` tokens, and give the proposer
+        the first `tap_rows[i]` rows of that request's taps from the last forward."""
+        self._broadcast("commit", list(rids), list(lengths), list(tap_rows))
+        self._commit(rids, lengths, tap_rows)
+
+    def _commit(self, rids: Sequence[Hashable], lengths: Sequence[int],
+                tap_rows: Sequence[int]) -> None:
+        for rid, n in zip(rids, lengths, strict=True):
+            self.cache.truncate(rid, n)
+            # Pages past the committed length (a rejected verify tail) go back to the pool.
+            self.allocator.truncate(rid, n)
+        if self.proposer is None or self._taps is None:
+            return  # speculation is off: the proposer is never fed, nor asked
+        index = {rid: b for b, rid in enumerate(self._tap_rids)}
+        taps = [self._taps[index[rid], :n] for rid, n in zip(rids, tap_rows, strict=True)]
+        self.proposer.commit(rids, taps)
+
+    def propose(self, seqs: Sequence[Any]) -> Any:
+        assert self.proposer is not None
+        rids = [s.request_id for s in seqs]
+        self._broadcast("follow_propose", rids, torch.tensor([s.anchor for s in seqs]))
+        return self.proposer.propose(seqs)
+
+    def _follow_propose(self, rids: Sequence[Hashable], anchors: torch.Tensor) -> None:
+        assert self.proposer is not None
+        self.proposer.follow_propose(rids, anchors)

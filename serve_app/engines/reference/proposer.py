@@ -1,0 +1,78 @@
+"""Draft proposers behind one interface: the DSpark draft, or anything a test plugs in.
+
+A proposer sees the target's taps for every committed token (`commit`) and proposes gamma
+tokens per request after its anchor (`propose`). On tensor-parallel followers only the part
+with collectives runs (`follow_propose`); drafts are chosen on rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+import torch
+
+from serve_app.engines.reference.sequence import Sequence
+from serve_app.models.dspark import DraftOutput, DSparkDraft
+from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
+
+
+class Proposer(Protocol):
+    gamma: int
+    tap_layers: tuple[int, ...]  # target layers whose outputs `commit` needs
+
+    def add(self, rid: Hashable) -> None: ...
+
+    def free(self, rid: Hashable) -> None: ...
+
+    def commit(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
+        """Rows of the target's committed tokens, in order, per request."""
+
+    def propose(self, seqs: Seq[Sequence]) -> DraftOutput: ...
+
+    def follow_propose(self, rids: Seq[Hashable], anchors: torch.Tensor) -> None: ...
+
+
+class DSparkProposer:
+    """The DSpark draft on the same ranks as the target, sharing its embedding and lm_head and
+    its KV page tables (a committed token sits in the same slot in both caches)."""
+
+    def __init__(
+        self,
+        draft: DSparkDraft,
+        embed_tokens: torch.Tensor,
+        lm_head: torch.Tensor,
+        allocator: PagedAllocator,
+    ) -> None:
+        self.draft = draft
+        self.gamma = draft.config.block_size
+        self.tap_layers = tuple(draft.config.target_layer_ids)
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.cache: PagedKVCache = draft.new_cache(
+            allocator.capacity_tokens, allocator.page_size, allocator=allocator
+        )
+
+    def add(self, rid: Hashable) -> None:
+        self.cache.add(rid)
+
+    def free(self, rid: Hashable) -> None:
+        if rid in self.cache:
+            self.cache.free(rid)
+
+    def commit(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
+        rows = [t for t in taps if t is not None]
+        assert len(rows) == len(rids), "DSpark needs the target's taps for every commit"
+        self.draft.append_context(self.cache, rids, rows)
+
+    def propose(self, seqs: Seq[Sequence]) -> DraftOutput:
+        rids = [s.request_id for s in seqs]
+        anchors = torch.tensor([s.anchor for s in seqs])
+        temps = torch.tensor([0.0 if s.params.greedy else s.params.temperature for s in seqs])
+        return self.draft.draft(self.cache, rids, anchors, self.embed_tokens, self.lm_head,
+                                temps, [s.generator for s in seqs])
+
+    @torch.no_grad()
+    def follow_propose(self, rids: Seq[Hashable], anchors: torch.Tensor) -> None:
+        self.draft.block_hidden(self.cache, rids, anchors, self.embed_tokens)

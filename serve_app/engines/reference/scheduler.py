@@ -1,0 +1,112 @@
+"""Continuous batching with chunked prefill and KV admission.
+
+Each step decodes every running request and spends at most `prefill_chunk_tokens` on prompts, so
+a long prompt is prefilled over several steps while the decodes keep moving. A request is
+admitted only when its worst case (prompt + max_tokens + one verify window) fits in the KV
+tokens not yet promised to others, so a running request never runs out of cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from serve_app.engines.reference.sequence import Sequence, Status
+from serve_app.models.kv_cache import KVCapacityError
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.end == len(self.seq.prompt_ids)
+
+
+@dataclass
+class StepPlan:
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(
+        self,
+        capacity_tokens: int,
+        max_batch_size: int,
+        prefill_chunk_tokens: int,
+        headroom_tokens: int,
+        page_size: int = 1,
+    ) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.page_size = page_size
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.headroom_tokens = headroom_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted: prefilling or decoding, in arrival order
+        self._reserved: dict[str, int] = {}
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(self._reserved.values())
+
+    def worst_case_tokens(self, seq: Sequence) -> int:
+        """KV slots a request may come to hold, in whole pages (pages are not shared)."""
+        tokens = seq.max_length(self.headroom_tokens)
+        return -(-tokens // self.page_size) * self.page_size
+
+    def check_fits(self, seq: Sequence) -> None:
+        need = self.worst_case_tokens(seq)
+        if need > self.capacity_tokens:
+            raise KVCapacityError(
+                f"request {seq.request_id} needs {need} KV tokens (prompt "
+                f"{len(seq.prompt_ids)} + max_tokens {seq.params.max_tokens} + verify window "
+                f"{self.headroom_tokens}) but the engine's KV capacity is {self.capacity_tokens}"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting requests in (FIFO, no overtaking) while their worst case fits."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            need = self.worst_case_tokens(seq)
+            if self.reserved_tokens + need > self.capacity_tokens:
+                break
+            self.waiting.popleft()
+            self._reserved[seq.request_id] = need
+            seq.status = Status.PREFILLING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.prefill_chunk_tokens
+        for seq in self.running:
+            if seq.status is Status.DECODING:
+                plan.decode.append(seq)
+            elif seq.status is Status.PREFILLING and budget > 0:
+                start = seq.num_cached
+                end = min(len(seq.prompt_ids), start + budget)
+                plan.prefill.append(PrefillChunk(seq, start, end))
+                budget -= end - start
+        return plan
+
+    def remove(self, seq: Sequence) -> None:
+        self._reserved.pop(seq.request_id, None)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,158 @@
+"""One request inside the engine: its tokens, progress, stop conditions and speculative stats."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from serve_app.engines.reference.sampling import SamplingParams
+
+Detokenize = Callable[[list[int]], str]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, no KV reserved yet
+    PREFILLING = "prefilling"  # KV reserved, prompt partly in the cache
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculative statistics, named and defined as SGLang defines them."""
+
+    verify_ct: int = 0
+    proposed_drafts: int = 0
+    accepted_drafts: int = 0
+    # histogram[i] = verify steps that accepted exactly i drafts (bonus excluded)
+    correct_drafts_histogram: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.verify_ct += 1
+        self.proposed_drafts += proposed
+        self.accepted_drafts += accepted
+        while len(self.correct_drafts_histogram) <= accepted:
+            self.correct_drafts_histogram.append(0)
+        self.correct_drafts_histogram[accepted] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.verify_ct += other.verify_ct
+        self.proposed_drafts += other.proposed_drafts
+        self.accepted_drafts += other.accepted_drafts
+        for i, n in enumerate(other.correct_drafts_histogram):
+            while len(self.correct_drafts_histogram) <= i:
+                self.correct_drafts_histogram.append(0)
+            self.correct_drafts_histogram[i] += n
+
+    def as_dict(self, completion_tokens: int) -> dict[str, object]:
+        # SGLang: completion tokens (the prefill-sampled first one included) per verify step.
+        return {
+            "spec_verify_ct": self.verify_ct,
+            "spec_accept_length": completion_tokens / self.verify_ct if self.verify_ct else 1.0,
+            "spec_accept_rate": (self.accepted_drafts / self.proposed_drafts
+                                 if self.proposed_drafts else 0.0),
+            "spec_correct_drafts_histogram": list(self.correct_drafts_histogram),
+            "spec_proposed_drafts": self.proposed_drafts,
+            "spec_accepted_drafts": self.accepted_drafts,
+        }
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    detokenize: Detokenize | None = None
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the target cache (prompt, then committed outputs except the
+    # newest, which is the next step's anchor).
+    num_cached: int = 0
+    finish_reason: str | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    text: str = ""
+    reported_tokens: int = 0  # output tokens already handed out in step outputs
+    _streamed_text: int = 0
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator()
+        if self.params.seed is not None:
+            self.generator.manual_seed(self.params.seed)
+        else:
+            self.generator.seed()
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def anchor(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def max_length(self, headroom: int) -> int:
+        """Worst-case KV tokens: prompt, every output, and a verify window past the end."""
+        return len(self.prompt_ids) + self.params.max_tokens + headroom
+
+    def append(self, tokens: list[int]) -> list[int]:
+        """Commit generated tokens, stopping exactly at EOS, a stop token, a stop string or
+        max_tokens. Returns the tokens actually kept."""
+        kept: list[int] = []
+        stop_ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        for tok in tokens:
+            if tok in stop_ids:
+                self._finish("stop")
+                break
+            self.output_ids.append(tok)
+            kept.append(tok)
+            if self.params.stop and self._hit_stop_string():
+                break
+            if len(self.output_ids) >= self.params.max_tokens:
+                self._finish("length")
+                break
+        return kept
+
+    def _hit_stop_string(self) -> bool:
+        assert self.detokenize is not None, "stop strings need a tokenizer"
+        text = self.detokenize(self.output_ids)
+        # Only the tail can hold a new match: search from where the last check ended.
+        start = max(0, len(self.text) - max(len(s) for s in self.params.stop))
+        hits = [i for s in self.params.stop if (i := text.find(s, start)) >= 0]
+        self.text = text
+        if hits:
+            self.text = text[: min(hits)]
+            self._finish("stop")
+            return True
+        return False
+
+    def _finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+
+    def text_delta(self) -> str:
+        """New text since the last call. While running, text that could still turn out to be
+        the start of a stop string is held back."""
+        if self.detokenize is None:
+            return ""
+        if not self.params.stop:
+            self.text = self.detokenize(self.output_ids)
+        hold = 0 if self.finished or not self.params.stop else max(map(len, self.params.stop)) - 1
+        # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the rest of it.
+        end = len(self.text) - hold
+        while not self.finished and end > self._streamed_text and self.text[end - 1] == "\ufffd":
+            end -= 1
+        if end <= self._streamed_text:
+            return ""
+        delta = self.text[self._streamed_text:end]
+        self._streamed_text = end
+        return delta

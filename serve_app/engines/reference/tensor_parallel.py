@@ -1,0 +1,80 @@
+"""Tensor parallelism for the DSpark draft, gpt-fast style: shard the linears, all-reduce after
+the row-parallel ones. (The target shards itself at load time: see models/kimi.py.)
+
+Attention heads are split across ranks; when there are more ranks than KV heads (K3's draft has
+16 KV heads, a TP32 group would have more ranks) each rank keeps the one KV head its query heads
+use. MLPs are split column-wise (gate/up) and row-wise (down).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from serve_app.models.dspark import DSparkDraft
+
+
+def _keep_rows(linear: nn.Linear, start: int, stop: int) -> None:
+    linear.weight = nn.Parameter(linear.weight.detach()[start:stop].clone(), requires_grad=False)
+    linear.out_features = stop - start
+
+
+def _keep_cols(linear: nn.Linear, start: int, stop: int) -> None:
+    linear.weight = nn.Parameter(linear.weight.detach()[:, start:stop].clone(), requires_grad=False)
+    linear.in_features = stop - start
+
+
+def _all_reduce_output(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    def hook(_m: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=group)
+        return output
+
+    module.register_forward_hook(hook)
+
+
+def check_draft_tp(num_heads: int, num_kv_heads: int, intermediate: int, tp_size: int) -> None:
+    problems = []
+    if num_heads % tp_size:
+        problems.append(f"num_attention_heads={num_heads} is not divisible by tp_size={tp_size}")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        problems.append(f"num_key_value_heads={num_kv_heads} and tp_size={tp_size}: one must "
+                        "divide the other")
+    if intermediate % tp_size:
+        problems.append(f"intermediate_size={intermediate} is not divisible by tp_size={tp_size}")
+    if problems:
+        raise ValueError("draft cannot be sharded: " + "; ".join(problems))
+
+
+def shard_dspark(
+    draft: DSparkDraft, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None = None
+) -> DSparkDraft:
+    """Keep this rank's shard of every layer, in place. fc, norms and heads stay replicated."""
+    if tp_size == 1:
+        return draft
+    cfg = draft.config
+    check_draft_tp(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
+                   tp_size)
+    hd = cfg.head_dim
+    heads = cfg.num_attention_heads // tp_size
+    if cfg.num_key_value_heads >= tp_size:
+        kv_heads = cfg.num_key_value_heads // tp_size
+        kv_first = tp_rank * kv_heads
+    else:
+        kv_heads = 1
+        kv_first = tp_rank * cfg.num_key_value_heads // tp_size
+    inter = cfg.intermediate_size // tp_size
+    for layer in draft.layers:
+        attn = layer.self_attn
+        _keep_rows(attn.q_proj, tp_rank * heads * hd, (tp_rank + 1) * heads * hd)
+        _keep_rows(attn.k_proj, kv_first * hd, (kv_first + kv_heads) * hd)
+        _keep_rows(attn.v_proj, kv_first * hd, (kv_first + kv_heads) * hd)
+        _keep_cols(attn.o_proj, tp_rank * heads * hd, (tp_rank + 1) * heads * hd)
+        attn.num_heads, attn.num_kv_heads = heads, kv_heads
+        _all_reduce_output(attn.o_proj, group)
+        mlp = layer.mlp
+        _keep_rows(mlp.gate_proj, tp_rank * inter, (tp_rank + 1) * inter)
+        _keep_rows(mlp.up_proj, tp_rank * inter, (tp_rank + 1) * inter)
+        _keep_cols(mlp.down_proj, tp_rank * inter, (tp_rank + 1) * inter)
+        _all_reduce_output(mlp.down_proj, group)
+    return draft

@@ -1,0 +1,478 @@
+"""The reference engine: lossless speculation, exact sampling, stops, KV capacity, stats, TP."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from scipy.stats import chisquare
+from tiny_models import write_tiny_pair
+
+from serve_app.engines.reference.builder import (
+    ReferenceEngineConfig,
+    SpeculationConfig,
+    build_engine,
+    build_runner,
+)
+from serve_app.engines.reference.engine import EngineCore, RequestOutput, SpeculationSettings
+from serve_app.engines.reference.model_runner import ModelRunner
+from serve_app.engines.reference.sampling import SamplingParams
+from serve_app.engines.reference.sequence import Sequence
+from serve_app.models.dspark import DraftOutput
+from serve_app.models.kimi import KimiForCausalLM, load_kimi
+from serve_app.models.kv_cache import KVCapacityError, PagedAllocator
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def target(pair: tuple[Path, Path]) -> KimiForCausalLM:
+    return load_kimi(pair[0])
+
+
+def detok(ids: list[int]) -> str:
+    return "".join(chr(48 + i) for i in ids)
+
+
+# --- test-only proposers behind the draft interface --------------------------------------------
+
+
+def greedy_continuation(target: KimiForCausalLM, ids: list[int], n: int) -> list[int]:
+    cache = target.new_cache(len(ids) + n + 16)
+    cache.add(0)
+    logits = target(torch.tensor([ids]), cache, [0], torch.tensor([len(ids)])).logits
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < n:
+        logits = target(torch.tensor([[out[-1]]]), cache, [0], torch.tensor([1])).logits
+        out.append(int(logits[0, 0].argmax()))
+    return out
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation; `correct` decides how many positions stay
+    right (the rest are replaced by wrong tokens). Deterministic: q is one-hot."""
+
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, target: KimiForCausalLM, gamma: int,
+                 correct: Callable[[], int] | None = None) -> None:
+        self.target, self.gamma, self.correct = target, gamma, correct
+        self.vocab = target.config.vocab_size
+
+    def add(self, rid: object) -> None: ...
+    def free(self, rid: object) -> None: ...
+    def commit(self, rids: object, taps: object) -> None: ...
+    def follow_propose(self, rids: object, anchors: object) -> None: ...
+
+    def propose(self, seqs: list[Sequence]) -> DraftOutput:
+        rows = []
+        for s in seqs:
+            row = greedy_continuation(self.target, s.all_ids, self.gamma)
+            n = self.gamma if self.correct is None else self.correct()
+            for j in range(n, self.gamma):
+                row[j] = (row[j] + 1 + j) % self.vocab
+            rows.append(row)
+        return DraftOutput(torch.tensor(rows), None, None, torch.empty(0))
+
+
+class SkewedProposer:
+    """Samples drafts from a fixed, sharply peaked random distribution per position and
+    returns it as q: far from the target's p, so a wrong rejection rule shows."""
+
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, vocab: int, gamma: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.q = torch.softmax(3.0 * torch.randn(gamma, vocab, generator=g), -1)
+        self.gamma = gamma
+
+    def add(self, rid: object) -> None: ...
+    def free(self, rid: object) -> None: ...
+    def commit(self, rids: object, taps: object) -> None: ...
+    def follow_propose(self, rids: object, anchors: object) -> None: ...
+
+    def propose(self, seqs: list[Sequence]) -> DraftOutput:
+        toks = torch.stack([torch.multinomial(self.q, 1, generator=s.generator).squeeze(-1)
+                            for s in seqs])
+        probs = self.q.expand(len(seqs), -1, -1)
+        return DraftOutput(toks, probs, None, torch.empty(0))
+
+
+def engine_with(target: KimiForCausalLM, proposer: object | None, *, gamma: int | None = None,
+                capacity: int = 4096, **kwargs: object) -> EngineCore:
+    allocator = PagedAllocator(capacity, 16)
+    runner = ModelRunner(target, proposer, allocator)  # type: ignore[arg-type]
+    return EngineCore(runner, eos_token_ids=[target.config.eos_token_id],
+                      speculation=SpeculationSettings(proposer is not None, gamma), **kwargs)  # type: ignore[arg-type]
+
+
+def engine_from(pair: tuple[Path, Path], draft: bool = True, **spec: object) -> EngineCore:
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096,
+                                speculation=SpeculationConfig(**spec))  # type: ignore[arg-type]
+    return build_engine(build_runner(pair[0], pair[1] if draft else None, cfg), cfg)
+
+
+def run_staggered(engine: EngineCore, prompts: list[list[int]],
+                  params: SamplingParams = GREEDY) -> list[list[int]]:
+    """Half the requests start at once; one more joins after every step."""
+    ids: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    queue = list(prompts)
+    for p in queue[: len(queue) // 2]:
+        ids.append(engine.add_request(p, params))
+    queue = queue[len(queue) // 2:]
+    done: set[str] = set()
+    while len(done) < len(prompts):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                done.add(out.request_id)
+        if queue:
+            ids.append(engine.add_request(queue.pop(0), params))
+    return [tokens[i] for i in ids]
+
+
+def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab - 2) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+# --- lossless greedy -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(pair: tuple[Path, Path]) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = random_prompts(10, 64, seed=1)
+    return prompts, run_staggered(engine_from(pair, enabled=False), prompts)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+@pytest.mark.parametrize("threshold", [0.0, 0.6])
+def test_dspark_greedy_is_lossless(pair: tuple[Path, Path], reference_outputs: tuple,
+                                   gamma: int, threshold: float) -> None:
+    prompts, expected = reference_outputs
+    engine = engine_from(pair, gamma=gamma, confidence_threshold=threshold)
+    assert run_staggered(engine, prompts) == expected
+    stats = engine.stats()
+    assert stats["spec_verify_ct"] > 0
+    if threshold:
+        # The confidence schedule verified fewer drafts than gamma per step on average.
+        assert stats["spec_proposed_drafts"] < gamma * stats["spec_verify_ct"] or gamma == 1
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+@pytest.mark.parametrize("mode", ["oracle", "partial"])
+def test_test_proposers_exercise_full_partial_and_zero_acceptance(
+    target: KimiForCausalLM, reference_outputs: tuple, gamma: int, mode: str
+) -> None:
+    prompts, expected = reference_outputs
+    rng = random.Random(gamma)
+    correct = None if mode == "oracle" else (lambda: rng.randint(0, gamma))
+    engine = engine_with(target, OracleProposer(target, gamma, correct))
+    assert run_staggered(engine, prompts) == expected
+    hist = engine.stats()["spec_correct_drafts_histogram"]
+    if mode == "oracle":
+        # Every block fully accepted, except where max_tokens capped the verify width.
+        assert hist[gamma] > 0 and sum(hist[:gamma]) <= len(prompts)
+    else:
+        assert (hist[0] > 0 and hist[gamma] > 0 and sum(hist[1:gamma]) > 0) or gamma == 1
+
+
+# --- exact sampling ------------------------------------------------------------------------------
+
+
+def exact_marginals(target: KimiForCausalLM, prompt: list[int], params: SamplingParams
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """P(2nd token) and P(3rd token) by enumerating every first and second token."""
+    from serve_app.engines.reference.sampling import target_probs
+
+    v = target.config.vocab_size
+
+    def next_probs(seqs: list[list[int]]) -> torch.Tensor:
+        cache = target.new_cache(len(seqs) * (len(seqs[0]) + 16))
+        for i in range(len(seqs)):
+            cache.add(i)
+        n = len(seqs[0])
+        logits = target(torch.tensor(seqs), cache, list(range(len(seqs))),
+                        torch.full((len(seqs),), n)).logits[:, -1]
+        return target_probs(logits, params)
+
+    p1 = next_probs([prompt])[0]
+    p2_given = next_probs([[*prompt, a] for a in range(v)])  # [v, v]
+    p2 = p1 @ p2_given
+    seqs = [[*prompt, a, b] for a in range(v) for b in range(v)]
+    p3_given = next_probs(seqs).view(v, v, v)
+    p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    return p2, p3
+
+
+def chi2_pvalue(samples: list[int], probs: torch.Tensor) -> float:
+    n = len(samples)
+    expected = (probs.double() * n).numpy()
+    observed = torch.bincount(torch.tensor(samples), minlength=len(probs)).double().numpy()
+    # Pool the rare outcomes so every cell expects at least 5.
+    keep = expected >= 5
+    exp = [*list(expected[keep]), expected[~keep].sum()]
+    obs = [*list(observed[keep]), observed[~keep].sum()]
+    if exp[-1] == 0:
+        exp, obs = exp[:-1], obs[:-1]
+    scale = sum(obs) / sum(exp)  # float rounding of the exact probabilities
+    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> KimiForCausalLM:
+    target_path, _ = write_tiny_pair(tmp_path_factory.mktemp("v16"), seed=3, vocab_size=16)
+    return load_kimi(target_path)
+
+
+def sample_many(engine: EngineCore, prompt: list[int], params: SamplingParams, n: int
+                ) -> list[list[int]]:
+    outs: list[RequestOutput] = []
+    for chunk in range(0, n, 500):
+        plist = [SamplingParams(**{**params.__dict__, "seed": chunk + i}) for i in range(500)]
+        outs += engine.generate([prompt] * 500, plist)
+    return [o.token_ids for o in outs]
+
+
+SAMPLED = SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True)
+
+
+def test_speculative_sampling_matches_the_target_distribution(small_vocab: KimiForCausalLM) -> None:
+    prompt = [1, 2, 3]
+    p2, p3 = exact_marginals(small_vocab, prompt, SAMPLED)
+    engine = engine_with(small_vocab, SkewedProposer(16, gamma=3), max_batch_size=500)
+    outs = sample_many(engine, prompt, SAMPLED, 3000)
+    assert engine.stats()["spec_accepted_drafts"] > 0  # some drafts were accepted...
+    assert min(engine.stats()["spec_correct_drafts_histogram"][:1]) > 0  # ...and some rejected
+    assert chi2_pvalue([o[1] for o in outs], p2) > 1e-3
+    assert chi2_pvalue([o[2] for o in outs], p3) > 1e-3
+
+
+def test_a_wrong_rejection_rule_is_caught(small_vocab: KimiForCausalLM) -> None:
+    prompt = [1, 2, 3]
+    p2, _ = exact_marginals(small_vocab, prompt, SAMPLED)
+    # Wrong: at a rejection, resample from p instead of normalize(max(p - q, 0)).
+    engine = engine_with(small_vocab, SkewedProposer(16, gamma=3), max_batch_size=500,
+                         residual_rule=lambda p, q: p)
+    outs = sample_many(engine, prompt, SAMPLED, 3000)
+    assert chi2_pvalue([o[1] for o in outs], p2) < 1e-6
+
+
+def test_seeded_sampling_is_reproducible(pair: tuple[Path, Path]) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=16, seed=123,
+                            ignore_eos=True)
+    a = engine_from(pair).generate([[5, 6, 7]], params)[0].token_ids
+    b = engine_from(pair).generate([[5, 6, 7]], params)[0].token_ids
+    assert a == b and len(a) == 16
+
+
+# --- stops ---------------------------------------------------------------------------------------
+
+
+def test_stop_string_inside_an_accepted_block(target: KimiForCausalLM) -> None:
+    prompt = [3, 1, 4, 1, 5]
+    full = greedy_continuation(target, prompt, 24)
+    text = detok(full)
+    stop = text[9:11]
+    cut = text.find(stop)
+    engine = engine_with(target, OracleProposer(target, 7), detokenize=detok)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=(stop,),
+                                                    ignore_eos=True))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:cut]
+    assert out.token_ids == full[: cut + len(stop)]
+    assert out.spec is not None and out.spec["spec_verify_ct"] == 2  # 1 + 8 tokens, then the stop
+
+
+def test_max_tokens_inside_a_block_and_streamed_text(target: KimiForCausalLM) -> None:
+    prompt = [9, 8, 7]
+    full = greedy_continuation(target, prompt, 12)
+    engine = engine_with(target, OracleProposer(target, 7), detokenize=detok)
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    pieces, outs = [], []
+    while engine.has_work:
+        for o in engine.step():
+            assert o.request_id == rid
+            pieces.append(o.text)
+            outs.append(o)
+    assert [t for o in outs for t in o.token_ids] == full[:6]
+    assert "".join(pieces) == detok(full[:6])
+    assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 6
+
+
+def test_eos_as_the_bonus_token(target: KimiForCausalLM) -> None:
+    prompt = [2, 7, 1, 8]
+    full = greedy_continuation(target, prompt, 30)
+    gamma = 3
+    # The first verify commits full[1:5]; its bonus is full[4]. Make that token the EOS.
+    j = next(j for j in range(4, 30, gamma + 1) if full[j] not in full[:j])
+    engine = engine_with(target, OracleProposer(target, gamma))
+    engine.eos_token_ids = frozenset({full[j]})
+    for seq in engine.sequences.values():
+        seq.eos_token_ids = engine.eos_token_ids
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full[:j]
+
+
+# --- KV capacity ---------------------------------------------------------------------------------
+
+
+def test_over_capacity_request_refused_while_others_continue(target: KimiForCausalLM) -> None:
+    engine = engine_with(target, OracleProposer(target, 3), capacity=256)
+    a = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.step()
+    with pytest.raises(KVCapacityError, match=r"needs 336 KV tokens .* KV capacity is 256"):
+        engine.add_request(list(range(20)) * 14 + [1], SamplingParams(max_tokens=40))
+    outs = []
+    while engine.has_work:
+        outs += engine.step()
+    assert next(o for o in outs if o.finished).request_id == a
+    assert engine.capacity()["kv_tokens_used"] == 0
+
+
+def test_requests_wait_for_capacity_and_abort_frees(target: KimiForCausalLM) -> None:
+    engine = engine_with(target, OracleProposer(target, 3), capacity=256)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    first = engine.add_request(list(range(1, 31)), params)
+    second = engine.add_request(list(range(1, 31)), params)  # 134 + 134 > 256: must wait
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == [first]
+    assert engine.capacity()["kv_tokens_used"] > 0
+    assert engine.abort(first)
+    assert engine.capacity()["kv_tokens_used"] == 0
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == [second]
+    assert engine.abort(second) and not engine.abort(second)
+    assert engine.capacity() == {"kv_tokens_total": 256, "kv_tokens_used": 0,
+                                 "kv_tokens_free": 256, "kv_tokens_reserved": 0}
+
+
+def test_chunked_prefill_keeps_decodes_moving(pair: tuple[Path, Path]) -> None:
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, prefill_chunk_tokens=8)
+    engine = build_engine(build_runner(*pair, cfg), cfg)
+    short = engine.add_request([4, 5], GREEDY)
+    engine.step()
+    long_prompt = list(range(1, 60))
+    long = engine.add_request(long_prompt, GREEDY)
+    short_progress = []
+    while engine.sequences[long].num_cached < len(long_prompt):
+        outs = engine.step()
+        short_progress.append(sum(len(o.token_ids) for o in outs if o.request_id == short))
+    assert len(short_progress) >= 7  # the 59-token prompt took several 8-token chunks
+    assert all(n > 0 for n in short_progress[:-1])
+    while engine.has_work:
+        engine.step()
+    unchunked = engine_from(pair, enabled=False).generate([long_prompt], GREEDY)[0].token_ids
+    assert engine.totals.completion_tokens == 2 * GREEDY.max_tokens
+    assert unchunked == engine_from(pair).generate([long_prompt], GREEDY)[0].token_ids
+
+
+# --- statistics ----------------------------------------------------------------------------------
+
+
+def test_statistics_match_a_hand_counted_run(target: KimiForCausalLM) -> None:
+    script = [3, 0, 7, 2, 5, 1]
+    gamma, max_tokens = 7, 25
+    it: Iterator[int] = iter(script)
+    engine = engine_with(target, OracleProposer(target, gamma, lambda: next(it)))
+    out = engine.generate([[6, 6, 6]], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                      ignore_eos=True))[0]
+    # By hand: 1 token from prefill, then each verify commits accepted + 1:
+    # 3+1, 0+1, 7+1, 2+1, 5+1, and the last step may verify only 1 draft (25 - 23 - 1).
+    assert max_tokens == 1 + 4 + 1 + 8 + 3 + 6 + 2
+    assert out.spec == {
+        "spec_verify_ct": 6,
+        "spec_accept_length": 25 / 6,
+        "spec_accept_rate": (3 + 0 + 7 + 2 + 5 + 1) / (7 + 7 + 7 + 7 + 7 + 1),
+        "spec_correct_drafts_histogram": [1, 1, 1, 1, 0, 1, 0, 1],
+        "spec_proposed_drafts": 36,
+        "spec_accepted_drafts": 18,
+    }
+    assert out.token_ids == greedy_continuation(target, [6, 6, 6], max_tokens)
+
+
+def test_engine_without_draft_and_bad_requests(pair: tuple[Path, Path]) -> None:
+    engine = engine_from(pair, draft=False)
+    assert engine.stats()["speculative"] is False
+    out = engine.generate([[1, 2]], GREEDY)[0]
+    assert len(out.token_ids) == GREEDY.max_tokens and out.spec is None
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="exceeds the model's context length 2048"):
+        engine.add_request([1] * 2040, GREEDY)
+    with pytest.raises(ValueError, match="max_tokens=0 must be > 0"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request([1], SamplingParams(stop=("x",)))
+
+
+# --- tensor parallel -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, size: int, port: int, pair: tuple[Path, Path], prompts: list[list[int]],
+               results: mp.Queue) -> None:
+    from serve_app.engines.reference.builder import init_tensor_parallel
+
+    torch.set_num_threads(1)
+    group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, size, "gloo")
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096)
+    runner = build_runner(pair[0], pair[1], cfg, rank, size, group)
+    if rank == 0:
+        engine = build_engine(runner, cfg)
+        outs = engine.generate(prompts, GREEDY)
+        runner.shutdown()
+        results.put(([o.token_ids for o in outs], engine.stats()))
+    else:
+        runner.follow()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_over_gloo_matches_tp1(pair: tuple[Path, Path]) -> None:
+    prompts = random_prompts(4, 64, seed=9)
+    single = engine_from(pair)
+    expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, pair, prompts, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    tokens, stats = results.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert tokens == expected
+    # The sharded draft proposes the same tokens, so acceptance is identical too.
+    reference = single.stats()
+    for key in ("spec_verify_ct", "spec_correct_drafts_histogram", "spec_accepted_drafts"):
+        assert stats[key] == reference[key]
+
+
+def test_itertools_count_ids_are_unique(pair: tuple[Path, Path]) -> None:
+    engine = engine_from(pair, enabled=False)
+    ids = {engine.add_request([1], GREEDY) for _ in range(5)}
+    assert len(ids) == 5 and all(i.startswith("req-") for i in ids)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1], GREEDY, request_id=next(iter(ids)))
+    assert isinstance(next(itertools.count()), int)

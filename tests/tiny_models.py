@@ -1,0 +1,67 @@
+"""Tiny random target + DSpark draft checkpoints, written with the real tensor names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serve_app.models.dspark import DSparkDraft, save_dspark
+from serve_app.models.dspark_config import DSparkConfig
+from serve_app.models.kimi import KimiForCausalLM, save_kimi
+from serve_app.models.kimi_config import KimiConfig
+
+
+def tiny_target_config(vocab_size: int = 64, **overrides: Any) -> KimiConfig:
+    raw: dict[str, Any] = {
+        "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 8,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1,
+        "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "max_position_embeddings": 2048,
+        "rope_theta": 10000.0, "eos_token_id": vocab_size - 2, "bos_token_id": 0,
+        "torch_dtype": "float32",
+    }
+    raw.update(overrides)
+    return KimiConfig.from_dict(raw, "tiny target")
+
+
+def tiny_draft_config(target: KimiConfig, block_size: int = 7, **overrides: Any) -> DSparkConfig:
+    raw: dict[str, Any] = {
+        "hidden_size": target.hidden_size, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "vocab_size": target.vocab_size, "max_position_embeddings": 2048,
+        "block_size": block_size, "num_target_layers": target.num_hidden_layers,
+        "rms_norm_eps": 1e-6, "dtype": "float32",
+        "dflash_config": {"target_layer_ids": [0, 2, 3], "mask_token_id": target.vocab_size - 1,
+                          "markov_rank": 4},
+    }
+    raw.update(overrides)
+    return DSparkConfig.from_dict(raw, "tiny draft")
+
+
+def _spread(model: torch.nn.Module, scale: float) -> None:
+    """Random weights with enough spread that greedy decoding is not one repeated token."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif "e_score_correction_bias" in name:
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, scale / max(1, p.shape[-1]) ** 0.5)
+
+
+def write_tiny_pair(folder: Path, seed: int = 0, vocab_size: int = 64,
+                    block_size: int = 7) -> tuple[Path, Path]:
+    torch.manual_seed(seed)
+    tcfg = tiny_target_config(vocab_size)
+    target = KimiForCausalLM(tcfg)
+    _spread(target, 1.5)
+    draft = DSparkDraft(tiny_draft_config(tcfg, block_size))
+    _spread(draft, 1.0)
+    save_kimi(target, folder / "target")
+    save_dspark(draft, folder / "draft")
+    return folder / "target", folder / "draft"
