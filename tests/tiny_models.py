@@ -65,3 +65,54 @@ def write_tiny_pair(folder: Path, seed: int = 0, vocab_size: int = 64,
     save_kimi(target, folder / "target")
     save_dspark(draft, folder / "draft")
     return folder / "target", folder / "draft"
+
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
+                  "<|mask|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int = 320) -> int:
+    """A byte-level BPE tokenizer trained on a few lines, with the chat special tokens.
+    Returns its vocabulary size."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["def hello(name):\n    return 'hello ' + name\n", "The quick brown fox jumps.",
+            "import os\nprint(os.getcwd())\n"] * 20
+    tok.train_from_iterator(text, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "mask_token": "<|mask|>",
+        "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE}))
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def write_tiny_serving_pair(folder: Path, seed: int = 0) -> dict[str, Path]:
+    """Tiny random target + draft whose vocabulary is a real tokenizer's, for the Serve app.
+    The tokenizer lives in the target folder, as in a Hugging Face checkpoint."""
+    vocab = write_tiny_tokenizer(folder / "target")
+    from serve_app.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(folder / "target")
+    torch.manual_seed(seed)
+    tcfg = tiny_target_config(vocab, eos_token_id=tokenizer.eos_token_id)
+    target = KimiForCausalLM(tcfg)
+    _spread(target, 1.5)
+    draft = DSparkDraft(tiny_draft_config(tcfg, dflash_config={
+        "target_layer_ids": [0, 2, 3], "mask_token_id": tokenizer.mask_token_id,
+        "markov_rank": 4}))
+    _spread(draft, 1.0)
+    save_kimi(target, folder / "target")
+    save_dspark(draft, folder / "draft")
+    return {"target": folder / "target", "draft": folder / "draft"}

@@ -15,8 +15,10 @@ from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.proposer import DSparkProposer
 from serve_app.engines.reference.sequence import Detokenize
 from serve_app.engines.reference.tensor_parallel import shard_dspark
-from serve_app.models.dspark import DSparkDraft, load_dspark
-from serve_app.models.kimi import KimiForCausalLM, load_kimi
+from serve_app.models.dspark import load_dspark
+from serve_app.models.dspark_config import DSparkConfig
+from serve_app.models.kimi import load_kimi
+from serve_app.models.kimi_config import KimiConfig
 from serve_app.models.kv_cache import PagedAllocator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,9 +46,8 @@ class ReferenceEngineConfig(BaseModel):
     speculation: SpeculationConfig = SpeculationConfig()
 
 
-def check_pair(target: KimiForCausalLM, draft: DSparkDraft) -> None:
+def check_pair(t: KimiConfig, d: DSparkConfig, gamma: int | None = None) -> None:
     """The draft must fit the target it runs beside; every mismatch is named."""
-    t, d = target.config, draft.config
     problems = []
     bad = [i for i in d.target_layer_ids if i >= t.num_hidden_layers]
     if bad:
@@ -63,6 +64,9 @@ def check_pair(target: KimiForCausalLM, draft: DSparkDraft) -> None:
     if d.hidden_size != t.hidden_size:
         problems.append(f"draft hidden_size={d.hidden_size} != target hidden_size="
                         f"{t.hidden_size} (the draft embeds with the target's embedding)")
+    if gamma is not None and gamma > d.block_size:
+        problems.append(f"engine.reference.speculation.gamma={gamma} exceeds the draft's "
+                        f"block_size={d.block_size}")
     if problems:
         raise ValueError("draft and target do not match: " + "; ".join(problems))
 
@@ -100,7 +104,7 @@ def build_runner(
     proposer = None
     if draft_path is not None:
         draft = load_dspark(draft_path, dtype=dtype, device=device)
-        check_pair(target, draft)
+        check_pair(target.config, draft.config, config.speculation.gamma)
         draft = shard_dspark(draft, tp_rank, tp_size, group)
         proposer = DSparkProposer(draft, target.model.embed_tokens.weight,
                                   target.lm_head.weight, allocator)

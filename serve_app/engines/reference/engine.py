@@ -25,21 +25,8 @@ from serve_app.engines.reference.sampling import (
 )
 from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, SpecStats, Status
+from serve_app.engines.types import RequestOutput
 from serve_app.models.dspark import survival_draft_count
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    spec: dict[str, Any] | None = None  # SGLang-named statistics, on the final output
 
 
 @dataclass

@@ -13,38 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serve_app.engines.types import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling. temperature 0 (or top_k 1) is greedy."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_tokens: int = 16
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.temperature < 0:
-            problems.append(f"temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            problems.append(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
-        if self.max_tokens <= 0:
-            problems.append(f"max_tokens={self.max_tokens} must be > 0")
-        if any(not s for s in self.stop):
-            problems.append("stop strings must be non-empty")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+__all__ = ["SamplingParams", "Verdict", "residual_distribution", "sample_token",
+           "target_probs", "verify_drafts"]
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""`build_app(config)`: the Serve application, wired from one validated config tree.
+
+    serve run deployments/local.yaml        # import_path: serve_app.app:build_app
+
+Everything that can be checked without loading weights is checked here, before any replica
+starts: layout vs bundles, the draft against the target (tapped layers, vocabulary, hidden
+size, block size), context length against both models, tokenizer against the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from serve_app.config import AppConfig
+from serve_app.engines.reference.builder import check_pair
+from serve_app.models.dspark_config import DSparkConfig
+from serve_app.models.kimi_config import KimiConfig
+from serve_app.serving.ingress import OpenAIIngress
+from serve_app.serving.target import TargetReplica
+from serve_app.tokenizer import load_tokenizer
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _model_configs(config: AppConfig) -> tuple[KimiConfig, DSparkConfig | None]:
+    target_path = config.models.target_path()
+    if not (target_path / "config.json").exists():
+        raise ConfigError(f"models.target: no config.json in {target_path}")
+    target = KimiConfig.from_file(target_path)
+    draft_path = config.models.draft_path()
+    draft = None
+    if draft_path is not None:
+        if not (draft_path / "config.json").exists():
+            raise ConfigError(f"models.draft: no config.json in {draft_path}")
+        draft = DSparkConfig.from_file(draft_path)
+    return target, draft
+
+
+def context_length(config: AppConfig) -> int:
+    target, draft = _model_configs(config)
+    limit = target.max_position_embeddings
+    if draft is not None and config.engine.reference.speculation.enabled:
+        limit = min(limit, draft.max_position_embeddings)
+    return config.engine.max_model_len or limit
+
+
+def validate(config: AppConfig) -> None:
+    """Cross-checks that need the model configs (not the weights); each names the field."""
+    if config.engine.backend != "reference":
+        raise ConfigError(f"engine.backend={config.engine.backend!r} is not available in this "
+                          "build; allowed: 'reference'")
+    target, draft = _model_configs(config)
+    problems = []
+    if draft is not None:
+        try:
+            check_pair(target, draft, config.engine.reference.speculation.gamma)
+        except ValueError as exc:
+            problems.append(f"models.draft: {exc}")
+    limit = target.max_position_embeddings
+    if draft is not None:
+        limit = min(limit, draft.max_position_embeddings)
+    if config.engine.max_model_len and config.engine.max_model_len > limit:
+        problems.append(f"engine.max_model_len={config.engine.max_model_len} exceeds the models' "
+                        f"maximum context ({limit})")
+    tp = config.parallelism.tp
+    for name, value in (("num_attention_heads", target.num_attention_heads),
+                        ("n_routed_experts", target.n_routed_experts)):
+        if value % tp:
+            problems.append(f"parallelism.tp={tp} must divide the target's {name}={value}")
+    if draft is not None and draft.num_attention_heads % tp:
+        problems.append(f"parallelism.tp={tp} must divide the draft's "
+                        f"num_attention_heads={draft.num_attention_heads}")
+    try:
+        tokenizer = load_tokenizer(config.models.tokenizer_path())
+        if tokenizer.vocab_size > target.vocab_size:
+            problems.append(f"models.tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                            f"target's vocab_size={target.vocab_size}")
+    except ValueError as exc:
+        problems.append(f"models.tokenizer: {exc}")
+    if problems:
+        raise ConfigError("invalid deployment config:\n  - " + "\n  - ".join(problems))
+
+
+def build_app(config: AppConfig) -> Application:
+    """The Serve application: OpenAI ingress -> target replicas (each on its placement group)."""
+    if not isinstance(config, AppConfig):
+        config = AppConfig.model_validate(config)
+    validate(config)
+    raw = json.loads(config.model_dump_json())
+    pl = config.placement
+    actor_options: dict[str, Any] = {"num_cpus": pl.cpus_per_rank}
+    if pl.accelerator == "GPU":
+        actor_options["num_gpus"] = 1
+    target = serve.deployment(TargetReplica, name="TargetDeployment").options(
+        num_replicas=pl.replicas,
+        ray_actor_options=actor_options,
+        placement_group_bundles=config.bundles(),
+        placement_group_strategy=config.strategy,
+        max_ongoing_requests=config.engine.reference.max_batch_size * 4,
+        health_check_timeout_s=config.engine.health_check_timeout_s + 10,
+        graceful_shutdown_timeout_s=10,
+    )
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        ray_actor_options={"num_cpus": config.ingress.ingress_cpus},
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+    )
+    return ingress.bind(target.bind(raw), raw)

@@ -1,0 +1,88 @@
+"""The engine interface both backends implement, and the types that cross it.
+
+The ingress and the router see only these: token ids in, committed-token events out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 (or top_k 1) is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
+        if self.max_tokens <= 0:
+            problems.append(f"max_tokens={self.max_tokens} must be > 0")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must be non-empty")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    spec: dict[str, Any] | None = None  # SGLang-named statistics, on the final output
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=lambda: SamplingParams())
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve (a rank died, or it was shut down)."""
+
+
+class Engine(Protocol):
+    """One engine = one target replica, whatever the backend."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream committed tokens; the last event has finished=True and the spec stats.
+        Raises ValueError for a request the engine can never serve (it is not queued)."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def health(self, timeout_s: float) -> None:
+        """Run a real 1-token generation through every rank; raise if it fails or times out."""
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def capacity(self) -> dict[str, int]:
+        """KV tokens: kv_tokens_total, kv_tokens_free (and used/reserved where known)."""
+
+    async def shutdown(self) -> None: ...
