@@ -138,10 +138,7 @@ class AppConfig(_Strict):
         """One bundle per node. The replica process is rank 0, so it takes one rank's share of
         bundle 0."""
         p, pl = self.parallelism, self.placement
-        bundles = []
-        for node in range(p.nodes):
-            bundle: dict[str, float] = {"CPU": pl.cpus_per_rank * p.devices_per_node}
-            if pl.accelerator == "GPU":
-                bundle["GPU"] = float(p.devices_per_node)
-            bundles.append(bundle)
-        return bundles
+        bundle: dict[str, float] = {"CPU": pl.cpus_per_rank * p.devices_per_node}
+        if pl.accelerator == "GPU":
+            bundle["GPU"] = float(p.devices_per_node)
+        return [dict(bundle) for _ in range(p.nodes)]

@@ -250,7 +250,7 @@ def test_config_errors_name_the_field(paths: dict[str, Path], tmp_path: Path) ->
     message = _config_error(paths, models={"draft": str(bad)})
     assert "target_layer_ids [9] do not exist in the target" in message
     assert "draft vocab_size=400 != target vocab_size=320" in message
-    with pytest.raises(ValueError, match="speculation.enabled=true needs models.draft"):
+    with pytest.raises(ValueError, match=r"speculation\.enabled=true needs models\.draft"):
         AppConfig.model_validate(app_config(paths, models={"draft": None}))
-    with pytest.raises(ValueError, match="placement.strategy"):
+    with pytest.raises(ValueError, match=r"placement\.strategy"):
         AppConfig.model_validate(app_config(paths, placement={"strategy": "RANDOM"}))
