@@ -99,6 +99,15 @@ class RankWorker:
         return self._thread is not None and self._thread.is_alive()
 
 
+def serve_replica_tag() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_tag
+    except Exception:  # outside Serve (tests build replicas directly)
+        return f"target-{os.getpid()}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -117,8 +126,11 @@ class TargetReplica:
         world = par.world_size
         rendezvous = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
         resources = ({"num_gpus": 1} if self.config.placement.accelerator == "GPU" else {})
+        # Named after the replica, so operators can find a replica's ranks in `ray list actors`.
+        replica_tag = serve_replica_tag()
         self.workers = [
             RankWorker.options(
+                name=f"{replica_tag}-rank{rank}",
                 num_cpus=self.config.placement.cpus_per_rank,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg,
