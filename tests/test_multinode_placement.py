@@ -10,12 +10,12 @@ import pytest
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
+from tiny_models import write_tiny_serving_pair
 
 from serve_app.app import build_app
 from serve_app.config import AppConfig
 from serve_app.engines.reference.builder import ReferenceEngineConfig, build_engine, build_runner
 from serve_app.engines.types import GenerateRequest, SamplingParams
-from tiny_models import write_tiny_serving_pair
 
 pytestmark = pytest.mark.slow
 

@@ -114,54 +114,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_reference(config: AppConfig, raw: dict[str, Any]
+                     ) -> tuple[Any, list[Any], list[dict[str, Any]]]:
+    """Rank 0 here, ranks 1..N-1 as RankWorker actors in the replica's placement group.
+    Returns (engine, rank workers, placement of every rank)."""
+    par = config.parallelism
+    info = [_placement_info(0, par.devices_per_node)]
+    pg = get_current_placement_group()
+    rendezvous = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+    resources = {"num_gpus": 1} if config.placement.accelerator == "GPU" else {}
+    # Named after the replica, so operators can find a replica's ranks in `ray list actors`.
+    replica_tag = serve_replica_tag()
+    workers = [
+        RankWorker.options(
+            name=f"{replica_tag}-rank{rank}",
+            num_cpus=config.placement.cpus_per_rank,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg,
+                placement_group_bundle_index=rank // par.devices_per_node,
+            ) if pg is not None else None,
+            **resources,
+        ).remote(raw, rank)
+        for rank in range(1, par.world_size)
+    ]
+    starts = [w.start.remote(rendezvous) for w in workers]
+    logger.info("replica: starting %d ranks (%s, %s)", par.world_size, config.strategy,
+                config.bundles())
+    _torch_device_setup(config, info[0])
+    runner = _build_runner(config, 0, rendezvous)
+    info += ray.get(starts, timeout=config.engine.startup_timeout_s)
+
+    from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
+    from serve_app.engines.reference.builder import build_engine
+    from serve_app.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.models.tokenizer_path())
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
+    core = build_engine(runner, config.engine.reference, eos_token_ids=eos,
+                        detokenize=tokenizer.decode)
+    if config.engine.max_model_len:
+        core.max_model_len = config.engine.max_model_len
+    return ReferenceAsyncEngine(core), workers, info
+
+
 class TargetReplica:
-    """The body of the target deployment (wrapped with serve.deployment in app.py)."""
+    """The body of the target deployment (wrapped with serve.deployment in app.py): it starts
+    the configured engine backend and serves the engine interface to the ingress/router."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = AppConfig.model_validate(config)
-        par = self.config.parallelism
         started = time.perf_counter()
-        self.info = [_placement_info(0, par.devices_per_node)]
-        pg = get_current_placement_group()
-        world = par.world_size
-        rendezvous = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
-        resources = ({"num_gpus": 1} if self.config.placement.accelerator == "GPU" else {})
-        # Named after the replica, so operators can find a replica's ranks in `ray list actors`.
-        replica_tag = serve_replica_tag()
-        self.workers = [
-            RankWorker.options(
-                name=f"{replica_tag}-rank{rank}",
-                num_cpus=self.config.placement.cpus_per_rank,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg,
-                    placement_group_bundle_index=rank // par.devices_per_node,
-                ) if pg is not None else None,
-                **resources,
-            ).remote(config, rank)
-            for rank in range(1, world)
-        ]
-        starts = [w.start.remote(rendezvous) for w in self.workers]
-        logger.info("replica: starting %d ranks (%s, %s)", world, self.config.strategy,
-                    self.config.bundles())
-        _torch_device_setup(self.config, self.info[0])
-        runner = _build_runner(self.config, 0, rendezvous)
-        self.info += ray.get(starts, timeout=self.config.engine.startup_timeout_s)
-        self.engine = self._make_engine(runner)
+        self.engine, self.workers, self.info = _start_reference(self.config, config)
         logger.info("replica ready in %.2f s: %s", time.perf_counter() - started,
                     self.engine.capacity())
-
-    def _make_engine(self, runner: Any) -> Any:
-        from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
-        from serve_app.engines.reference.builder import build_engine
-        from serve_app.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(self.config.models.tokenizer_path())
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-        core = build_engine(runner, self.config.engine.reference, eos_token_ids=eos,
-                            detokenize=tokenizer.decode)
-        if self.config.engine.max_model_len:
-            core.max_model_len = self.config.engine.max_model_len
-        return ReferenceAsyncEngine(core)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         async for out in self.engine.generate(request):
