@@ -1,0 +1,216 @@
+"""What the Serve path costs on top of the engine, side by side in one run.
+
+Variants (all on this machine, sequential requests, medians and p99 over N requests):
+  - engine:  a direct in-process call of the async engine (1 generated token);
+  - echo:    a plain two-deployment Ray Serve app (FastAPI ingress -> handle -> back, no model),
+             the floor any Serve app pays;
+  - http:    the full OpenAI HTTP path of this app (1 generated token, non-streaming);
+  - stream:  time to first token and per-chunk gaps of a streamed completion, HTTP vs engine.
+
+Goal: http_p50 - engine_p50 <= 1.2 x echo_p50.
+
+    python bench/serve_overhead.py [--requests 100] [--json out.json] [--pair embedded|random]
+"""
+
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"p50_ms": statistics.median(ordered) * 1e3,
+            "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3,
+            "n": len(ordered)}
+
+
+def _echo_app() -> Any:
+    from fastapi import FastAPI, Request
+    from ray import serve
+
+    echo_api = FastAPI()
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.1})
+    class Echo:
+        def __call__(self, payload: dict[str, Any]) -> dict[str, Any]:
+            return payload
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.1})
+    @serve.ingress(echo_api)
+    class EchoIngress:
+        def __init__(self, echo: Any) -> None:
+            self.echo = echo
+
+        @echo_api.post("/")
+        async def root(self, request: Request) -> dict[str, Any]:
+            return await self.echo.remote(await request.json())
+
+    return EchoIngress.bind(Echo.bind())
+
+
+def _model_paths(pair: str, tmp: Path) -> dict[str, Path]:
+    from serve_app.config import ASSETS
+
+    if pair == "embedded":
+        return {"target": ASSETS / "kimi-mini", "draft": ASSETS / "kimi-mini-dspark",
+                "tokenizer": ASSETS / "tokenizer"}
+    from tiny_models import write_tiny_serving_pair
+
+    paths = write_tiny_serving_pair(tmp)
+    return {**paths, "tokenizer": paths["target"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--stream-tokens", type=int, default=32)
+    parser.add_argument("--pair", choices=["embedded", "random"], default="embedded")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import AppConfig
+    from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
+    from serve_app.engines.reference.builder import build_engine, build_runner
+    from serve_app.engines.types import GenerateRequest, SamplingParams
+    from serve_app.tokenizer import load_tokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="serve-overhead-"))
+    paths = _model_paths(args.pair, tmp)
+    if args.pair == "embedded" and not (paths["target"] / "config.json").exists():
+        sys.exit("the embedded pair is not in serve_app/assets yet; use --pair random")
+    config = AppConfig.model_validate({
+        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
+                   "tokenizer": str(paths["tokenizer"]), "served_model_name": "bench"},
+        "engine": {"reference": {"kv_capacity_tokens": 8192}},
+        "parallelism": {"tp": 1, "devices_per_node": 1},
+        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.5},
+    })
+    tokenizer = load_tokenizer(paths["tokenizer"])
+    prompt = "def main():"
+    prompt_ids = tokenizer.encode(prompt)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+
+    # --- engine, in-process ---
+    runner = build_runner(paths["target"], paths["draft"], config.engine.reference)
+    engine = ReferenceAsyncEngine(build_engine(runner, config.engine.reference,
+                                               [tokenizer.eos_token_id], tokenizer.decode))
+
+    async def engine_times() -> tuple[list[float], dict[str, Any]]:
+        samples = []
+        for i in range(args.requests + 5):
+            t0 = time.perf_counter()
+            async for _ in engine.generate(GenerateRequest(f"e{i}", prompt_ids, one)):
+                pass
+            if i >= 5:
+                samples.append(time.perf_counter() - t0)
+        stream_params = SamplingParams(temperature=0.0, max_tokens=args.stream_tokens,
+                                       ignore_eos=True)
+        t0 = time.perf_counter()
+        marks = []
+        async for _ in engine.generate(GenerateRequest("es", prompt_ids, stream_params)):
+            marks.append(time.perf_counter() - t0)
+        return samples, {"ttft_ms": marks[0] * 1e3,
+                         "chunk_gap_ms": statistics.median(
+                             [b - a for a, b in zip(marks, marks[1:], strict=False)] or [0]) * 1e3,
+                         "chunks": len(marks)}
+
+    engine_samples, engine_stream = asyncio.run(engine_times())
+    asyncio.run(engine.shutdown())
+
+    # --- Serve: echo floor and the full HTTP path ---
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(_echo_app(), name="echo", route_prefix="/echo")
+    serve.run(build_app(config), name="kimi", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    results: dict[str, Any] = {"pair": args.pair, "requests": args.requests}
+    with httpx.Client(timeout=60) as http:
+        def timed(url: str, payload: dict[str, Any]) -> list[float]:
+            samples = []
+            for i in range(args.requests + 5):
+                t0 = time.perf_counter()
+                resp = http.post(url, json=payload)
+                resp.raise_for_status()
+                if i >= 5:
+                    samples.append(time.perf_counter() - t0)
+            return samples
+
+        echo = timed(base + "/echo/", {"x": 1})
+        full = timed(base + "/v1/completions", body)
+        stream_body = {**body, "max_tokens": args.stream_tokens, "stream": True,
+                       "ignore_eos": True}
+        marks = []
+        t0 = time.perf_counter()
+        with http.stream("POST", base + "/v1/completions", json=stream_body) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    marks.append(time.perf_counter() - t0)
+    serve.shutdown()
+    ray.shutdown()
+
+    results["engine"] = _summary(engine_samples)
+    results["echo"] = _summary(echo)
+    results["http"] = _summary(full)
+    overhead = results["http"]["p50_ms"] - results["engine"]["p50_ms"]
+    results["http_overhead_p50_ms"] = overhead
+    results["overhead_over_echo_floor"] = overhead / results["echo"]["p50_ms"]
+    results["stream"] = {
+        "engine": engine_stream,
+        "http": {"ttft_ms": marks[0] * 1e3,
+                 "chunk_gap_ms": statistics.median(
+                     [b - a for a, b in zip(marks, marks[1:], strict=False)]) * 1e3,
+                 "chunks": len(marks)},
+    }
+    results["stream"]["ttft_overhead_ms"] = (results["stream"]["http"]["ttft_ms"]
+                                             - engine_stream["ttft_ms"])
+
+    print(f"Serve overhead ({args.pair} pair, {args.requests} sequential requests, 1 token)")
+    print(f"{'path':<28}{'p50 ms':>10}{'p99 ms':>10}")
+    for name in ("engine", "echo", "http"):
+        r = results[name]
+        print(f"{name:<28}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}")
+    print(f"{'http - engine (p50)':<28}{overhead:>10.2f}")
+    print(f"{'(http - engine) / echo':<28}{results['overhead_over_echo_floor']:>10.2f}"
+          "   goal <= 1.2")
+    s = results["stream"]
+    print(f"{'stream TTFT engine / http':<28}{s['engine']['ttft_ms']:>10.2f}"
+          f"{s['http']['ttft_ms']:>10.2f}")
+    print(f"{'chunk gap engine / http':<28}{s['engine']['chunk_gap_ms']:>10.2f}"
+          f"{s['http']['chunk_gap_ms']:>10.2f}")
+    print(json.dumps(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
