@@ -1,7 +1,7 @@
 """`kimi-dspark`: command-line tools of the Serve app.
 
 - `inspect PATH`: validate a DSpark checkpoint folder from its safetensors headers alone.
-- `demo`: build a tiny random DSpark checkpoint, inspect it, and draft one block.
+- `demo`: serve the embedded CPU default and stream one answer with its acceptance stats.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -88,39 +87,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    import torch
+    from serve_app.demo import run_demo
 
-    from serve_app.models.dspark import DSparkDraft, load_dspark, save_dspark
-
-    config = DSparkConfig.from_dict(
-        {
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-            "vocab_size": 512, "max_position_embeddings": 4096, "block_size": 7,
-            "num_target_layers": 4, "dtype": "float32",
-            "dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": 511,
-                              "markov_rank": 8},
-        },
-        "demo config",
-    )
-    torch.manual_seed(args.seed)
-    out = Path(args.out or tempfile.mkdtemp(prefix="dspark-demo-"))
-    save_dspark(DSparkDraft(config), out)
-    print(f"wrote a tiny random DSpark checkpoint to {out}\n")
-    _print_report(inspect_checkpoint(out))
-    draft = load_dspark(out)
-    embed = torch.randn(config.vocab_size, config.hidden_size)
-    lm_head = torch.randn(config.vocab_size, config.hidden_size)
-    cache = draft.new_cache(capacity_tokens=256)
-    cache.add("demo")
-    prompt_len = 12
-    taps = torch.randn(prompt_len, len(config.target_layer_ids) * config.target_hidden_size)
-    draft.append_context(cache, ["demo"], [taps])
-    result = draft.draft(cache, ["demo"], torch.tensor([7]), embed, lm_head)
-    print(f"\none draft step after a {prompt_len}-token context: drafts "
-          f"{result.tokens[0].tolist()}, confidence "
-          f"{[round(c, 3) for c in result.confidence[0].tolist()]}")  # type: ignore[index]
-    return 0
+    return run_demo(args.prompt, args.max_tokens, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_inspect)
-    p = sub.add_parser("demo", help="build, inspect and run a tiny random DSpark draft")
-    p.add_argument("--out", help="folder for the checkpoint (default: a new temp folder)")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("demo", help="serve deployments/local.yaml and stream one chat answer "
+                       "with its acceptance statistics")
+    p.add_argument("--prompt", help="the user message (default: a held-out prompt)")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--port", type=int, help="HTTP port (default: the deployment file's)")
     p.set_defaults(func=_cmd_demo)
     args = parser.parse_args(argv)
     try:

@@ -9,9 +9,10 @@ target's bonus token, and rolls both caches back past the committed length.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +28,26 @@ from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, SpecStats, Status
 from serve_app.engines.types import RequestOutput
 from serve_app.models.dspark import survival_draft_count
+
+
+class EngineObserver(Protocol):
+    """Hooks for tracing and metrics, called on the engine thread. Times are time.time_ns()."""
+
+    def on_queued(self, seq: Sequence, at_ns: int) -> None: ...
+
+    def on_admitted(self, seq: Sequence, at_ns: int) -> None: ...
+
+    def on_prefill_chunk(self, seq: Sequence, start: int, end: int, start_ns: int,
+                         end_ns: int) -> None: ...
+
+    def on_decode_step(self, seq: Sequence, drafted: int, accepted: int, committed: int,
+                       start_ns: int, end_ns: int) -> None:
+        """One decode step; with speculation, one verify of `drafted` drafts."""
+
+    def on_finished(self, seq: Sequence, at_ns: int) -> None: ...
+
+    def on_step(self, core: EngineCore) -> None:
+        """After every step (queue lengths, KV use)."""
 
 
 @dataclass
@@ -57,11 +78,13 @@ class EngineCore:
         speculation: SpeculationSettings | None = None,
         max_model_len: int | None = None,
         residual_rule: ResidualRule = residual_distribution,
+        observer: EngineObserver | None = None,
     ) -> None:
         """`residual_rule` is the rejection sampler's correction distribution; only tests
         replace it (to show that a wrong rule is detected)."""
         self.runner = runner
         self.residual_rule = residual_rule
+        self.observer = observer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.max_model_len = max_model_len
@@ -109,6 +132,8 @@ class EngineCore:
         seq = Sequence(rid, list(prompt_ids), params, self.eos_token_ids, self.detokenize)
         self.scheduler.add(seq)
         self.sequences[rid] = seq
+        if self.observer:
+            self.observer.on_queued(seq, time.time_ns())
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -120,6 +145,8 @@ class EngineCore:
         self.runner.free(request_id)
         seq.status = Status.FINISHED
         seq.finish_reason = "abort"
+        if self.observer:
+            self.observer.on_finished(seq, time.time_ns())
         return True
 
     @property
@@ -131,22 +158,31 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         for seq in self.scheduler.admit():
             self.runner.add(seq.request_id)
+            if self.observer:
+                self.observer.on_admitted(seq, time.time_ns())
         plan = self.scheduler.schedule()
         touched: list[Sequence] = []
         if plan.prefill:
             touched += self._prefill(plan.prefill)
         if plan.decode:
             touched += self._decode(plan.decode)
-        return [self._output(seq) for seq in touched]
+        outputs = [self._output(seq) for seq in touched]
+        if self.observer:
+            self.observer.on_step(self)
+        return outputs
 
     def _prefill(self, chunks: list[Any]) -> list[Sequence]:
+        start_ns = time.time_ns()
         rows = [c.seq.prompt_ids[c.start:c.end] for c in chunks]
         rids = [c.seq.request_id for c in chunks]
         logits = self.runner.forward(rows, rids, capture=self.speculative)
         lengths = [c.end for c in chunks]
         self.runner.commit(rids, lengths, [c.end - c.start for c in chunks])
         done = []
+        end_ns = time.time_ns()
         for b, c in enumerate(chunks):
+            if self.observer:
+                self.observer.on_prefill_chunk(c.seq, c.start, c.end, start_ns, end_ns)
             c.seq.num_cached = c.end
             if c.completes_prompt:
                 seq = c.seq
@@ -157,12 +193,16 @@ class EngineCore:
         return done
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
+        start_ns = time.time_ns()
         if not self.speculative:
             logits = self.runner.forward([[s.anchor] for s in seqs],
                                          [s.request_id for s in seqs], capture=False)
+            end_ns = time.time_ns()
             for b, seq in enumerate(seqs):
                 seq.num_cached += 1
-                seq.append([sample_token(logits[b, 0], seq.params, seq.generator)])
+                kept = seq.append([sample_token(logits[b, 0], seq.params, seq.generator)])
+                if self.observer:
+                    self.observer.on_decode_step(seq, 0, 0, len(kept), start_ns, end_ns)
             return seqs
 
         proposal = self.runner.propose(seqs)
@@ -178,6 +218,7 @@ class EngineCore:
             drafts.append(proposal.tokens[b, :k].tolist())
         rows = [[s.anchor, *d] for s, d in zip(seqs, drafts, strict=True)]
         logits = self.runner.forward(rows, [s.request_id for s in seqs], capture=True)
+        end_ns = time.time_ns()
         lengths, tap_rows = [], []
         for b, seq in enumerate(seqs):
             k = len(drafts[b])
@@ -189,7 +230,10 @@ class EngineCore:
             seq.num_cached += verdict.accepted + 1
             lengths.append(seq.num_cached)
             tap_rows.append(verdict.accepted + 1)
-            seq.append(verdict.tokens)
+            kept = seq.append(verdict.tokens)
+            if self.observer:
+                self.observer.on_decode_step(seq, k, verdict.accepted, len(kept), start_ns,
+                                             end_ns)
         self.runner.commit([s.request_id for s in seqs], lengths, tap_rows)
         return seqs
 
@@ -210,6 +254,8 @@ class EngineCore:
                 out.spec = seq.stats.as_dict(len(seq.output_ids))
                 self.totals.spec.merge(seq.stats)
                 self.totals.spec_completion_tokens += len(seq.output_ids)
+            if self.observer:
+                self.observer.on_finished(seq, time.time_ns())
             self.totals.requests_finished += 1
             self.totals.prompt_tokens += len(seq.prompt_ids)
             self.totals.completion_tokens += len(seq.output_ids)
