@@ -1,0 +1,230 @@
+"""SGLang server arguments from the deployment files: golden files, SGLang 0.5.23's own field
+definitions, refusals, and the translation of SGLang's outputs. CPU only; SGLang not installed.
+
+Regenerate the golden files after an intended change: UPDATE_GOLDEN=1 pytest tests/test_sglang_args.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from sglang_helpers import GOLDEN, ROOT, app_config, serve_files
+
+from serve_app.app import ConfigError, validate
+from serve_app.engines.reference.sequence import SpecStats
+from serve_app.engines.sglang import (
+    FLAGS_FILE,
+    OutputTracker,
+    RequestAborted,
+    check_server_args,
+    rank_plan,
+    sampling_params,
+    server_args_cli,
+    sglang_fields,
+    sglang_problems,
+    sglang_server_args,
+)
+from serve_app.engines.types import SamplingParams
+
+PRODUCTION = "deployments/kimi_dspark.yaml"
+SGLANG_SRC = Path(os.environ.get("SGLANG_SRC", "/tmp/pkgs/sg/sglang"))
+
+
+def _golden_name(rel: str) -> Path:
+    return GOLDEN / f"sglang_args_{Path(rel).stem}.json"
+
+
+@pytest.mark.parametrize("rel", serve_files())
+def test_server_args_match_golden_and_sglang(rel: str) -> None:
+    config = app_config(rel)
+    validate(config)  # the deployment passes the start-up checks
+    args = sglang_server_args(config)
+    golden = _golden_name(rel)
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(json.dumps(args, indent=1) + "\n")
+    assert args == json.loads(golden.read_text())
+    assert check_server_args(args) == []
+    fields = sglang_fields()
+    # Always explicit: DSPARK silently forces 48 when unset; DSPARK with its draft and gamma.
+    assert args["max_running_requests"] == config.engine.sglang.max_running_requests
+    assert args["speculative_algorithm"] == "DSPARK"
+    assert args["speculative_dspark_block_size"] == 7
+    assert args["context_length"] == 1_048_576
+    assert args["tp_size"] == args["ep_size"] == config.parallelism.world_size
+    assert args["nnodes"] == config.parallelism.nodes
+    assert args["enable_metrics"] is True
+    # The CLI spelling uses SGLang's own flags.
+    argv = server_args_cli(args)
+    for name in args:
+        if fields[name]["flag"] and args[name] not in (False, None):
+            assert fields[name]["flag"] in argv
+
+
+def test_h200_recipe_values() -> None:
+    args = sglang_server_args(app_config(PRODUCTION))
+    assert {k: args[k] for k in ("tp_size", "ep_size", "nnodes", "moe_runner_backend",
+                                 "decode_attention_backend", "mem_fraction_static")} == {
+        "tp_size": 16, "ep_size": 16, "nnodes": 2, "moe_runner_backend": "marlin",
+        "decode_attention_backend": "flashmla", "mem_fraction_static": 0.85}
+    assert args["model_path"] == "/models/Kimi-K3"
+    assert args["speculative_draft_model_path"] == "/models/Kimi-K3-DSpark"
+
+
+def test_vendored_flags_match_the_wheel_source() -> None:
+    if not (SGLANG_SRC / "srt" / "server_args.py").exists():
+        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("extract", ROOT / "tools" /
+                                                  "extract_sglang_flags.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.extract(SGLANG_SRC) == json.loads(FLAGS_FILE.read_text())
+
+
+def test_flag_definitions_have_the_meanings_relied_on() -> None:
+    f = sglang_fields()
+    assert f["speculative_dspark_block_size"]["help"].startswith("DSPARK only. Draft block size")
+    assert "DSPARK" in f["speculative_algorithm"]["help"]
+    assert f["ep_size"]["flag"] == "--ep-size" and "--ep" in f["ep_size"]["aliases"]
+    assert f["attn_dp_size"]["type"] == "int"
+    assert f["enable_dp_attention"]["flag"] is None  # deprecated: no CLI, resolved from attn_dp
+    assert f["max_running_requests"]["default"] is None  # hence always set
+    assert "flashmla" in f["decode_attention_backend"]["choices"]
+    assert "marlin" in f["moe_runner_backend"]["choices"]
+
+
+# --- refusals -----------------------------------------------------------------------------------
+
+
+def _problems(**overrides: dict) -> str:
+    return "\n".join(sglang_problems(app_config(PRODUCTION, **overrides)))
+
+
+def test_dspark_without_cuda_is_refused() -> None:
+    config = app_config(PRODUCTION, placement={"accelerator": "CPU"})
+    with pytest.raises(ConfigError, match=r"placement.accelerator='CPU'.*DSpark speculative "
+                                          r"decoding only supports CUDA"):
+        validate(config)
+
+
+def test_tp_not_dividing_the_gpus_is_refused() -> None:
+    with pytest.raises(ValidationError, match=r"parallelism.tp \(12\).*must equal the devices"):
+        app_config(PRODUCTION, parallelism={"tp": 12, "ep": 12})
+    assert "parallelism.ep=5 must divide parallelism.tp=16" in _problems(parallelism={"ep": 5})
+
+
+def test_block_size_must_match_a_local_draft_config(tmp_path: Path) -> None:
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    shutil.copy(ROOT / "capacity" / "data" / "kimi-k3-dspark-config.json", draft / "config.json")
+    problems = _problems(models={"draft": str(draft)}, engine={"sglang": {
+        "speculative_dspark_block_size": 6}})
+    assert "speculative_dspark_block_size=6 does not match the draft's block_size=7" in problems
+    assert str(draft) in problems  # names the local file it read
+    assert _problems(models={"draft": str(draft)}) == ""
+
+
+def test_context_above_the_model_maximum_is_refused() -> None:
+    assert ("engine.sglang.context_length=2,097,152 exceeds Kimi-K3's maximum 1,048,576"
+            in _problems(engine={"sglang": {"context_length": 2_097_152}}))
+
+
+def test_k3_on_8_h200_is_refused_with_numbers() -> None:
+    config = app_config(PRODUCTION, parallelism={"tp": 8, "ep": 8, "nodes": 1})
+    with pytest.raises(ConfigError) as err:
+        validate(config)
+    message = str(err.value)
+    assert "Kimi-K3 on 1x8 H200 TP8 EP8" in message
+    assert "weights need 196.6 GB per GPU" in message
+    assert "static pool is 119.8 GB (0.85 x 141 GB H200)" in message
+
+
+def test_k3_on_8_mi300x_is_refused_but_16_fit() -> None:
+    rel = "deployments/variants/kimi_dspark_mi300x.yaml"
+    assert _problems() == ""
+    problems = "\n".join(sglang_problems(app_config(
+        rel, parallelism={"tp": 8, "ep": 8, "nodes": 1})))
+    assert "static pool is 163.2 GB (0.85 x 192 GB MI300X)" in problems
+
+
+def test_bad_server_args_are_refused() -> None:
+    assert "'not_a_flag' is not an SGLang 0.5.23 server argument" in _problems(
+        engine={"sglang": {"extra_server_args": {"not_a_flag": 1}}})
+    assert "may not set tp_size" in _problems(engine={"sglang": {"extra_server_args": {
+        "tp_size": 8}}})
+    assert "moe_runner_backend='nope' is not one of SGLang's choices" in _problems(
+        engine={"sglang": {"moe_runner_backend": "nope"}})
+    assert "stream_interval='2' does not match SGLang's type int" in _problems(
+        engine={"sglang": {"extra_server_args": {"stream_interval": "2"}}})
+    assert "placement.gpu_type is required" in _problems(placement={"gpu_type": None})
+    assert "speculative_draft_attention_backend='flashmla' is not one of SGLang's draft" in (
+        _problems(engine={"sglang": {"speculative_draft_attention_backend": "flashmla"}}))
+
+
+def test_attention_dp_turns_on_the_dp_lm_head() -> None:
+    config = app_config(PRODUCTION, parallelism={"attention_dp": 2})
+    args = sglang_server_args(config)
+    assert args["attn_dp_size"] == 2 and args["enable_dp_lm_head"] is True
+    assert "enable_dp_attention" not in args  # deprecated in 0.5.23
+
+
+# --- RayEngine's rank layout and SGLang's outputs -----------------------------------------------
+
+
+def test_rank_plan_is_rayengine_auto_mode() -> None:
+    plan = rank_plan(nnodes=2, tp_size=16, engine_bundle=1)
+    assert [s.tp_rank for s in plan] == list(range(16))
+    assert {s.bundle_index for s in plan[:8]} == {1}  # node 0 = the engine's bundle
+    assert {s.bundle_index for s in plan[8:]} == {0}
+    assert [s.gpu_id for s in plan] == list(range(8)) * 2
+
+
+def test_sampling_params_mapping() -> None:
+    p = SamplingParams(temperature=0.0, top_p=0.9, top_k=0, max_tokens=5, stop=("\n\n",),
+                       stop_token_ids=(7,), ignore_eos=True, seed=3)
+    assert sampling_params(p) == {"temperature": 0.0, "top_p": 0.9, "top_k": -1,
+                                  "max_new_tokens": 5, "ignore_eos": True, "stop": ["\n\n"],
+                                  "stop_token_ids": [7], "sampling_seed": 3}
+    assert sampling_params(SamplingParams(top_k=20))["top_k"] == 20
+
+
+def _meta(finish: dict | None, completion: int, **spec: object) -> dict:
+    return {"id": "r", "finish_reason": finish, "prompt_tokens": 4,
+            "completion_tokens": completion, **spec}
+
+
+def test_output_tracker_streams_deltas_and_spec_stats() -> None:
+    # The dict shapes of TokenizerManager._handle_batch_output with incremental streaming.
+    spec = {"spec_verify_ct": 2, "spec_accept_length": 2.5, "spec_accept_rate": 0.25,
+            "spec_num_correct_drafts": 3, "spec_num_proposed_drafts": 12,
+            "spec_correct_drafts_histogram": [0, 1, 1]}
+    t = OutputTracker("r", 4, speculative=True, incremental=True)
+    a = t.update({"text": "Hel", "output_ids": [1, 2], "meta_info": _meta(None, 2)})
+    b = t.update({"text": "lo!", "output_ids": [3, 4, 5],
+                  "meta_info": _meta({"type": "stop", "matched": 5}, 5, **spec)})
+    assert (a.token_ids, a.text, a.finished, a.spec) == ([1, 2], "Hel", False, None)
+    assert (b.token_ids, b.text, b.finished, b.finish_reason) == ([3, 4, 5], "lo!", True, "stop")
+    assert b.completion_tokens == 5 and b.prompt_tokens == 4
+    # Same names as the reference backend, so the API's usage extension is identical.
+    assert set(b.spec) == set(SpecStats().as_dict(1))
+    assert b.spec["spec_accept_length"] == 2.5 and b.spec["spec_verify_ct"] == 2
+    assert b.spec["spec_correct_drafts_histogram"] == [0, 1, 1]
+    assert b.spec["spec_accepted_drafts"] == 3 and b.spec["spec_proposed_drafts"] == 12
+
+
+def test_output_tracker_cumulative_mode_and_abort() -> None:
+    t = OutputTracker("r", 4, speculative=False, incremental=False)
+    t.update({"text": "ab", "output_ids": [1, 2], "meta_info": _meta(None, 2)})
+    out = t.update({"text": "abcd", "output_ids": [1, 2, 3, 4],
+                    "meta_info": _meta({"type": "length", "length": 4}, 4)})
+    assert (out.token_ids, out.text, out.finish_reason, out.spec) == ([3, 4], "cd", "length", None)
+    with pytest.raises(RequestAborted, match="too long"):
+        OutputTracker("x", 1, True).update({"text": "", "output_ids": [], "meta_info": _meta(
+            {"type": "abort", "message": "too long"}, 0)})
