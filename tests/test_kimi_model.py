@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from serve_app.models.kimi import (
 from serve_app.models.kimi_config import KimiConfig, KimiConfigError
 from serve_app.models.kv_cache import KVCapacityError
 from serve_app.models.layers import rope_inv_freq
+from serve_app.netutil import free_port
 
 K2_CONFIG = Path(__file__).resolve().parents[1] / "capacity/data/kimi-k2-instruct-config.json"
 
@@ -466,11 +466,6 @@ def test_strict_load_names_every_problem(tmp_path: Path) -> None:
 # --- tensor parallelism -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _tp_worker(rank: int, world: int, port: int, folders: list[str], out_dir: str) -> None:
     import torch.distributed as dist
@@ -499,7 +494,7 @@ def test_tensor_parallel_2_matches_single_rank(tmp_path: Path) -> None:
     folders = [tmp_path / "fp32", tmp_path / "fp8"]
     save_kimi(model, folders[0])
     save_kimi(model, folders[1], fp8=True)
-    mp.spawn(_tp_worker, args=(2, _free_port(), [str(f) for f in folders], str(tmp_path)),
+    mp.spawn(_tp_worker, args=(2, free_port(), [str(f) for f in folders], str(tmp_path)),
              nprocs=2, join=True)
     seqs = random_seqs()
     cfg = model.config

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from serve_app.engines.reference.sequence import Sequence
 from serve_app.models.dspark import DraftOutput
 from serve_app.models.kimi import KimiForCausalLM, load_kimi
 from serve_app.models.kv_cache import KVCapacityError, PagedAllocator
+from serve_app.netutil import free_port
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -422,11 +422,6 @@ def test_engine_without_draft_and_bad_requests(pair: tuple[Path, Path]) -> None:
 # --- tensor parallel -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _tp_worker(rank: int, size: int, port: int, pair: tuple[Path, Path], prompts: list[list[int]],
                results: mp.Queue) -> None:
@@ -453,7 +448,7 @@ def test_tp2_over_gloo_matches_tp1(pair: tuple[Path, Path]) -> None:
     expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, pair, prompts, results))
              for r in range(2)]
     for p in procs:

@@ -32,7 +32,7 @@ from serve_app.models.checkpoint import (
 )
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.kv_cache import PagedKVCache
-from serve_app.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from serve_app.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class DSparkAttention(nn.Module):
@@ -83,23 +83,35 @@ class DSparkAttention(nn.Module):
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, g, -1))
 
-
-class DSparkMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward_masked(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Training: x [B, Q, hidden] holds many blocks at once; mask [B, 1, Q, L + Q] says
+        which context and block keys each query row sees. Differentiable."""
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
+        q = apply_rotary(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        k_block, v_block = self.key_value(x, cos, sin)
+        k = torch.cat([context_k, k_block], dim=1).transpose(1, 2)
+        v = torch.cat([context_v, v_block], dim=1).transpose(1, 2)
+        groups = self.num_heads // self.num_kv_heads
+        # Repeated, not enable_gqa: the CPU backward of a GQA-broadcast SDPA is not guaranteed.
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class DSparkLayer(nn.Module):
     def __init__(self, config: DSparkConfig) -> None:
         super().__init__()
         self.self_attn = DSparkAttention(config)
-        self.mlp = DSparkMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -310,6 +322,77 @@ class DSparkDraft(nn.Module):
             confidence=confidence,
             logits=torch.stack(logits_out, dim=1),
         )
+
+    def forward_train(
+        self,
+        taps: torch.Tensor,
+        input_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        embed_tokens: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> TrainBlocks:
+        """Differentiable draft forward for training, many anchors per sequence at once.
+
+        taps: [B, T, taps * target_hidden] the target's tap outputs for every token of the
+        sequences; input_ids: [B, T]; anchors: [B, A] positions p (the anchor token is
+        input_ids[b, p]; its block rows sit at positions p..p+gamma-1 and row k predicts the token
+        at p+k+1). The Markov head is teacher-forced with the sequence's tokens
+        (prev_k = input_ids[p + k]). Anchors need p + gamma <= T - 1 only where labels are read.
+
+        Equal, anchor by anchor, to `draft()` on a cache holding the first p context rows.
+        """
+        gamma = self.config.block_size
+        b, t = input_ids.shape
+        a = anchors.shape[1]
+        dev = input_ids.device
+        ctx = self.project_context(taps.to(self.fc.weight.dtype))  # [B, T, hidden]
+        cos_c, sin_c = self.rotary(torch.arange(t, device=dev))
+        positions = (anchors[:, :, None] + torch.arange(gamma, device=dev)).reshape(b, a * gamma)
+        block_ids = torch.full((b, a, gamma), self.config.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, :, 0] = input_ids.gather(1, anchors)
+        x = F.embedding(block_ids.view(b, a * gamma), embed_tokens).to(self.fc.weight.dtype)
+        cos_b, sin_b = self.rotary(positions)
+        mask = block_attention_mask(anchors, t, gamma)
+        for layer in self.layers:
+            k, v = layer.self_attn.key_value(ctx, cos_c, sin_c)
+            x = x + layer.self_attn.forward_masked(layer.input_layernorm(x), cos_b, sin_b, k, v, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.norm(x).view(b, a, gamma, -1)
+        logits = (h @ lm_head.to(h.dtype).T).float()
+        prev = input_ids.gather(1, positions.clamp(max=t - 1)).view(b, a, gamma)
+        feats = None
+        if self.markov_head is not None:
+            correction, feats = self.markov_head(prev)
+            logits = logits + correction.float()
+        confidence = None
+        if self.confidence_head is not None:
+            parts = [h]
+            if feats is not None and self.config.confidence_head_with_markov:
+                parts.append(feats.to(h.dtype))
+            confidence = self.confidence_head(torch.cat(parts, dim=-1))
+        return TrainBlocks(hidden=h, logits=logits, confidence=confidence)
+
+
+@dataclass
+class TrainBlocks:
+    """A training forward over many blocks (one per anchor) of B sequences."""
+
+    hidden: torch.Tensor  # [B, A, gamma, hidden] final-normed block rows
+    logits: torch.Tensor  # [B, A, gamma, vocab] Markov-corrected (teacher-forced) logits
+    confidence: torch.Tensor | None  # [B, A, gamma]
+
+
+def block_attention_mask(anchors: torch.Tensor, context_len: int, gamma: int) -> torch.Tensor:
+    """[B, 1, A*gamma, context_len + A*gamma]: block rows of the anchor at position p see the
+    context entries at positions < p (what the inference cache holds when that anchor is drafted)
+    and the gamma rows of their own block, non-causally."""
+    b, a = anchors.shape
+    dev = anchors.device
+    ctx = torch.arange(context_len, device=dev)[None, None, :] < anchors[:, :, None]  # [B, A, L]
+    ctx = ctx.repeat_interleave(gamma, dim=1)  # [B, A*g, L]
+    owner = torch.arange(a, device=dev).repeat_interleave(gamma)
+    same = (owner[:, None] == owner[None, :]).expand(b, -1, -1)  # [B, A*g, A*g]
+    return torch.cat([ctx, same], dim=-1)[:, None]
 
 
 def survival_draft_count(confidence: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -7,12 +7,12 @@ must agree; otherwise the error names both places.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serve_app.models.config_files import read_config_json, validate_fields
 
 # Settings that may appear in dflash_config / markov_* / dspark_* (besides the Qwen3 body).
 _DSPARK_KEYS = (
@@ -116,32 +116,11 @@ class DSparkConfig(BaseModel):
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> DSparkConfig:
         flat = _resolve_dspark_keys(raw, source)
-        try:
-            return cls.model_validate(flat)
-        except ValidationError as exc:
-            lines = []
-            for err in exc.errors():
-                loc = ".".join(str(p) for p in err["loc"]) or "config"
-                msg = err["msg"].removeprefix("Value error, ")
-                lines.append(f"{loc}: {msg}" if err["type"] != "missing" else f"{loc}: missing")
-            raise DSparkConfigError(
-                f"{source}: invalid DSpark config:\n  - " + "\n  - ".join(lines)
-            ) from None
+        return validate_fields(cls, flat, source, "DSpark", DSparkConfigError)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> DSparkConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise DSparkConfigError(f"{path}: no config.json") from None
-        except json.JSONDecodeError as exc:
-            raise DSparkConfigError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise DSparkConfigError(f"{path}: expected a JSON object")
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(*read_config_json(path, DSparkConfigError))
 
     def to_dict(self) -> dict[str, Any]:
         """The published layout: Qwen3 body at top level, DSpark settings in `dflash_config`."""

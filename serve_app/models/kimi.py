@@ -43,7 +43,7 @@ from serve_app.models.checkpoint import (
 )
 from serve_app.models.kimi_config import Fp8QuantConfig, KimiConfig, KimiConfigError
 from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
-from serve_app.models.layers import RMSNorm, rope_inv_freq
+from serve_app.models.layers import GatedMLP, RMSNorm, rope_inv_freq
 
 __all__ = [
     "KimiConfig",
@@ -195,21 +195,27 @@ class KimiAttention(nn.Module):
         out = torch.einsum("bhtl,hvl->bthv", out_latent, w_uv).reshape(b, t, -1)
         return self.tp.all_reduce(self.o_proj(out))
 
+    def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Causal attention over whole sequences without a cache, differentiable (training).
+        The same absorbed computation as `forward`, so logits agree with the cached path."""
+        b, t, _ = x.shape
+        q_nope, q_pe = self.query(x).split([self.nope, self.rope], dim=-1)
+        q_pe = apply_rotary_interleaved(q_pe, cos[:, :, None], sin[:, :, None])
+        keys = self.latent(x, cos, sin)  # [B, T, lora + rope]
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.einsum("bthn,hnl->bhtl", q_nope, w_uk)
+        q_full = torch.cat([q_latent, q_pe.transpose(1, 2)], dim=-1)
+        shape = (b, self.num_heads, t, keys.shape[-1])
+        # Expanded, not enable_gqa: the CPU backward of a GQA-broadcast SDPA is not guaranteed.
+        k = keys[:, None].expand(shape)
+        out_latent = F.scaled_dot_product_attention(
+            q_full, k, k[..., : self.kv_lora_rank], is_causal=True, scale=self.softmax_scale
+        )
+        out = torch.einsum("bhtl,hvl->bthv", out_latent, w_uv).reshape(b, t, -1)
+        return self.tp.all_reduce(self.o_proj(out))
+
 
 # --- MLP and MoE -----------------------------------------------------------------------------
-
-
-class KimiMLP(nn.Module):
-    """SiLU-gated MLP; under TP `intermediate` is this rank's share (the caller all-reduces)."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoEGate(nn.Module):
@@ -255,17 +261,22 @@ class KimiMoE(nn.Module):
         self.gate = MoEGate(config)
         # Keyed by the GLOBAL expert id so state-dict names match the checkpoint's on every rank.
         self.experts = nn.ModuleDict(
-            {str(e): KimiMLP(config.hidden_size, config.moe_intermediate_size)
+            {str(e): GatedMLP(config.hidden_size, config.moe_intermediate_size)
              for e in self.expert_range}
         )
         self.shared_experts = (
-            KimiMLP(config.hidden_size, config.shared_intermediate_size // tp.size)
+            GatedMLP(config.hidden_size, config.shared_intermediate_size // tp.size)
             if config.n_shared_experts
             else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> this rank's partial sum [N, hidden] (the caller all-reduces)."""
+        return self.forward_counts(x)[0]
+
+    def forward_counts(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """`forward`, plus how many tokens each expert received (training balances the router
+        bias with these counts, DeepSeek-V3's auxiliary-loss-free rule)."""
         weights, ids = self.gate(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = ids.flatten()
@@ -281,8 +292,8 @@ class KimiMoE(nn.Module):
                 out.index_add_(0, rows, y)
             start += n
         if self.shared_experts is not None:
-            out += self.shared_experts(x).float()
-        return out.to(x.dtype)
+            out = out + self.shared_experts(x).float()
+        return out.to(x.dtype), counts
 
 
 # --- decoder ---------------------------------------------------------------------------------
@@ -293,10 +304,10 @@ class KimiDecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.self_attn = KimiAttention(config, tp)
-        self.mlp: KimiMLP | KimiMoE = (
+        self.mlp: GatedMLP | KimiMoE = (
             KimiMoE(config, tp)
             if config.is_moe_layer(layer)
-            else KimiMLP(config.hidden_size, config.intermediate_size // tp.size)
+            else GatedMLP(config.hidden_size, config.intermediate_size // tp.size)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -409,6 +420,38 @@ class KimiForCausalLM(nn.Module):
                 captured[i] = x
         logits = self.lm_head(self.model.norm(x)).float()
         taps = torch.cat([captured[i] for i in layers], dim=-1) if layers else None
+        return KimiOutput(logits=logits, taps=taps)
+
+    def forward_train(
+        self,
+        input_ids: torch.Tensor,
+        capture_layers: Sequence[int] = (),
+        expert_counts: list[list[int]] | None = None,
+    ) -> KimiOutput:
+        """Whole sequences [B, T] from position 0, causal, no cache, with autograd: the
+        language-model training forward (and the draft trainer's source of target taps and
+        distributions). Logits and taps equal the cached `forward` on the same tokens.
+        `expert_counts`, if given, receives each MoE layer's tokens per expert."""
+        b, t = input_ids.shape
+        dev = self.model.embed_tokens.weight.device
+        positions = torch.arange(t, device=dev)[None, :].expand(b, -1)
+        cos, sin = self.rotary(positions)
+        x = self.model.embed_tokens(input_ids.to(dev))
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = x + layer.self_attn.forward_train(layer.input_layernorm(x), cos, sin)
+            h = layer.post_attention_layernorm(x)
+            if isinstance(layer.mlp, KimiMoE):
+                out, counts = layer.mlp.forward_counts(h.reshape(b * t, -1))
+                if expert_counts is not None:
+                    expert_counts.append(counts)
+                x = x + layer.tp.all_reduce(out.view_as(h))
+            else:
+                x = x + layer.tp.all_reduce(layer.mlp(h))
+            if i in capture_layers:
+                captured[i] = x
+        logits = self.lm_head(self.model.norm(x)).float()
+        taps = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return KimiOutput(logits=logits, taps=taps)
 
     def _attention_batch(

@@ -7,13 +7,13 @@ are FP8, the tensor-parallel split) is computed here, in one place, from these f
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serve_app.models.config_files import read_config_json, validate_fields
 
 
 class KimiConfigError(ValueError):
@@ -236,32 +236,11 @@ class KimiConfig(BaseModel):
         # transformers v5 writes `dtype` instead of `torch_dtype`.
         if "torch_dtype" not in data and "dtype" in data:
             data["torch_dtype"] = data["dtype"]
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            lines = []
-            for err in exc.errors():
-                loc = ".".join(str(p) for p in err["loc"]) or "config"
-                msg = err["msg"].removeprefix("Value error, ")
-                lines.append(f"{loc}: missing" if err["type"] == "missing" else f"{loc}: {msg}")
-            raise KimiConfigError(
-                f"{source}: invalid Kimi/DeepseekV3 config:\n  - " + "\n  - ".join(lines)
-            ) from None
+        return validate_fields(cls, data, source, "Kimi/DeepseekV3", KimiConfigError)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> KimiConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise KimiConfigError(f"{path}: no config.json") from None
-        except json.JSONDecodeError as exc:
-            raise KimiConfigError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise KimiConfigError(f"{path}: expected a JSON object")
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(*read_config_json(path, KimiConfigError))
 
     def to_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json", exclude_none=False)
