@@ -45,17 +45,20 @@ class ModelRunner:
 
     # --- the protocol between rank 0 and followers ------------------------------------------
 
+    @property
+    def _leader(self) -> int:
+        """Global rank of the group's rank 0 (broadcast takes global ranks)."""
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
+
     def _broadcast(self, op: str, *args: Any) -> None:
         if self.tp_size > 1 and self.tp_rank == 0:
-            dist.broadcast_object_list([(op, args)], src=dist.get_global_rank(self.group, 0)
-                                       if self.group is not None else 0, group=self.group)
+            dist.broadcast_object_list([(op, args)], src=self._leader, group=self.group)
 
     def follow(self) -> None:
         """Followers: execute rank 0's operations until it shuts down."""
         while True:
             box: list[Any] = [None]
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            dist.broadcast_object_list(box, src=src, group=self.group)
+            dist.broadcast_object_list(box, src=self._leader, group=self.group)
             op, args = box[0]
             if op == "shutdown":
                 return
