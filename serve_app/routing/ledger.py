@@ -1,0 +1,135 @@
+"""KV-token ledger: what each replica can hold and what in-flight requests have committed.
+
+A request commits prompt + max_tokens tokens on admission and releases them on completion,
+updated in the routing hooks (not from stats polled every 10 s, which would let a burst
+overcommit a replica many times over). With `share_prefix` (engines with a prefix cache, e.g.
+SGLang's radix cache) blocks already held by another in-flight request on the same replica are
+counted once: two questions on one 1M-token document need 1M + two answers, not 2M.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Replica:
+    capacity: int
+    private: int = 0  # non-shared tokens: partial last block + max_tokens (+ blocks if unshared)
+    refs: Counter[int] = field(default_factory=Counter)  # block -> in-flight holders
+    block_tokens: int = 0  # len(refs) x block size, kept incrementally
+
+    @property
+    def committed(self) -> int:
+        return self.private + self.block_tokens
+
+
+@dataclass(frozen=True)
+class _Commit:
+    replica: str
+    private: int
+    blocks: tuple[int, ...]
+
+
+class CapacityLedger:
+    def __init__(self, block_size: int, share_prefix: bool = True) -> None:
+        self.block_size = block_size
+        self.share_prefix = share_prefix
+        self._replicas: dict[str, _Replica] = {}
+        self._commits: dict[str, _Commit] = {}
+
+    # --- replicas -------------------------------------------------------------------------------
+
+    def set_capacity(self, replica: str, kv_tokens_total: int) -> None:
+        if replica in self._replicas:
+            self._replicas[replica].capacity = kv_tokens_total
+        else:
+            self._replicas[replica] = _Replica(kv_tokens_total)
+
+    def remove_replica(self, replica: str) -> list[str]:
+        """Forget a replica; returns the request ids that were committed on it."""
+        self._replicas.pop(replica, None)
+        gone = [rid for rid, c in self._commits.items() if c.replica == replica]
+        for rid in gone:
+            del self._commits[rid]
+        return gone
+
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    def capacity(self, replica: str) -> int:
+        return self._replicas[replica].capacity
+
+    def committed(self, replica: str) -> int:
+        return self._replicas[replica].committed
+
+    def free(self, replica: str) -> int:
+        r = self._replicas[replica]
+        return r.capacity - r.committed
+
+    def max_capacity(self) -> int:
+        return max((r.capacity for r in self._replicas.values()), default=0)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def _split(self, prompt_tokens: int, max_tokens: int,
+               blocks: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+        if not self.share_prefix:
+            return prompt_tokens + max_tokens, ()
+        return prompt_tokens - len(blocks) * self.block_size + max_tokens, blocks
+
+    def charge(self, replica: str, prompt_tokens: int, max_tokens: int,
+               blocks: tuple[int, ...] = ()) -> int:
+        """Tokens this request would add to `replica`'s commitment."""
+        private, shared = self._split(prompt_tokens, max_tokens, blocks)
+        refs = self._replicas[replica].refs
+        new_blocks = sum(1 for h in shared if h not in refs)
+        return private + new_blocks * self.block_size
+
+    def fits(self, replica: str, prompt_tokens: int, max_tokens: int,
+             blocks: tuple[int, ...] = ()) -> bool:
+        return self.charge(replica, prompt_tokens, max_tokens, blocks) <= self.free(replica)
+
+    def commit(self, request_id: str, replica: str, prompt_tokens: int, max_tokens: int,
+               blocks: tuple[int, ...] = ()) -> int:
+        if request_id in self._commits:
+            raise ValueError(f"request {request_id} is already committed")
+        tokens = self.charge(replica, prompt_tokens, max_tokens, blocks)
+        r = self._replicas[replica]
+        if tokens > r.capacity - r.committed:
+            raise ValueError(f"request {request_id} needs {tokens} KV tokens; replica {replica} "
+                             f"has {r.capacity - r.committed} free")
+        private, shared = self._split(prompt_tokens, max_tokens, blocks)
+        r.private += private
+        for h in shared:
+            if h not in r.refs:
+                r.block_tokens += self.block_size
+            r.refs[h] += 1
+        self._commits[request_id] = _Commit(replica, private, shared)
+        return tokens
+
+    def release(self, request_id: str) -> str | None:
+        """Idempotent: the completion hook and an error path may both release."""
+        c = self._commits.pop(request_id, None)
+        if c is None:
+            return None
+        r = self._replicas.get(c.replica)
+        if r is None:
+            return c.replica
+        r.private -= c.private
+        # A shared block stays committed until its last in-flight holder leaves, whoever
+        # brought it first.
+        for h in c.blocks:
+            r.refs[h] -= 1
+            if r.refs[h] <= 0:
+                del r.refs[h]
+                r.block_tokens -= self.block_size
+        return c.replica
+
+    def replica_of(self, request_id: str) -> str | None:
+        c = self._commits.get(request_id)
+        return c.replica if c else None
+
+    def in_flight(self, replica: str | None = None) -> int:
+        return sum(1 for c in self._commits.values() if replica is None or c.replica == replica)

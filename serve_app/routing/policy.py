@@ -1,0 +1,483 @@
+"""Routing decisions: this project's KV-aware long-context router and the baselines it is
+measured against. Pure Python, no Ray: the Serve admission stage and the simulator call the same
+methods with the same clock discipline (`now` is passed in).
+
+Life of a request: `submit` (400 if larger than every replica, 429 if the queue is full) ->
+`dispatch` (returns the (request, replica) pairs that may go now; the ledger is committed here)
+-> `prefill_done` (first token: the replica's prefill slot frees) -> `complete` (tokens
+released). `expire` drops requests that waited longer than the queue timeout (503).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+
+from serve_app.routing.ledger import CapacityLedger
+from serve_app.routing.prefix_index import PrefixIndex
+
+
+class RouterError(Exception):
+    status = 500
+
+
+class RequestTooLarge(RouterError, ValueError):
+    status = 400
+
+    def __init__(self, request_tokens: int, largest_capacity: int) -> None:
+        self.request_tokens = request_tokens
+        self.largest_capacity = largest_capacity
+        super().__init__(
+            f"the request needs {request_tokens} KV tokens (prompt + max_tokens) but the largest "
+            f"replica holds {largest_capacity} KV tokens")
+
+
+class QueueFull(RouterError):
+    status = 429
+
+    def __init__(self, queue_size: int, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(f"the router queue is full ({queue_size} requests waiting); retry in "
+                         f"{retry_after_s:.0f} s")
+
+
+class QueueTimeout(RouterError):
+    status = 503
+
+    def __init__(self, waited_s: float) -> None:
+        self.waited_s = waited_s
+        super().__init__(f"no replica had KV capacity for this request within {waited_s:.1f} s "
+                         "(router queue timeout); the service is overloaded")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Mirrors `serve_app.config.RouterConfig` (kept as a plain dataclass so this package has no
+    dependency on the app's config tree). Defaults: see docs/router.md for the simulator runs."""
+
+    policy: str = "kv_aware"
+    block_size: int = 256
+    long_threshold: int = 32_768
+    max_long_prefills_per_replica: int = 1
+    long_prefill_replica_fraction: float = 0.5
+    queue_size: int = 1024
+    queue_timeout_s: float = 900.0
+    aging_s: float = 120.0
+    cache_threshold: float = 0.5
+    balance_abs_tokens: int = 65_536
+    balance_rel: float = 1.5
+    index_max_entries: int = 2_000_000
+    share_prefix: bool = True
+    retry_after_s: float = 2.0
+    # SGLang router (sgl-router cache_aware) published defaults, for the baseline.
+    sglang_cache_threshold: float = 0.5
+    sglang_balance_abs_threshold: int = 32
+    sglang_balance_rel_threshold: float = 1.0001
+    seed: int = 0
+
+
+@dataclass
+class RouteRequest:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    blocks: tuple[int, ...] = ()
+    arrival: float = 0.0
+    is_long: bool = False
+    # Set by dispatch: prompt tokens the chosen replica is expected to prefill (uncached part)
+    # and whether that counts as a long prefill on it.
+    prefill_tokens: int = 0
+    long_prefill: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass
+class _Load:
+    in_flight: int = 0
+    pending_prefill: int = 0  # uncached prompt tokens routed here whose first token is not out
+    long_prefills: int = 0
+    routed: dict[str, RouteRequest] = field(default_factory=dict)
+
+
+class Policy(ABC):
+    """Shared bookkeeping; subclasses decide `dispatch`."""
+
+    name = "base"
+    admission = False  # True: holds requests until a replica can take them (this router)
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.s = settings
+        self.ledger = CapacityLedger(settings.block_size, settings.share_prefix)
+        self.index = PrefixIndex(settings.index_max_entries)
+        self.load: dict[str, _Load] = {}
+        self.queue: deque[RouteRequest] = deque()
+        self._where: dict[str, str] = {}
+        self.rng = random.Random(settings.seed)
+
+    # --- replicas -------------------------------------------------------------------------------
+
+    def add_replica(self, replica: str, kv_tokens_total: int) -> None:
+        self.ledger.set_capacity(replica, kv_tokens_total)
+        self.index.set_replica_limit(replica, kv_tokens_total // self.s.block_size)
+        self.load.setdefault(replica, _Load())
+
+    def remove_replica(self, replica: str) -> list[str]:
+        """Forget a replica (it died or was scaled down); returns the ids routed to it."""
+        self.ledger.remove_replica(replica)
+        self.index.remove_replica(replica)
+        gone = list(self.load.pop(replica, _Load()).routed)
+        for rid in gone:
+            self._where.pop(rid, None)
+        return gone
+
+    def replicas(self) -> list[str]:
+        return list(self.load)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def submit(self, req: RouteRequest, now: float) -> None:
+        req.arrival = now
+        req.is_long = req.prompt_tokens >= self.s.long_threshold
+        if self.admission:
+            largest = self.ledger.max_capacity()
+            if self.load and req.total_tokens > largest:
+                raise RequestTooLarge(req.total_tokens, largest)
+            if self.queued() >= self.s.queue_size:
+                raise QueueFull(self.s.queue_size, self.s.retry_after_s)
+        self._enqueue(req)
+
+    def _enqueue(self, req: RouteRequest) -> None:
+        self.queue.append(req)
+
+    def queued(self) -> int:
+        return len(self.queue)
+
+    @abstractmethod
+    def dispatch(self, now: float) -> list[tuple[RouteRequest, str]]: ...
+
+    def expire(self, now: float) -> list[RouteRequest]:
+        return []
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a still-queued request (client went away); False if it was not queued."""
+        for q in self._queues():
+            for req in q:
+                if req.request_id == request_id:
+                    q.remove(req)
+                    return True
+        return False
+
+    def _queues(self) -> list[deque[RouteRequest]]:
+        return [self.queue]
+
+    def _route(self, req: RouteRequest, replica: str, matched_blocks: int = 0) -> None:
+        """Book a routing decision: ledger, load counters, prefix index."""
+        cached = min(matched_blocks * self.s.block_size, req.prompt_tokens)
+        req.prefill_tokens = req.prompt_tokens - cached
+        if replica in self.ledger.replicas() and self.admission:
+            self.ledger.commit(req.request_id, replica, req.prompt_tokens, req.max_tokens,
+                               req.blocks)
+        load = self.load[replica]
+        load.in_flight += 1
+        load.pending_prefill += req.prefill_tokens
+        if req.long_prefill:
+            load.long_prefills += 1
+        load.routed[req.request_id] = req
+        self._where[req.request_id] = replica
+        # Index at routing time, not at completion: a second question on the same document that
+        # arrives during the first one's minutes-long prefill must find it.
+        self.index.insert(req.blocks, replica)
+
+    def replica_of(self, request_id: str) -> str | None:
+        return self._where.get(request_id)
+
+    def prefill_done(self, request_id: str) -> None:
+        replica = self._where.get(request_id)
+        if replica is None:
+            return
+        req = self.load[replica].routed.get(request_id)
+        if req is None or req.prefill_tokens < 0:
+            return
+        load = self.load[replica]
+        load.pending_prefill -= req.prefill_tokens
+        if req.long_prefill:
+            load.long_prefills -= 1
+        req.prefill_tokens = -1  # done (marker: do not subtract twice)
+
+    def complete(self, request_id: str) -> None:
+        """Idempotent: the routing hook and error paths may both call it."""
+        self.prefill_done(request_id)
+        self.ledger.release(request_id)
+        replica = self._where.pop(request_id, None)
+        if replica is None or replica not in self.load:
+            return
+        load = self.load[replica]
+        if load.routed.pop(request_id, None) is not None:
+            load.in_flight -= 1
+
+
+# --- baselines: dispatch everything at once, the engine's own queue holds what does not fit ----
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self, settings: RouterSettings) -> None:
+        super().__init__(settings)
+        self._next = 0
+
+    def dispatch(self, now: float) -> list[tuple[RouteRequest, str]]:
+        out = []
+        replicas = self.replicas()
+        while self.queue and replicas:
+            req = self.queue.popleft()
+            r = replicas[self._next % len(replicas)]
+            self._next += 1
+            self._route(req, r)
+            out.append((req, r))
+        return out
+
+
+class PowerOfTwoPolicy(Policy):
+    """Ray Serve's default: two random replicas, the one with fewer ongoing requests."""
+
+    name = "power_of_two"
+
+    def dispatch(self, now: float) -> list[tuple[RouteRequest, str]]:
+        out = []
+        replicas = self.replicas()
+        while self.queue and replicas:
+            req = self.queue.popleft()
+            pair = self.rng.sample(replicas, min(2, len(replicas)))
+            r = min(pair, key=lambda x: self.load[x].in_flight)
+            self._route(req, r)
+            out.append((req, r))
+        return out
+
+
+class CacheAwarePolicy(Policy):
+    """SGLang router's cache_aware policy (sgl-router), on token blocks instead of characters:
+    if loads (running requests) are imbalanced (max - min > 32 and max > 1.0001 x min) -> the
+    least loaded; else if the best prefix match covers > 50% of the prompt -> that replica; else
+    the replica with the smallest tree (most cache room)."""
+
+    name = "cache_aware"
+
+    def dispatch(self, now: float) -> list[tuple[RouteRequest, str]]:
+        out = []
+        replicas = self.replicas()
+        while self.queue and replicas:
+            req = self.queue.popleft()
+            loads = {r: self.load[r].in_flight for r in replicas}
+            hi, lo = max(loads.values()), min(loads.values())
+            matches = self.index.match(req.blocks)
+            matched = 0
+            if (hi - lo > self.s.sglang_balance_abs_threshold
+                    and hi > self.s.sglang_balance_rel_threshold * lo):
+                r = min(replicas, key=lambda x: loads[x])
+                matched = matches.get(r, 0)
+            else:
+                best = max(replicas, key=lambda x: matches.get(x, 0))
+                ratio = matches.get(best, 0) * self.s.block_size / max(1, req.prompt_tokens)
+                if ratio > self.s.sglang_cache_threshold:
+                    r, matched = best, matches[best]
+                else:
+                    r = min(replicas, key=lambda x: self.index.size(x))
+                    matched = matches.get(r, 0)
+            self._route(req, r, matched)
+            out.append((req, r))
+        return out
+
+
+# --- this router ---------------------------------------------------------------------------------
+
+
+class KVRouterPolicy(Policy):
+    """Capacity admission + token-based prefix affinity + long/short classes with aging.
+
+    - Admission: a request goes only to a replica whose ledger can hold prompt + max_tokens
+      (prefix blocks shared with in-flight requests counted once); otherwise it waits here.
+    - Classes: prompts >= long_threshold are "long". Shorts go first (they are cheap and their
+      TTFT SLO is tight) unless the oldest long request has waited aging_s, in which case it goes
+      first and, if no replica can hold it yet, one replica is reserved for it (shorts stop going
+      there) so a 1M-token request is not starved by a trickle of chats.
+    - Long prefills: a replica runs at most max_long_prefills_per_replica at once, and at most
+      long_prefill_replica_fraction of the replicas run one at all, so short requests always
+      have replicas whose prefill queue is not minutes deep. A long request whose prefix is
+      already cached (a follow-up question) is not a long prefill and skips that limit.
+    - Batching: when a long prefill is dispatched, queued long requests sharing its prefix go to
+      the same replica with it (the engine prefills the prefix once; the ledger charges it once).
+    - Affinity (SGLang's shape, in tokens of prefill work): if the candidates' pending prefill
+      differs by more than balance_abs_tokens and balance_rel x, pick the least work
+      (pending + uncached); else the longest cached prefix if it covers >= cache_threshold of the
+      prompt; else the least work.
+    """
+
+    name = "kv_aware"
+    admission = True
+
+    def __init__(self, settings: RouterSettings) -> None:
+        super().__init__(settings)
+        self.long_queue: deque[RouteRequest] = deque()
+        self.reserved: str | None = None
+        self.reserved_for: str | None = None
+
+    def _enqueue(self, req: RouteRequest) -> None:
+        (self.long_queue if req.is_long else self.queue).append(req)
+
+    def queued(self) -> int:
+        return len(self.queue) + len(self.long_queue)
+
+    def _queues(self) -> list[deque[RouteRequest]]:
+        return [self.queue, self.long_queue]
+
+    def expire(self, now: float) -> list[RouteRequest]:
+        gone = []
+        for q in self._queues():
+            while q and now - q[0].arrival > self.s.queue_timeout_s:
+                gone.append(q.popleft())
+            # FIFO per class: only the heads can be the oldest, but aging reorders nothing inside
+            # a class, so scanning beyond the head is not needed.
+        if self.reserved_for and all(r.request_id != self.reserved_for for r in self.long_queue):
+            self.reserved = self.reserved_for = None
+        return gone
+
+    def remove_replica(self, replica: str) -> list[str]:
+        if self.reserved == replica:
+            self.reserved = self.reserved_for = None
+        return super().remove_replica(replica)
+
+    # --- placement ------------------------------------------------------------------------------
+
+    def _long_prefill_allowed(self, replica: str) -> bool:
+        load = self.load[replica]
+        if load.long_prefills >= self.s.max_long_prefills_per_replica:
+            return False
+        if load.long_prefills > 0:
+            return True
+        busy = sum(1 for x in self.load.values() if x.long_prefills > 0)
+        limit = max(1, int(self.s.long_prefill_replica_fraction * len(self.load)))
+        return busy < limit
+
+    def _place(self, req: RouteRequest, exclude: str | None) -> tuple[str, int] | None:
+        """(replica, matched blocks) for `req`, or None if no replica can take it now."""
+        matches = self.index.match(req.blocks)
+        bs = self.s.block_size
+        cands: list[str] = []
+        uncached: dict[str, int] = {}
+        long_on: dict[str, bool] = {}
+        for r in self.load:
+            if r == exclude or not self.ledger.fits(r, req.prompt_tokens, req.max_tokens,
+                                                    req.blocks):
+                continue
+            u = req.prompt_tokens - min(matches.get(r, 0) * bs, req.prompt_tokens)
+            is_long_prefill = req.is_long and u >= self.s.long_threshold
+            if is_long_prefill and not self._long_prefill_allowed(r):
+                continue
+            cands.append(r)
+            uncached[r] = u
+            long_on[r] = is_long_prefill
+        if not cands:
+            return None
+
+        def work(r: str) -> tuple[int, int]:
+            return (self.load[r].pending_prefill + uncached[r], self.ledger.committed(r))
+
+        pending = [self.load[r].pending_prefill for r in cands]
+        hi, lo = max(pending), min(pending)
+        imbalanced = hi - lo > self.s.balance_abs_tokens and hi > self.s.balance_rel * lo
+        best = max(cands, key=lambda r: (matches.get(r, 0), -self.load[r].pending_prefill))
+        ratio = matches.get(best, 0) * bs / max(1, req.prompt_tokens)
+        if not imbalanced and ratio >= self.s.cache_threshold:
+            choice = best
+        else:
+            choice = min(cands, key=work)
+        req.long_prefill = long_on[choice]
+        return choice, matches.get(choice, 0)
+
+    def _shares_prefix(self, a: RouteRequest, b: RouteRequest) -> bool:
+        if not a.blocks or not b.blocks:
+            return False
+        n = 0
+        for x, y in zip(a.blocks, b.blocks, strict=False):
+            if x != y:
+                break
+            n += 1
+        return n * self.s.block_size >= self.s.cache_threshold * b.prompt_tokens
+
+    def _dispatch_one(self, req: RouteRequest, replica: str, matched: int,
+                      out: list[tuple[RouteRequest, str]]) -> None:
+        self._route(req, replica, matched)
+        out.append((req, replica))
+        if not req.long_prefill:
+            return
+        # Batch: queued long requests on the same document follow it to the same replica; the
+        # engine serves them from the prefix this prefill is writing.
+        for other in list(self.long_queue):
+            if self._shares_prefix(req, other) and self.ledger.fits(
+                    replica, other.prompt_tokens, other.max_tokens, other.blocks):
+                self.long_queue.remove(other)
+                other.long_prefill = False
+                m = self.index.match(other.blocks).get(replica, 0)
+                self._route(other, replica, m)
+                out.append((other, replica))
+
+    def dispatch(self, now: float) -> list[tuple[RouteRequest, str]]:
+        out: list[tuple[RouteRequest, str]] = []
+        if not self.load:
+            return out
+        if self.reserved_for and all(r.request_id != self.reserved_for for r in self.long_queue):
+            self.reserved = self.reserved_for = None
+        # Aged long head: it goes before any short, onto a reserved replica if need be.
+        if self.long_queue and now - self.long_queue[0].arrival >= self.s.aging_s:
+            head = self.long_queue[0]
+            placed = self._place(head, None)
+            if placed is not None:
+                self.long_queue.popleft()
+                if self.reserved_for == head.request_id:
+                    self.reserved = self.reserved_for = None
+                self._dispatch_one(head, *placed, out)
+            elif self.reserved_for != head.request_id:
+                # Drain the replica that can hold it soonest: the most capacity minus commitment
+                # that is not pinned by a long prefill.
+                self.reserved_for = head.request_id
+                self.reserved = max(self.load, key=lambda r: (
+                    self.ledger.capacity(r) >= head.total_tokens, self.ledger.free(r)))
+        # Shorts, FIFO: stop at the first that fits nowhere (all later ones would queue anyway,
+        # and letting smaller ones pass would starve the larger).
+        while self.queue:
+            placed = self._place(self.queue[0], self.reserved)
+            if placed is None:
+                break
+            self._dispatch_one(self.queue.popleft(), *placed, out)
+        # Longs, FIFO with bounded look-ahead: a follow-up question on a cached document (no long
+        # prefill) may pass a new document that waits for a prefill slot, but never onto the
+        # replica reserved for the aged head.
+        for req in list(self.long_queue)[:64]:
+            exclude = None if req.request_id == self.reserved_for else self.reserved
+            placed = self._place(req, exclude)
+            if placed is None:
+                continue
+            if req in self.long_queue:  # a batch above may have taken it
+                self.long_queue.remove(req)
+                if self.reserved_for == req.request_id:
+                    self.reserved = self.reserved_for = None
+                self._dispatch_one(req, *placed, out)
+        return out
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (RoundRobinPolicy, PowerOfTwoPolicy, CacheAwarePolicy, KVRouterPolicy)
+}
+
+
+def make_policy(settings: RouterSettings, name: str | None = None) -> Policy:
+    key = name or settings.policy
+    if key not in POLICIES:
+        raise ValueError(f"router.policy={key!r}; allowed: {', '.join(POLICIES)}")
+    return POLICIES[key](settings)

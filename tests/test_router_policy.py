@@ -1,0 +1,262 @@
+"""The routing policy alone (pure Python, no Ray): ledger, prefix index, admission, affinity,
+long/short separation, aging."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.routing import (
+    CapacityLedger,
+    KVRouterPolicy,
+    PrefixIndex,
+    QueueFull,
+    QueueTimeout,
+    RequestTooLarge,
+    RouteRequest,
+    RouterSettings,
+    block_hashes,
+    chain_hashes,
+    make_policy,
+)
+
+BS = 16
+
+
+def settings(**kw: object) -> RouterSettings:
+    base: dict[str, object] = {"block_size": BS, "long_threshold": 1000, "queue_size": 8,
+                               "queue_timeout_s": 30.0, "aging_s": 60.0,
+                               "balance_abs_tokens": 2000, "balance_rel": 1.5,
+                               "share_prefix": True}
+    base.update(kw)
+    return RouterSettings(**base)  # type: ignore[arg-type]
+
+
+def doc(name: str, tokens: int) -> tuple[int, ...]:
+    return chain_hashes((name, i) for i in range(tokens // BS))
+
+
+def req(rid: str, prompt: int, out: int = 100, blocks: tuple[int, ...] = ()) -> RouteRequest:
+    return RouteRequest(rid, prompt, out, blocks)
+
+
+def policy(replicas: dict[str, int], **kw: object) -> KVRouterPolicy:
+    p = make_policy(settings(**kw))
+    assert isinstance(p, KVRouterPolicy)
+    for name, cap in replicas.items():
+        p.add_replica(name, cap)
+    return p
+
+
+# --- ledger and index ------------------------------------------------------------------------
+
+
+def test_block_hashes_chain_prefixes() -> None:
+    a = block_hashes(list(range(64)), BS)
+    b = block_hashes(list(range(48)) + [0] * 16, BS)
+    c = block_hashes([1, *list(range(1, 64))], BS)
+    assert len(a) == 4 and a[:3] == b[:3] and a[3] != b[3]
+    assert not set(a) & set(c)  # a different first token changes every block
+    assert len(block_hashes(list(range(40)), BS)) == 2  # partial block not indexed
+
+
+def test_ledger_counts_shared_prefix_once_and_releases_it_last() -> None:
+    led = CapacityLedger(BS, share_prefix=True)
+    led.set_capacity("a", 10_000)
+    d = doc("d", 4000)
+    led.commit("q1", "a", 4010, 100, d)
+    assert led.committed("a") == 4110
+    assert led.charge("a", 4020, 100, d) == 120
+    led.commit("q2", "a", 4020, 100, d)
+    assert led.committed("a") == 4230
+    led.release("q1")  # the document stays: q2 still reads it
+    assert led.committed("a") == 4000 + 20 + 100
+    led.release("q2")
+    led.release("q2")  # idempotent
+    assert led.committed("a") == 0
+
+
+def test_ledger_without_sharing_charges_everything() -> None:
+    led = CapacityLedger(BS, share_prefix=False)
+    led.set_capacity("a", 10_000)
+    d = doc("d", 4000)
+    led.commit("q1", "a", 4010, 100, d)
+    assert led.charge("a", 4020, 100, d) == 4120
+    with pytest.raises(ValueError):
+        led.commit("q2", "a", 6000, 100, d)
+
+
+def test_prefix_index_matches_longest_prefix_and_evicts_lru() -> None:
+    idx = PrefixIndex(max_entries=12)
+    d1, d2 = doc("x", 8 * BS), doc("y", 8 * BS)
+    idx.insert(d1, "a")
+    idx.insert(d1[:3], "b")
+    assert idx.match(d1) == {"a": 8, "b": 3}
+    idx.insert(d2, "c")  # 19 entries > 12: the oldest go first
+    assert len(idx) <= 12
+    assert idx.match(d2) == {"c": 8}
+    idx.set_replica_limit("c", 2)
+    assert idx.size("c") == 2
+    idx.remove_replica("c")
+    assert idx.match(d2) == {}
+
+
+# --- admission ---------------------------------------------------------------------------------
+
+
+def test_capacity_is_never_exceeded_and_the_queue_holds_the_rest() -> None:
+    p = policy({"a": 1000, "b": 1000})
+    for i in range(6):
+        p.submit(req(f"r{i}", 300, 100), now=0.0)
+    out = p.dispatch(0.0)
+    assert len(out) == 4 and p.queued() == 2  # 2 x 400 per replica, a third does not fit
+    for r in ("a", "b"):
+        assert p.ledger.committed(r) <= p.ledger.capacity(r)
+    p.complete(out[0][0].request_id)
+    more = p.dispatch(1.0)
+    assert len(more) == 1 and more[0][1] == out[0][1]
+    assert all(p.ledger.committed(r) <= 1000 for r in ("a", "b"))
+
+
+def test_too_large_gets_400_with_both_numbers() -> None:
+    p = policy({"a": 1000, "b": 800})
+    with pytest.raises(RequestTooLarge) as exc:
+        p.submit(req("big", 950, 100), now=0.0)
+    assert "1050" in str(exc.value) and "1000" in str(exc.value)
+    assert exc.value.status == 400
+
+
+def test_queue_full_gets_429_with_retry_after() -> None:
+    p = policy({"a": 100}, queue_size=3)
+    for i in range(3):
+        p.submit(req(f"r{i}", 50, 40), now=0.0)
+    with pytest.raises(QueueFull) as exc:
+        p.submit(req("r3", 50, 40), now=0.0)
+    assert exc.value.status == 429 and exc.value.retry_after_s > 0
+
+
+def test_queue_timeout_expires_waiting_requests() -> None:
+    p = policy({"a": 500}, queue_timeout_s=10.0)
+    p.submit(req("r0", 300, 100), now=0.0)
+    p.submit(req("r1", 300, 100), now=1.0)
+    assert [r.request_id for r, _ in p.dispatch(1.0)] == ["r0"]
+    assert p.expire(5.0) == []
+    gone = p.expire(11.5)
+    assert [r.request_id for r in gone] == ["r1"] and p.queued() == 0
+    assert QueueTimeout(10.0).status == 503
+
+
+# --- affinity ----------------------------------------------------------------------------------
+
+
+def test_same_prefix_same_replica_while_balanced() -> None:
+    p = policy({"a": 100_000, "b": 100_000, "c": 100_000})
+    d = doc("d", 800)
+    p.submit(req("q0", 810, 50, d), now=0.0)
+    (_, first), = p.dispatch(0.0)
+    p.prefill_done("q0")
+    for i in range(1, 5):
+        p.submit(req(f"q{i}", 810 + i, 50, d), now=float(i))
+        (_, where), = p.dispatch(float(i))
+        p.prefill_done(f"q{i}")
+        assert where == first
+
+
+def test_affinity_yields_when_imbalanced() -> None:
+    p = policy({"a": 100_000, "b": 100_000})
+    d = doc("d", 800)
+    p.submit(req("q0", 810, 50, d), now=0.0)
+    (_, first), = p.dispatch(0.0)
+    p.prefill_done("q0")
+    # Pile un-prefilled work on the cached replica: pending prefill 5000 vs 0 elsewhere.
+    p.load[first].pending_prefill += 5000
+    p.submit(req("q1", 812, 50, d), now=1.0)
+    (_, where), = p.dispatch(1.0)
+    assert where != first
+
+
+def test_cache_aware_baseline_uses_sglang_defaults() -> None:
+    p = make_policy(settings(), "cache_aware")
+    for r in ("a", "b"):
+        p.add_replica(r, 10_000)
+    d = doc("d", 800)
+    p.submit(req("q0", 810, 50, d), now=0.0)
+    (_, first), = p.dispatch(0.0)
+    p.submit(req("q1", 810, 50, d), now=0.0)
+    (_, again), = p.dispatch(0.0)
+    assert again == first
+    assert p.s.sglang_balance_abs_threshold == 32 and p.s.sglang_cache_threshold == 0.5
+
+
+# --- long / short ------------------------------------------------------------------------------
+
+
+def test_long_prefills_are_limited_and_shorts_avoid_them() -> None:
+    p = policy({"a": 100_000, "b": 100_000, "c": 100_000, "d": 100_000},
+               max_long_prefills_per_replica=1, long_prefill_replica_fraction=0.5)
+    for i in range(4):
+        p.submit(req(f"L{i}", 20_000, 100, doc(f"doc{i}", 20_000)), now=0.0)
+    out = p.dispatch(0.0)
+    long_replicas = {r for _, r in out}
+    assert len(out) == 2 and len(long_replicas) == 2  # half the replicas, one each
+    assert p.queued() == 2
+    # Shorts go where no long prefill is pending.
+    for i in range(4):
+        p.submit(req(f"s{i}", 200, 50), now=1.0)
+    shorts = p.dispatch(1.0)
+    assert len(shorts) == 4 and not {r for _, r in shorts} & long_replicas
+    # When a long prefill finishes, the next long one starts.
+    p.prefill_done(out[0][0].request_id)
+    nxt = p.dispatch(2.0)
+    assert [r.request_id for r, _ in nxt] == ["L2"]
+
+
+def test_long_requests_sharing_a_prefix_are_dispatched_together() -> None:
+    p = policy({"a": 100_000, "b": 100_000}, long_prefill_replica_fraction=0.5)
+    other = doc("other", 20_000)
+    p.submit(req("busy", 20_010, 100, other), now=0.0)
+    p.dispatch(0.0)  # one replica prefilling: the long-prefill fraction is used up
+    d = doc("shared", 30_000)
+    for i in range(3):
+        p.submit(req(f"q{i}", 30_000 + 50 + i, 100, d), now=1.0)
+    assert p.dispatch(1.0) == []
+    p.prefill_done("busy")
+    out = p.dispatch(2.0)
+    assert [r.request_id for r, _ in out] == ["q0", "q1", "q2"]
+    assert len({r for _, r in out}) == 1
+    # The document is committed once: 30,000 + three questions and answers.
+    rep = out[0][1]
+    assert p.ledger.committed(rep) < 30_000 + 3 * 500
+
+
+def test_aging_reserves_a_replica_so_a_long_request_is_not_starved() -> None:
+    p = policy({"a": 10_000, "b": 10_000}, aging_s=5.0)
+    t = 0.0
+    for i in range(4):  # shorts fill both replicas
+        p.submit(req(f"s{i}", 4000, 500), now=t)
+    p.dispatch(t)
+    p.submit(req("L", 9000, 500), now=t)
+    assert p.dispatch(t) == []
+    served_long_at = None
+    for step in range(1, 40):
+        t = float(step)
+        # A steady trickle of shorts keeps arriving; the oldest in flight finish.
+        for rep in p.replicas():
+            routed = list(p.load[rep].routed)
+            if routed:
+                p.complete(routed[0])
+        p.submit(req(f"x{step}", 4000, 500), now=t)
+        if any(r.request_id == "L" for r, _ in p.dispatch(t)):
+            served_long_at = t
+            break
+    assert served_long_at is not None and served_long_at <= 10.0
+
+
+def test_short_fifo_within_class() -> None:
+    p = policy({"a": 1000})
+    for i in range(4):
+        p.submit(req(f"s{i}", 300, 100), now=float(i))
+    order = [r.request_id for r, _ in p.dispatch(4.0)]
+    for rid in order:
+        p.complete(rid)
+    order += [r.request_id for r, _ in p.dispatch(5.0)]
+    assert order == ["s0", "s1", "s2", "s3"]

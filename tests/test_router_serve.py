@@ -1,0 +1,140 @@
+"""The router for real: Ray, Serve, two target replicas (tiny random pair, TP 1, CPU), HTTP."""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from ray import serve
+from tiny_models import write_tiny_serving_pair
+
+from serve_app.app import build_app
+from serve_app.config import AppConfig
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-kimi-dspark"
+KV = 1024  # tokens per replica: two 420-token requests fit, a third does not
+QUEUE = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    paths = write_tiny_serving_pair(tmp_path_factory.mktemp("router"))
+    cfg = AppConfig.model_validate({
+        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
+                   "served_model_name": MODEL},
+        "engine": {"reference": {"kv_capacity_tokens": KV, "speculation": {"enabled": True}}},
+        "parallelism": {"tp": 1, "devices_per_node": 1},
+        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},
+        "ingress": {"default_max_tokens": 16, "max_tokens_limit": 1500},
+        "router": {"block_size": 16, "queue_size": QUEUE, "queue_timeout_s": 120,
+                   "long_threshold": 256},
+    })
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg), name="kimi", route_prefix="/")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=180) as client:
+        yield client
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _complete(client: httpx.Client, prompt: list[int], max_tokens: int,
+              ignore_eos: bool = False) -> httpx.Response:
+    return client.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": ignore_eos})
+
+
+def _replica_of(client: httpx.Client, request_id: str) -> str:
+    recent = client.get("/v1/router").json()["recent"]
+    return next(d["replica"] for d in recent if d["id"] == request_id)
+
+
+def test_router_knows_both_replicas_capacity(server: httpx.Client) -> None:
+    assert _complete(server, [5, 6, 7], 2).status_code == 200
+    state = server.get("/v1/router").json()
+    assert state["policy"] == "kv_aware"
+    assert len(state["replicas"]) == 2
+    assert all(r["kv_tokens_total"] == KV for r in state["replicas"].values())
+
+
+def test_shared_long_prefix_lands_on_one_replica(server: httpx.Client) -> None:
+    doc = [(i * 7) % 250 + 10 for i in range(480)]
+    replicas = set()
+    for q in range(4):
+        resp = _complete(server, [*doc, 280 + q, 290 + q], 4)
+        assert resp.status_code == 200, resp.text
+        replicas.add(_replica_of(server, resp.json()["id"]))
+    assert len(replicas) == 1
+    # Later, the same document still follows its prefix.
+    resp = _complete(server, [*doc, 42], 4)
+    assert _replica_of(server, resp.json()["id"]) in replicas
+
+
+def test_over_capacity_request_gets_400_naming_both_numbers(server: httpx.Client) -> None:
+    resp = _complete(server, [3] * 20, 1100)
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert "1120" in message and str(KV) in message
+    assert resp.json()["error"]["code"] == "kv_capacity_exceeded"
+
+
+def test_flood_beyond_the_queue_gets_429_and_loses_nothing_accepted(
+        server: httpx.Client) -> None:
+    n = 14
+
+    def one(i: int) -> httpx.Response:
+        return _complete(server, [20 + i] * 20, 400, ignore_eos=True)
+
+    with ThreadPoolExecutor(n) as pool:
+        responses = list(pool.map(one, range(n)))
+    codes = [r.status_code for r in responses]
+    accepted = [r for r in responses if r.status_code == 200]
+    limited = [r for r in responses if r.status_code == 429]
+    assert len(accepted) + len(limited) == n, codes
+    # 2 replicas x 2 requests in KV + QUEUE waiting are accepted; the rest is refused.
+    assert len(accepted) >= 2 * 2 + QUEUE, codes
+    assert limited, codes
+    assert all(r.headers.get("retry-after") for r in limited)
+    assert all(r.json()["error"]["code"] == "router_queue_full" for r in limited)
+    # Nothing accepted was lost: every accepted request produced its full completion.
+    assert all(r.json()["usage"]["completion_tokens"] == 400 for r in accepted)
+    # The routing hooks released every token.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        state = server.get("/v1/router").json()
+        if all(r["kv_tokens_committed"] == 0 for r in state["replicas"].values()):
+            break
+        time.sleep(0.2)
+    assert all(r["kv_tokens_committed"] == 0 for r in state["replicas"].values()), state
+    assert state["queued"] == 0
+
+
+def test_engine_capacity_stays_within_bounds_during_load(server: httpx.Client,
+                                                         tmp_path: Path) -> None:
+    handle = serve.get_deployment_handle("TargetDeployment", app_name="kimi")
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_complete, server, [30 + i] * 20, 300, True) for i in range(6)]
+        seen = 0
+        while not all(f.done() for f in futures):
+            cap = handle.capacity.remote().result()
+            assert cap["kv_tokens_used"] <= cap["kv_tokens_total"]
+            seen += 1
+            time.sleep(0.1)
+    assert all(f.result().status_code == 200 for f in futures)
+    assert seen > 0
