@@ -15,17 +15,21 @@ Goal: http_p50 - engine_p50 <= 1.2 x echo_p50.
 
 import argparse
 import asyncio
+import http.server
+import itertools
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from serve_app.netutil import free_port
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -33,11 +37,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _summary(samples: list[float]) -> dict[str, float]:
@@ -83,6 +82,74 @@ def _model_paths(pair: str, tmp: Path) -> dict[str, Path]:
     return {**paths, "tokenizer": paths["target"]}
 
 
+class _Sink(http.server.BaseHTTPRequestHandler):
+    """Accepts OTLP/HTTP exports and drops them: the cost measured is the app's, not a
+    collector's."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
+                   tracing: bool) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.observability.tracing import TracingConfig, tracing_env
+
+    sink = None
+    env: dict[str, str] = {}
+    if tracing:
+        sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+        threading.Thread(target=sink.serve_forever, daemon=True).start()
+        env = tracing_env(TracingConfig(
+            exporter="otlp_http", sampling_ratio=1.0,
+            endpoint=f"http://127.0.0.1:{sink.server_address[1]}/v1/traces"))
+    os.environ.update(env)  # inherited by every process of the new cluster
+    try:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(_echo_app(), name="echo", route_prefix="/echo")
+        serve.run(build_app(config), name="kimi", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        with httpx.Client(timeout=60) as client:
+            def timed(url: str, payload: dict[str, Any]) -> list[float]:
+                samples = []
+                for i in range(args.requests + 5):
+                    t0 = time.perf_counter()
+                    client.post(url, json=payload).raise_for_status()
+                    if i >= 5:
+                        samples.append(time.perf_counter() - t0)
+                return samples
+
+            echo = timed(base + "/echo/", {"x": 1})
+            full = timed(base + "/v1/completions", body)
+            stream_body = {**body, "max_tokens": args.stream_tokens, "stream": True,
+                           "ignore_eos": True}
+            marks = []
+            t0 = time.perf_counter()
+            with client.stream("POST", base + "/v1/completions", json=stream_body) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        marks.append(time.perf_counter() - t0)
+        serve.shutdown()
+        ray.shutdown()
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+        if sink is not None:
+            sink.shutdown()
+    return {"echo": echo, "http": full, "marks": marks}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,10 +159,6 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    import ray
-    from ray import serve
-
-    from serve_app.app import build_app
     from serve_app.config import AppConfig
     from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
     from serve_app.engines.reference.builder import build_engine, build_runner
@@ -139,44 +202,23 @@ def main() -> None:
             marks.append(time.perf_counter() - t0)
         return samples, {"ttft_ms": marks[0] * 1e3,
                          "chunk_gap_ms": statistics.median(
-                             [b - a for a, b in zip(marks, marks[1:], strict=False)] or [0]) * 1e3,
+                             [b - a for a, b in itertools.pairwise(marks)] or [0]) * 1e3,
                          "chunks": len(marks)}
 
     engine_samples, engine_stream = asyncio.run(engine_times())
     asyncio.run(engine.shutdown())
 
-    # --- Serve: echo floor and the full HTTP path ---
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(_echo_app(), name="echo", route_prefix="/echo")
-    serve.run(build_app(config), name="kimi", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    # --- Serve: echo floor and the full HTTP path, tracing off then on ---
     results: dict[str, Any] = {"pair": args.pair, "requests": args.requests}
-    with httpx.Client(timeout=60) as http:
-        def timed(url: str, payload: dict[str, Any]) -> list[float]:
-            samples = []
-            for i in range(args.requests + 5):
-                t0 = time.perf_counter()
-                resp = http.post(url, json=payload)
-                resp.raise_for_status()
-                if i >= 5:
-                    samples.append(time.perf_counter() - t0)
-            return samples
-
-        echo = timed(base + "/echo/", {"x": 1})
-        full = timed(base + "/v1/completions", body)
-        stream_body = {**body, "max_tokens": args.stream_tokens, "stream": True,
-                       "ignore_eos": True}
-        marks = []
-        t0 = time.perf_counter()
-        with http.stream("POST", base + "/v1/completions", json=stream_body) as resp:
-            for line in resp.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    marks.append(time.perf_counter() - t0)
-    serve.shutdown()
-    ray.shutdown()
+    off = _measure_serve(config, prompt, args, tracing=False)
+    on = _measure_serve(config, prompt, args, tracing=True)
+    echo, full, marks = off["echo"], off["http"], off["marks"]
+    results["tracing"] = {
+        "off": _summary(off["http"]), "on": _summary(on["http"]),
+        "exporter": "otlp_http to a local sink, sampling 1.0",
+    }
+    results["tracing"]["p50_ratio"] = (results["tracing"]["on"]["p50_ms"]
+                                       / results["tracing"]["off"]["p50_ms"])
 
     results["engine"] = _summary(engine_samples)
     results["echo"] = _summary(echo)
@@ -188,7 +230,7 @@ def main() -> None:
         "engine": engine_stream,
         "http": {"ttft_ms": marks[0] * 1e3,
                  "chunk_gap_ms": statistics.median(
-                     [b - a for a, b in zip(marks, marks[1:], strict=False)]) * 1e3,
+                     [b - a for a, b in itertools.pairwise(marks)]) * 1e3,
                  "chunks": len(marks)},
     }
     results["stream"]["ttft_overhead_ms"] = (results["stream"]["http"]["ttft_ms"]
@@ -207,6 +249,9 @@ def main() -> None:
           f"{s['http']['ttft_ms']:>10.2f}")
     print(f"{'chunk gap engine / http':<28}{s['engine']['chunk_gap_ms']:>10.2f}"
           f"{s['http']['chunk_gap_ms']:>10.2f}")
+    t = results["tracing"]
+    print(f"{'http, tracing on (p50/p99)':<28}{t['on']['p50_ms']:>10.2f}{t['on']['p99_ms']:>10.2f}")
+    print(f"{'tracing on / off (p50)':<28}{t['p50_ratio']:>10.2f}   goal < 1.10")
     print(json.dumps(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

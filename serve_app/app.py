@@ -52,9 +52,18 @@ def context_length(config: AppConfig) -> int:
 
 def validate(config: AppConfig) -> None:
     """Cross-checks that need the model configs (not the weights); each names the field."""
+    if config.engine.backend == "sglang":
+        # The checkpoints may live only on the GPU nodes: these checks read them when present
+        # and the capacity planner's packaged descriptors otherwise (serve_app.engines.sglang).
+        from serve_app.engines.sglang import sglang_problems
+
+        problems = sglang_problems(config)
+        if problems:
+            raise ConfigError("invalid deployment config:\n  - " + "\n  - ".join(problems))
+        return
     if config.engine.backend != "reference":
         raise ConfigError(f"engine.backend={config.engine.backend!r} is not available in this "
-                          "build; allowed: 'reference'")
+                          "build; allowed: 'reference', 'sglang'")
     target, draft = _model_configs(config)
     problems = []
     if draft is not None:
@@ -87,6 +96,21 @@ def validate(config: AppConfig) -> None:
         raise ConfigError("invalid deployment config:\n  - " + "\n  - ".join(problems))
 
 
+def _router_options(config: AppConfig) -> dict[str, Any]:
+    """The target deployment's request router (serve_app.serving.router), unless the config asks
+    for Serve's own."""
+    if config.router.policy == "ray_default":
+        return {}
+    from dataclasses import asdict
+
+    from ray.serve.config import RequestRouterConfig
+
+    settings = asdict(config.router.settings(config.engine.backend))
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class="serve_app.serving.router:KVAwareRequestRouter",
+        request_router_kwargs={"key": "TargetDeployment", "settings": settings})}
+
+
 def build_app(config: AppConfig) -> Application:
     """The Serve application: OpenAI ingress -> target replicas (each on its placement group)."""
     if not isinstance(config, AppConfig):
@@ -94,20 +118,29 @@ def build_app(config: AppConfig) -> Application:
     validate(config)
     raw = json.loads(config.model_dump_json())
     pl = config.placement
+    logging_config = {"encoding": "JSON" if config.observability.json_logs else "TEXT"}
     actor_options: dict[str, Any] = {"num_cpus": pl.cpus_per_rank}
+    sglang = config.engine.backend == "sglang"
     if pl.accelerator == "GPU":
-        actor_options["num_gpus"] = 1
+        # SGLang's scheduler actors take every GPU of the bundles (one each); its replica
+        # process only tokenizes and coordinates, so it must not hold one.
+        actor_options["num_gpus"] = 0 if sglang else 1
+    max_ongoing = (config.engine.sglang.max_running_requests * 2 if sglang
+                   else config.engine.reference.max_batch_size * 4)
     target = serve.deployment(TargetReplica, name="TargetDeployment").options(
         num_replicas=pl.replicas,
         ray_actor_options=actor_options,
         placement_group_bundles=config.bundles(),
         placement_group_strategy=config.strategy,
-        max_ongoing_requests=config.engine.reference.max_batch_size * 4,
+        max_ongoing_requests=max_ongoing,
         health_check_timeout_s=config.engine.health_check_timeout_s + 10,
         graceful_shutdown_timeout_s=10,
+        logging_config=logging_config,
+        **_router_options(config),
     )
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         ray_actor_options={"num_cpus": config.ingress.ingress_cpus},
+        logging_config=logging_config,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
     )
     return ingress.bind(target.bind(raw), raw)

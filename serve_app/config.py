@@ -7,11 +7,15 @@ as `embedded:NAME` (a folder under `serve_app/assets/`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.engines.reference.builder import ReferenceEngineConfig
+from serve_app.observability.tracing import TracingConfig
+
+if TYPE_CHECKING:
+    from serve_app.routing.policy import RouterSettings
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -78,6 +82,9 @@ class PlacementConfig(_Strict):
     cpus_per_rank: float = Field(default=1.0, gt=0, description="CPU reserved per rank worker; "
                                  "keep small on small machines")
     replicas: int = Field(default=1, ge=1, description="target replicas (engines)")
+    gpu_type: str | None = Field(default=None, description="GPU model of the nodes (a row of "
+                                 "capacity/data/gpus.csv, e.g. H200, B300, MI355X, MI300X); "
+                                 "the SGLang backend checks that the weights fit it")
 
 
 class IngressConfig(_Strict):
@@ -87,13 +94,91 @@ class IngressConfig(_Strict):
     ingress_cpus: float = Field(default=0.1, ge=0)
 
 
+class SGLangSettings(_Strict):
+    """SGLang 0.5.23 server arguments that are not derived from elsewhere in the tree.
+
+    Model paths come from `models`, tp/ep/attention-DP/nnodes from `parallelism`; the one
+    mapping to SGLang's argument names is `serve_app.engines.sglang.sglang_server_args`.
+    Defaults are the published K3 + DSpark recipe on 2 x 8 H200.
+    """
+
+    context_length: int = Field(default=1_048_576, gt=0)
+    mem_fraction_static: float = Field(default=0.85, gt=0, lt=1)
+    kv_cache_dtype: Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    chunked_prefill_size: int = Field(default=8192, description="-1 disables chunked prefill")
+    # Always emitted: with DSPARK, SGLang silently sets 48 when this is left unset.
+    max_running_requests: int = Field(default=48, gt=0)
+    speculative_algorithm: Literal["DSPARK"] | None = "DSPARK"
+    speculative_dspark_block_size: int = Field(default=7, gt=0, description="gamma: drafts "
+                                               "per verify step (window gamma + 1)")
+    speculative_draft_attention_backend: str | None = None
+    moe_runner_backend: str | None = None
+    decode_attention_backend: str | None = None
+    # K3 is built into SGLang 0.5.23 (srt/configs/kimi_k3.py): no remote code is needed or run.
+    trust_remote_code: bool = False
+    enable_metrics: bool = True
+    # Packaged capacity-planner descriptors used for the start-up checks when the checkpoints
+    # are not on the machine that runs `serve run` (production paths live on the GPU nodes).
+    planner_model: str = "kimi-k3"
+    planner_draft: str | None = "kimi-k3-dspark"
+    extra_server_args: dict[str, Any] = Field(default_factory=dict, description="any other "
+                                              "SGLang ServerArgs field; checked against 0.5.23")
+
+
+class RouterConfig(_Strict):
+    """The long-context router (docs/router.md). Defaults come from the simulator runs in
+    bench/router_sim.py on K3 + DSpark, 2 x 8 H200 replicas."""
+
+    policy: Literal["kv_aware", "cache_aware", "power_of_two", "round_robin", "ray_default"] = (
+        Field(default="kv_aware", description="kv_aware: this router; cache_aware/power_of_two/"
+              "round_robin: the baselines (no admission); ray_default: Serve's own routing"))
+    block_size: int = Field(default=256, gt=0, description="tokens per prefix-hash block")
+    long_threshold: int = Field(default=32_768, gt=0, description="prompt tokens from which a "
+                                "request is in the long class")
+    max_long_prefills_per_replica: int = Field(default=1, gt=0)
+    long_prefill_replica_fraction: float = Field(default=0.5, gt=0, le=1, description="share "
+                                                 "of replicas that may run a long prefill")
+    queue_size: int = Field(default=1024, gt=0, description="requests held waiting for KV; "
+                            "beyond it: 429")
+    queue_timeout_s: float = Field(default=900.0, gt=0, description="longest wait; then 503")
+    aging_s: float = Field(default=120.0, ge=0, description="a long request waiting this long "
+                           "goes before short ones")
+    cache_threshold: float = Field(default=0.5, ge=0, le=1)
+    balance_abs_tokens: int = Field(default=65_536, ge=0, description="pending-prefill spread "
+                                    "(tokens) beyond which load wins over affinity ...")
+    balance_rel: float = Field(default=1.5, ge=1, description="... if also max > rel x min")
+    index_max_entries: int = Field(default=2_000_000, gt=0, description="prefix index bound "
+                                   "((block, replica) pairs, about 150 B each)")
+    share_prefix: bool | None = Field(default=None, description="count prefix blocks shared by "
+                                      "in-flight requests once; default: true for sglang "
+                                      "(radix cache), false for reference (no prefix cache)")
+    retry_after_s: float = Field(default=2.0, gt=0)
+
+    def settings(self, backend: str) -> RouterSettings:
+        from serve_app.routing.policy import RouterSettings
+
+        values = self.model_dump()
+        share = values.pop("share_prefix")
+        values["share_prefix"] = backend == "sglang" if share is None else share
+        if values["policy"] == "ray_default":
+            values["policy"] = "kv_aware"  # unused: the ingress bypasses the router
+        return RouterSettings(**values)
+
+
 class EngineSettings(_Strict):
     backend: Literal["reference", "sglang"] = "reference"
     reference: ReferenceEngineConfig = ReferenceEngineConfig()
+    sglang: SGLangSettings = SGLangSettings()
     max_model_len: int | None = Field(default=None, gt=0, description="context limit; default "
                                       "the smaller of the two models' maximum")
     health_check_timeout_s: float = Field(default=30.0, gt=0)
     startup_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class ObservabilityConfig(_Strict):
+    tracing: TracingConfig = TracingConfig()
+    json_logs: bool = Field(default=True, description="replica logs as JSON lines with "
+                            "request_id and trace_id")
 
 
 class AppConfig(_Strict):
@@ -104,6 +189,8 @@ class AppConfig(_Strict):
     parallelism: ParallelismConfig = ParallelismConfig()
     placement: PlacementConfig = PlacementConfig()
     ingress: IngressConfig = IngressConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
+    router: RouterConfig = RouterConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:

@@ -51,7 +51,7 @@ def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None 
     print(f"starting Ray Serve with {LOCAL_YAML.name}: {config.models.served_model_name}, "
           f"reference engine, TP {config.parallelism.tp}, speculation "
           f"{'on' if config.engine.reference.speculation.enabled else 'off'}", flush=True)
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options=http)
         started = time.perf_counter()

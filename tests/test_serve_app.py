@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,11 @@ from serve_app.app import ConfigError, build_app, validate
 from serve_app.config import AppConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.types import SamplingParams
+from serve_app.netutil import free_port
 from serve_app.tokenizer import load_tokenizer
 
 MODEL = "tiny-kimi-dspark"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_config(paths: dict[str, Path], **overrides: Any) -> dict[str, Any]:
@@ -51,8 +46,8 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(paths: dict[str, Path]) -> Any:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = AppConfig.model_validate(app_config(paths))
     serve.run(build_app(cfg), name="kimi", route_prefix="/")

@@ -9,9 +9,7 @@ engine's TP group, and the DSpark draft runs sharded on the same ranks.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -23,8 +21,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serve_app.config import AppConfig
 from serve_app.engines.types import EngineUnavailable, GenerateRequest, RequestOutput
+from serve_app.netutil import free_port
+from serve_app.observability.logs import get_logger, install_trace_ids
 
-logger = logging.getLogger("serve_app.target")
+logger = get_logger("target")
 
 
 def _placement_info(rank: int, devices_per_node: int) -> dict[str, Any]:
@@ -108,11 +108,6 @@ def serve_replica_tag() -> str:
         return f"target-{os.getpid()}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
 
 def _start_reference(config: AppConfig, raw: dict[str, Any]
                      ) -> tuple[Any, list[Any], list[dict[str, Any]]]:
@@ -121,7 +116,7 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
     par = config.parallelism
     info = [_placement_info(0, par.devices_per_node)]
     pg = get_current_placement_group()
-    rendezvous = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+    rendezvous = f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
     resources = {"num_gpus": 1} if config.placement.accelerator == "GPU" else {}
     # Named after the replica, so operators can find a replica's ranks in `ray list actors`.
     replica_tag = serve_replica_tag()
@@ -154,7 +149,17 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
                         detokenize=tokenizer.decode)
     if config.engine.max_model_len:
         core.max_model_len = config.engine.max_model_len
-    return ReferenceAsyncEngine(core), workers, info
+    return ReferenceAsyncEngine(core, replica=replica_tag), workers, info
+
+
+def _start_sglang(config: AppConfig) -> tuple[Any, list[Any], list[dict[str, Any]]]:
+    """SGLang's RayEngine in this replica's placement group: rank 0 on this node, one
+    scheduler actor per GPU of the bundles. It owns its actors (no RankWorkers here)."""
+    from serve_app.engines.sglang import SGLangEngine
+
+    engine = SGLangEngine.start(config)
+    info = [_placement_info(0, config.parallelism.devices_per_node)]
+    return engine, [], info
 
 
 class TargetReplica:
@@ -163,8 +168,12 @@ class TargetReplica:
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = AppConfig.model_validate(config)
+        install_trace_ids()
         started = time.perf_counter()
-        self.engine, self.workers, self.info = _start_reference(self.config, config)
+        if self.config.engine.backend == "sglang":
+            self.engine, self.workers, self.info = _start_sglang(self.config)
+        else:
+            self.engine, self.workers, self.info = _start_reference(self.config, config)
         logger.info("replica ready in %.2f s: %s", time.perf_counter() - started,
                     self.engine.capacity())
 
@@ -189,6 +198,11 @@ class TargetReplica:
         return self.engine.stats()
 
     def capacity(self) -> dict[str, int]:
+        return self.engine.capacity()
+
+    def record_routing_stats(self) -> dict[str, int]:
+        """Serve's routing-stats hook; the router reads kv_tokens_total from it when a replica
+        appears (serve_app.serving.router)."""
         return self.engine.capacity()
 
     def placement(self) -> list[dict[str, Any]]:

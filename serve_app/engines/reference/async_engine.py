@@ -36,8 +36,12 @@ class _Stream:
 
 
 class ReferenceAsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, replica: str = "local") -> None:
+        from serve_app.observability.engine_telemetry import EngineTelemetry
+
         self.core = core
+        self.telemetry = EngineTelemetry(replica)
+        core.observer = self.telemetry
         self._inbox: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -105,6 +109,7 @@ class ReferenceAsyncEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request.request_id] = stream
+        self.telemetry.attach(request.request_id)  # the caller's trace becomes the parent
         self._send("add", (request, stream))
         finished = False
         try:

@@ -41,7 +41,7 @@ class EngineObserver(Protocol):
                          end_ns: int) -> None: ...
 
     def on_decode_step(self, seq: Sequence, drafted: int, accepted: int, committed: int,
-                       start_ns: int, end_ns: int) -> None:
+                       start_ns: int, end_ns: int, speculative: bool) -> None:
         """One decode step; with speculation, one verify of `drafted` drafts."""
 
     def on_finished(self, seq: Sequence, at_ns: int) -> None: ...
@@ -202,7 +202,7 @@ class EngineCore:
                 seq.num_cached += 1
                 kept = seq.append([sample_token(logits[b, 0], seq.params, seq.generator)])
                 if self.observer:
-                    self.observer.on_decode_step(seq, 0, 0, len(kept), start_ns, end_ns)
+                    self.observer.on_decode_step(seq, 0, 0, len(kept), start_ns, end_ns, False)
             return seqs
 
         proposal = self.runner.propose(seqs)
@@ -233,7 +233,7 @@ class EngineCore:
             kept = seq.append(verdict.tokens)
             if self.observer:
                 self.observer.on_decode_step(seq, k, verdict.accepted, len(kept), start_ns,
-                                             end_ns)
+                                             end_ns, True)
         self.runner.commit([s.request_id for s in seqs], lengths, tap_rows)
         return seqs
 

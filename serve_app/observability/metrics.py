@@ -1,0 +1,96 @@
+"""Prometheus metrics through Ray's metrics API.
+
+Why Ray's API rather than an OpenTelemetry Prometheus exporter per process: Ray aggregates
+every process of a node (ingress, replicas, rank workers) behind the node's one metrics
+endpoint, which the cluster's Prometheus already scrapes; per-process exporters would need a
+port per replica and service discovery for each. Ray prefixes every name with `ray_`.
+
+Names follow SGLang's where the meaning is the same (`sglang:spec_accept_length` ->
+`ray_kimi_spec_accept_length`, ...); see docs/observability.md for the full list.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0, 600.0]
+_TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5]
+_ACCEPT_BUCKETS = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0,
+                   16.0]
+
+
+class AppMetrics:
+    """Every metric of the app, created once per process (Ray must be initialised)."""
+
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        model = ("model",)
+        replica = ("replica",)
+        # Request level (ingress), SGLang names.
+        self.time_to_first_token = Histogram(
+            "kimi_time_to_first_token_seconds", "Time to first token (ingress view).",
+            boundaries=_LATENCY_BUCKETS, tag_keys=model)
+        self.time_per_output_token = Histogram(
+            "kimi_time_per_output_token_seconds", "Time per output token after the first.",
+            boundaries=_TPOT_BUCKETS, tag_keys=model)
+        self.e2e_latency = Histogram(
+            "kimi_e2e_request_latency_seconds", "End-to-end request latency (ingress view).",
+            boundaries=_LATENCY_BUCKETS, tag_keys=model)
+        self.prompt_tokens = Counter("kimi_prompt_tokens_total", "Prompt tokens processed.",
+                                     tag_keys=model)
+        self.generation_tokens = Counter("kimi_generation_tokens_total",
+                                         "Completion tokens returned.", tag_keys=model)
+        self.requests = Counter("kimi_num_requests_total", "Requests by final HTTP status.",
+                                tag_keys=("model", "status"))
+        # Engine level (target replica).
+        self.queue_requests = Gauge("kimi_num_queue_reqs", "Requests waiting for KV admission.",
+                                    tag_keys=replica)
+        self.running_requests = Gauge("kimi_num_running_reqs", "Requests admitted (prefilling "
+                                      "or decoding).", tag_keys=replica)
+        self.queue_time = Histogram("kimi_queue_time_seconds", "Wait from arrival at the "
+                                    "engine to KV admission.", boundaries=_LATENCY_BUCKETS,
+                                    tag_keys=replica)
+        self.kv_tokens_used = Gauge("kimi_kv_tokens_used", "KV tokens in use.",
+                                    tag_keys=replica)
+        self.kv_tokens_capacity = Gauge("kimi_max_total_num_tokens", "KV token capacity.",
+                                        tag_keys=replica)
+        self.token_usage = Gauge("kimi_token_usage", "KV tokens used / capacity.",
+                                 tag_keys=replica)
+        self.spec_accept_length = Histogram(
+            "kimi_spec_accept_length", "Per finished request: completion tokens per verify "
+            "step, bonus included (SGLang's spec_accept_length).", boundaries=_ACCEPT_BUCKETS,
+            tag_keys=replica)
+        self.spec_accept_rate = Gauge("kimi_spec_accept_rate", "Accepted / proposed drafts, "
+                                      "over the replica's lifetime.", tag_keys=replica)
+        self.spec_verify_calls = Counter("kimi_spec_verify_calls_total", "Verify steps.",
+                                         tag_keys=replica)
+        self.spec_drafts = Counter("kimi_spec_draft_tokens_total", "Drafts by outcome.",
+                                   tag_keys=("replica", "outcome"))
+        # Router.
+        self.router_decisions = Counter("kimi_router_decisions_total", "Routing decisions by "
+                                        "reason.", tag_keys=("reason",))
+
+
+_metrics: AppMetrics | None = None
+_lock = threading.Lock()
+
+
+def app_metrics() -> AppMetrics | None:
+    """The process's metrics, or None outside Ray (unit tests of the engine alone)."""
+    global _metrics
+    if _metrics is None:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        with _lock:
+            if _metrics is None:
+                _metrics = AppMetrics()
+    return _metrics
+
+
+def tags(**values: Any) -> dict[str, str]:
+    return {k: str(v) for k, v in values.items()}

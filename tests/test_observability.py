@@ -1,0 +1,193 @@
+"""Traces, metrics and logs of one real Serve app (real Ray, HTTP, the openai client)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+from tiny_models import write_tiny_serving_pair
+
+from serve_app.app import build_app
+from serve_app.config import AppConfig
+from serve_app.netutil import free_port
+from serve_app.observability.tracing import TracingConfig, collector_actor, tracing_env
+
+pytestmark = pytest.mark.slow
+MODEL = "obs"
+
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    paths = write_tiny_serving_pair(tmp_path_factory.mktemp("obs"))
+    env = tracing_env(TracingConfig(exporter="collector", sampling_ratio=1.0))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # before ray.init: every Ray process (the proxy too) inherits it
+    metrics_port = free_port()
+    try:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 _metrics_export_port=metrics_port)
+        http_port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        config = AppConfig.model_validate({
+            "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
+                       "served_model_name": MODEL},
+            "engine": {"reference": {"kv_capacity_tokens": 4096}},
+            "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
+        })
+        serve.run(build_app(config), name="kimi", route_prefix="/")
+        yield f"http://127.0.0.1:{http_port}", metrics_port
+        serve.shutdown()
+        ray.shutdown()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _spans_of(trace_id: str, names: set[str], timeout: float = 30.0) -> list[dict[str, Any]]:
+    collector = collector_actor()
+    deadline = time.time() + timeout
+    spans: list[dict[str, Any]] = []
+    while time.time() < deadline:
+        spans = [s for s in ray.get(collector.get.remote()) if s["trace_id"] == trace_id]
+        if names <= {s["name"] for s in spans}:
+            return spans
+        time.sleep(0.5)
+    return spans
+
+
+def test_one_request_makes_the_expected_span_tree(server: Any) -> None:
+    base, _ = server
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    body = {"model": MODEL, "prompt": "def hello(name):", "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True}
+    resp = httpx.post(base + "/v1/completions", json=body, timeout=60,
+                      headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+    assert resp.status_code == 200
+    usage = resp.json()["usage"]
+    wanted = {"ingress.request", "engine.request", "engine.queue", "engine.prefill_chunk",
+              "engine.decode", "engine.verify"}
+    spans = _spans_of(trace_id, wanted)
+    names = {s["name"] for s in spans}
+    assert wanted <= names, f"missing spans: {wanted - names}"
+    by_id = {s["span_id"]: s for s in spans}
+
+    def ancestors(span: dict[str, Any]) -> list[str]:
+        chain = []
+        while span["parent_span_id"] in by_id:
+            span = by_id[span["parent_span_id"]]
+            chain.append(span["name"])
+        return chain
+
+    one = {s["name"]: s for s in spans}
+    # The client's traceparent is the parent of the proxy's span (Serve names it after the
+    # route): the whole tree shares the client's trace id.
+    proxy = [s for s in spans if s["parent_span_id"] == client_span]
+    assert proxy and any(s["name"].startswith("POST /v1/completions") for s in proxy)
+    top = one["ingress.request"]
+    while top["parent_span_id"] in by_id:
+        top = by_id[top["parent_span_id"]]
+    assert top["parent_span_id"] == client_span  # an unbroken chain up to the client's span
+    assert "ingress.request" in ancestors(one["engine.request"])
+    assert ancestors(one["engine.queue"])[0] == "engine.request"
+    verifies = [s for s in spans if s["name"] == "engine.verify"]
+    assert all(ancestors(v)[:2] == ["engine.decode", "engine.request"] for v in verifies)
+    # Each verify step records what it drafted and accepted; together they account for every
+    # token after the first (which came from the prefill).
+    assert all(0 <= v["attributes"]["accepted"] <= v["attributes"]["drafted"] for v in verifies)
+    assert sum(v["attributes"]["committed"] for v in verifies) == usage["completion_tokens"] - 1
+    assert len(verifies) == usage["spec_verify_ct"]
+    root = one["engine.request"]["attributes"]
+    assert root["completion_tokens"] == usage["completion_tokens"]
+    assert one["ingress.request"]["attributes"]["status"] == 200
+
+
+def _scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) -> None:
+    base, port = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    completion_tokens = 0
+    prompt_tokens = 0
+    for prompt in ("def a", "import os", "The quick brown"):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        completion_tokens += r.usage.completion_tokens
+        prompt_tokens += r.usage.prompt_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    names = ["ray_kimi_time_to_first_token_seconds_count", "ray_kimi_time_per_output_token_seconds_count",
+             "ray_kimi_e2e_request_latency_seconds_count", "ray_kimi_prompt_tokens_total",
+             "ray_kimi_generation_tokens_total", "ray_kimi_num_requests_total",
+             "ray_kimi_num_queue_reqs", "ray_kimi_num_running_reqs", "ray_kimi_queue_time_seconds_count",
+             "ray_kimi_kv_tokens_used", "ray_kimi_max_total_num_tokens", "ray_kimi_token_usage",
+             "ray_kimi_spec_accept_length_count", "ray_kimi_spec_accept_rate",
+             "ray_kimi_spec_verify_calls_total", "ray_kimi_spec_draft_tokens_total"]
+    deadline = time.time() + 60
+    text = ""
+    while time.time() < deadline:
+        text = _scrape(port)
+        if (all(re.search(rf"^{n}[{{ ]", text, re.M) for n in names)
+                and _value(text, "ray_kimi_num_requests_total", status="404") >= 1
+                and _value(text, "ray_kimi_generation_tokens_total") >= completion_tokens):
+            break
+        time.sleep(2)
+    missing = [n for n in names if not re.search(rf"^{n}[{{ ]", text, re.M)]
+    assert not missing, f"not exported: {missing}"
+    # Counters equal what the clients were told (this module's other test adds its share).
+    generated = _value(text, "ray_kimi_generation_tokens_total")
+    assert generated >= completion_tokens and generated <= completion_tokens + 20
+    assert _value(text, "ray_kimi_prompt_tokens_total") >= prompt_tokens
+    assert _value(text, "ray_kimi_num_requests_total", status="404") == 1
+    assert _value(text, "ray_kimi_num_requests_total", status="200") >= 3
+    accept_sum = _value(text, "ray_kimi_spec_accept_length_sum")
+    accept_count = _value(text, "ray_kimi_spec_accept_length_count")
+    assert accept_count >= 3 and 1.0 <= accept_sum / accept_count <= 8.0
+    assert 0.0 <= _value(text, "ray_kimi_spec_accept_rate") <= 1.0
+    assert _value(text, "ray_kimi_max_total_num_tokens") == 4096
+
+
+def test_json_logs_carry_request_and_trace_ids(server: Any) -> None:
+    base, _ = server
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    httpx.post(base + "/v1/completions", timeout=60,
+               json={"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0},
+               headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
+    deadline = time.time() + 20
+    lines: list[dict[str, Any]] = []
+    while time.time() < deadline and not lines:
+        for path in glob.glob(str(logs / "replica_kimi_OpenAIIngress_*.log")):
+            for line in Path(path).read_text().splitlines():
+                if trace_id in line:
+                    lines.append(json.loads(line))
+        time.sleep(0.5)
+    assert lines, "no JSON log line carries the request's trace id"
+    finished = [r for r in lines if "request finished" in r.get("message", "")]
+    assert finished and finished[0]["trace_id"] == trace_id
+    assert finished[0]["request_id"] and finished[0]["status"] == 200
