@@ -28,6 +28,12 @@ from serve_app.engines.types import (
     RequestOutput,
     SamplingParams,
 )
+from serve_app.observability.metrics import (
+    app_metrics,
+    record_finished_request,
+    replica_name,
+    tags,
+)
 
 if TYPE_CHECKING:
     from serve_app.config import AppConfig
@@ -469,6 +475,10 @@ class SGLangEngine:
         self.max_req_input_len = int(info.get("max_req_input_len") or 0)
         self._active: dict[str, OutputTracker] = {}
         self._totals = _Totals()
+        self._metric_tags = tags(replica=replica_name())
+        metrics = app_metrics()
+        if metrics is not None:
+            metrics.kv_tokens_capacity.set(self.kv_tokens_total, tags=self._metric_tags)
         self._stopped = False
 
     @classmethod
@@ -521,6 +531,8 @@ class SGLangEngine:
                 finished = out.finished
                 if finished:
                     self._totals.add(out)
+                    # The same per-replica metrics as the reference engine, from meta_info.
+                    record_finished_request(out.spec or {}, self._metric_tags)
                 yield out
                 if finished:
                     return

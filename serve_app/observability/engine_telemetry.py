@@ -18,7 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from serve_app.engines.reference.sequence import Sequence
-from serve_app.observability.metrics import app_metrics, tags
+from serve_app.observability.metrics import app_metrics, record_finished_request, tags
 from serve_app.observability.tracing import tracer
 
 
@@ -123,15 +123,7 @@ class EngineTelemetry:
                 if key in spec:
                     root.set_attribute(key, spec[key])
             root.end(end_time=at_ns)
-        if self.metrics and spec:
-            self.metrics.spec_accept_length.observe(spec["spec_accept_length"], tags=self._tags)
-            self.metrics.spec_verify_calls.inc(spec["spec_verify_ct"], tags=self._tags)
-            accepted = seq.stats.accepted_drafts
-            rejected = seq.stats.proposed_drafts - accepted
-            if accepted:
-                self.metrics.spec_drafts.inc(accepted, tags={**self._tags, "outcome": "accepted"})
-            if rejected:
-                self.metrics.spec_drafts.inc(rejected, tags={**self._tags, "outcome": "rejected"})
+        record_finished_request(spec, self._tags)
 
     def on_step(self, core: Any) -> None:
         if not self.metrics:

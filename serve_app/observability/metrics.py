@@ -92,5 +92,33 @@ def app_metrics() -> AppMetrics | None:
     return _metrics
 
 
+def replica_name() -> str:
+    """The Serve replica this process is (a metric label and an actor-name prefix)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_tag
+    except Exception:  # outside a Serve replica (tests, benchmarks)
+        import os
+
+        return f"local-{os.getpid()}"
+
+
 def tags(**values: Any) -> dict[str, str]:
     return {k: str(v) for k, v in values.items()}
+
+
+def record_finished_request(spec: dict[str, Any], replica_tags: dict[str, str]) -> None:
+    """A finished request's speculative statistics (SGLang's names, as both backends report
+    them in RequestOutput.spec) into the replica's metrics."""
+    m = app_metrics()
+    if m is None or not spec or not spec.get("spec_verify_ct"):
+        return
+    m.spec_accept_length.observe(spec["spec_accept_length"], tags=replica_tags)
+    m.spec_verify_calls.inc(spec["spec_verify_ct"], tags=replica_tags)
+    accepted = spec["spec_accepted_drafts"]
+    rejected = spec["spec_proposed_drafts"] - accepted
+    if accepted:
+        m.spec_drafts.inc(accepted, tags={**replica_tags, "outcome": "accepted"})
+    if rejected:
+        m.spec_drafts.inc(rejected, tags={**replica_tags, "outcome": "rejected"})

@@ -23,6 +23,7 @@ from serve_app.config import AppConfig
 from serve_app.engines.types import EngineUnavailable, GenerateRequest, RequestOutput
 from serve_app.netutil import free_port
 from serve_app.observability.logs import get_logger, install_trace_ids
+from serve_app.observability.metrics import replica_name
 
 logger = get_logger("target")
 
@@ -99,13 +100,6 @@ class RankWorker:
         return self._thread is not None and self._thread.is_alive()
 
 
-def serve_replica_tag() -> str:
-    try:
-        from ray import serve
-
-        return serve.get_replica_context().replica_tag
-    except Exception:  # outside Serve (tests build replicas directly)
-        return f"target-{os.getpid()}"
 
 
 
@@ -119,7 +113,7 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
     rendezvous = f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
     resources = {"num_gpus": 1} if config.placement.accelerator == "GPU" else {}
     # Named after the replica, so operators can find a replica's ranks in `ray list actors`.
-    replica_tag = serve_replica_tag()
+    replica_tag = replica_name()
     workers = [
         RankWorker.options(
             name=f"{replica_tag}-rank{rank}",
