@@ -16,7 +16,7 @@ Conventions (each one is what SGLang does for K3, per kimi-k3-serving.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from math import ceil
 
 from capacity.config import Layout, Speculation, Workload
@@ -185,6 +185,17 @@ def check_context(model: ModelDescriptor, context_length: int) -> None:
         )
 
 
+@lru_cache(maxsize=64)
+def _kda_state_per_layer(model: ModelDescriptor) -> int:
+    # Sweeps ask for the same model's constants tens of thousands of times.
+    return model.kda_state_bytes() // model.kda_layers if model.kda_layers else 0
+
+
+@lru_cache(maxsize=64)
+def _total_bytes(model: ModelDescriptor) -> int:
+    return model.total_bytes()
+
+
 def max_running_requests(draft: ModelDescriptor | None) -> int:
     return DSPARK_MAX_RUNNING_REQUESTS if draft is not None else DEFAULT_MAX_RUNNING_REQUESTS
 
@@ -214,7 +225,7 @@ def memory_per_gpu(
     mla_per_layer_token = (
         (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * kv_bytes if model.mla else 0
     )
-    kda_per_layer = model.kda_state_bytes() // model.kda_layers if model.kda_layers else 0
+    kda_per_layer = _kda_state_per_layer(model)
     running_cap = max_running_requests(draft)
     activation = (
         workload.prefill_chunk_tokens * model.hidden_size * ACTIVATION_BYTES
@@ -228,10 +239,11 @@ def memory_per_gpu(
         model, fmt_key, layout.pipeline_stages, layout.attention_tp, layout.expert_parallel,
         layout.moe_tp,
     )
+    attention_layers = _stage_attention_layers(model, layout.pipeline_stages)
     for index in range(len(stage_totals)):
         start, end = bounds[index]
         weights = dict(stage_weights[index])
-        mla_here, kda_here = _stage_attention_layers(model, layout.pipeline_stages)[index]
+        mla_here, kda_here = attention_layers[index]
         per_request = {
             "mla_kv": cached_tokens * mla_per_layer_token * mla_here,
             "kda_state": ceil(kda_per_layer * kda_here * workload.kda_state_slots
@@ -244,7 +256,7 @@ def memory_per_gpu(
                 kda_per_layer * kda_here * verify_rows / layout.attention_tp
             )
         if draft is not None and index == layout.pipeline_stages - 1:
-            weights["draft"] = ceil(draft.total_bytes() / layout.attention_tp)
+            weights["draft"] = ceil(_total_bytes(draft) / layout.attention_tp)
             if draft.gqa is not None:
                 gqa_layers = len(draft.layers)
                 per_token = (
