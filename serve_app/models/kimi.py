@@ -197,21 +197,26 @@ class KimiAttention(nn.Module):
 
     def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Causal attention over whole sequences without a cache, differentiable (training).
-        The same absorbed computation as `forward`, so logits agree with the cached path."""
+
+        Keys and values are materialized per head (the non-absorbed form, equal to `forward`'s
+        absorbed one up to float rounding): over a whole sequence it is the cheaper form, and
+        with q, k and (zero-padded) v of one head size, SDPA takes PyTorch's fused CPU kernel
+        instead of the math fallback that was half of a training step."""
         b, t, _ = x.shape
         q_nope, q_pe = self.query(x).split([self.nope, self.rope], dim=-1)
         q_pe = apply_rotary_interleaved(q_pe, cos[:, :, None], sin[:, :, None])
-        keys = self.latent(x, cos, sin)  # [B, T, lora + rope]
-        w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.einsum("bthn,hnl->bhtl", q_nope, w_uk)
-        q_full = torch.cat([q_latent, q_pe.transpose(1, 2)], dim=-1)
-        shape = (b, self.num_heads, t, keys.shape[-1])
-        # Expanded, not enable_gqa: the CPU backward of a GQA-broadcast SDPA is not guaranteed.
-        k = keys[:, None].expand(shape)
-        out_latent = F.scaled_dot_product_attention(
-            q_full, k, k[..., : self.kv_lora_rank], is_causal=True, scale=self.softmax_scale
-        )
-        out = torch.einsum("bhtl,hvl->bthv", out_latent, w_uv).reshape(b, t, -1)
+        entry = self.latent(x, cos, sin)  # [B, T, lora + rope]: what the cache would hold
+        c, k_pe = entry.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(c).view(b, t, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, self.num_heads, -1)], dim=-1)
+        v = F.pad(v, (0, q.shape[-1] - self.v_dim))
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            scale=self.softmax_scale,
+        )[..., : self.v_dim]
+        out = out.transpose(1, 2).reshape(b, t, -1)
         return self.tp.all_reduce(self.o_proj(out))
 
 
@@ -427,11 +432,14 @@ class KimiForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         capture_layers: Sequence[int] = (),
         expert_counts: list[list[int]] | None = None,
+        compute_logits: bool = True,
     ) -> KimiOutput:
         """Whole sequences [B, T] from position 0, causal, no cache, with autograd: the
         language-model training forward (and the draft trainer's source of target taps and
         distributions). Logits and taps equal the cached `forward` on the same tokens.
-        `expert_counts`, if given, receives each MoE layer's tokens per expert."""
+        `expert_counts`, if given, receives each MoE layer's tokens per expert. With
+        compute_logits=False the logits are left empty (a caller that needs them at a few
+        positions only applies `logits_from_hidden` to the last layer's tap there)."""
         b, t = input_ids.shape
         dev = self.model.embed_tokens.weight.device
         positions = torch.arange(t, device=dev)[None, :].expand(b, -1)
@@ -450,9 +458,13 @@ class KimiForCausalLM(nn.Module):
                 x = x + layer.tp.all_reduce(layer.mlp(h))
             if i in capture_layers:
                 captured[i] = x
-        logits = self.lm_head(self.model.norm(x)).float()
+        logits = self.logits_from_hidden(x) if compute_logits else x.new_empty(0)
         taps = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return KimiOutput(logits=logits, taps=taps)
+
+    def logits_from_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output -> float32 logits (final norm, lm_head)."""
+        return self.lm_head(self.model.norm(x)).float()
 
     def _attention_batch(
         self,

@@ -1,0 +1,1 @@
+"""Training of the embedded CPU default (tokenizer, mini Kimi target, DSpark draft)."""

@@ -1,0 +1,116 @@
+"""`python -m serve_app.training {train-tokenizer,train-target,train-draft,all}`.
+
+Trains the embedded CPU default from the Python standard library's source on this machine:
+the tokenizer, the mini Kimi target and its DSpark draft, each under a wall-time budget, and
+writes the asset folders (default: `serve_app/assets/`). Not run in CI.
+
+    python -m serve_app.training all --budget-minutes 55 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+# Shares of the `all` budget: the target learns the language, the draft needs less.
+_SHARES = {"tokenizer": 0.04, "target": 0.58, "draft": 0.38}
+
+
+def _paths(out: Path) -> tuple[Path, Path, Path]:
+    return out / "tokenizer", out / "kimi-mini", out / "kimi-mini-dspark"
+
+
+def _corpus() -> tuple[list, list]:
+    from serve_app.training.corpus import split_files, stdlib_files
+
+    return split_files(stdlib_files())
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> None:
+    from serve_app.training.bpe import train_tokenizer
+
+    t0 = time.monotonic()
+    train, _ = _corpus()
+    tok_dir, _, _ = _paths(args.out)
+    tok = train_tokenizer(train, tok_dir, vocab_size=args.vocab_size)
+    print(f"tokenizer: {tok.get_vocab_size()} tokens from {len(train)} files -> {tok_dir} "
+          f"({time.monotonic() - t0:.0f} s)", flush=True)
+
+
+def cmd_target(args: argparse.Namespace, budget_s: float) -> None:
+    from serve_app.tokenizer import load_tokenizer
+    from serve_app.training.train_target import train_target
+
+    train, held = _corpus()
+    tok_dir, target_dir, _ = _paths(args.out)
+    train_target(load_tokenizer(tok_dir), train, held, target_dir, args.seed, budget_s,
+                 threads=args.threads)
+
+
+def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
+    from serve_app.tokenizer import load_tokenizer
+    from serve_app.training.train_draft import train_draft
+
+    train, held = _corpus()
+    tok_dir, target_dir, draft_dir = _paths(args.out)
+    train_draft(load_tokenizer(tok_dir), train, held, target_dir, draft_dir, args.seed,
+                budget_s, threads=args.threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m serve_app.training", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["train-tokenizer", "train-target", "train-draft",
+                                            "all", "cards"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-minutes", type=float, default=None,
+                        help="wall-time budget of this command (all: shared 4/58/38 %%)")
+    parser.add_argument("--out", type=Path, default=ASSETS, help="assets folder to write")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--bench-json", type=Path, default=None,
+                        help="cards: a bench/spec_decode.py --json report to include")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    defaults = {"train-tokenizer": 2.0, "train-target": 34.0, "train-draft": 21.0, "all": 55.0,
+                "cards": 0.0}
+    budget_s = 60 * (args.budget_minutes if args.budget_minutes is not None
+                     else defaults[args.command])
+    t0 = time.monotonic()
+    print(f"python {platform.python_version()} | seed {args.seed} | budget "
+          f"{budget_s / 60:.1f} min | out {args.out}", flush=True)
+    if args.command == "cards":
+        from serve_app.training.cards import write_cards
+
+        bench = json.loads(args.bench_json.read_text()) if args.bench_json else None
+        write_cards(args.out, bench)
+    elif args.command == "train-tokenizer":
+        cmd_tokenizer(args)
+    elif args.command == "train-target":
+        cmd_target(args, budget_s)
+    elif args.command == "train-draft":
+        cmd_draft(args, budget_s)
+    else:
+        cmd_tokenizer(args)
+        # The target gets its share plus whatever the tokenizer left unused.
+        cmd_target(args, budget_s * (_SHARES["tokenizer"] + _SHARES["target"])
+                   - (time.monotonic() - t0))
+        cmd_draft(args, budget_s - (time.monotonic() - t0))
+    if args.command in ("train-draft", "all"):
+        from serve_app.training.cards import write_cards
+
+        write_cards(args.out)
+    summary = {"command": args.command, "seed": args.seed,
+               "wall_s": round(time.monotonic() - t0, 1)}
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Shared pieces of the training commands: progress lines, data windows, schedules, seeding."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from serve_app.tokenizer import ChatTokenizer
+from serve_app.training.bpe import SPECIAL_TOKENS
+from serve_app.training.corpus import SourceFile, chat_documents
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Progress:
+    """A progress bar printed as plain lines (no terminal control codes), so that it reads the
+    same on a terminal, in a nohup log and in CI output. The bar tracks wall time, the real
+    budget of every loop here."""
+
+    name: str
+    budget_s: float
+    every_s: float = 15.0
+    start: float = field(default_factory=time.monotonic)
+    _last: float = 0.0
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.elapsed / self.budget_s) if self.budget_s > 0 else 1.0
+
+    def update(self, force: bool = False, **metrics: float | int | str) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        width = 24
+        filled = int(self.fraction * width)
+        bar = "#" * filled + "-" * (width - filled)
+        parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                 for k, v in metrics.items()]
+        print(f"{self.name:<9}[{bar}] {100 * self.fraction:5.1f}%  "
+              f"{self.elapsed / 60:5.1f}/{self.budget_s / 60:.1f} min  " + "  ".join(parts),
+              flush=True, file=sys.stdout)
+
+
+def cosine_lr(fraction: float, step: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to floor*peak as the wall-time
+    budget runs out (the number of steps is not known in advance on a shared machine)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction))))
+
+
+def encode_documents(tok: ChatTokenizer, files: list[SourceFile], seed: int,
+                     chat_fraction: float = 0.25) -> torch.Tensor:
+    """One token stream: every file and some chat exchanges (about `chat_fraction` of the
+    documents), shuffled with the seed, each followed by <|endoftext|>."""
+    rng = random.Random(seed)
+    texts = [f.text for f in files]
+    # Chats average ~700 characters: enough of them for chat_fraction of the characters.
+    n_chat = int(sum(map(len, texts)) * chat_fraction / (1 - chat_fraction) / 700)
+    texts += [tok.render_chat(m, add_generation_prompt=False)
+              for m in chat_documents(files, rng, n_chat)]
+    rng.shuffle(texts)
+    sep = tok.tokenizer.token_to_id(SPECIAL_TOKENS[0])
+    ids: list[int] = []
+    for enc in tok.tokenizer.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(sep)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def random_windows(stream: torch.Tensor, batch: int, length: int,
+                   gen: torch.Generator) -> torch.Tensor:
+    """[batch, length] random windows of the stream (int64)."""
+    starts = torch.randint(0, len(stream) - length, (batch,), generator=gen)
+    return torch.stack([stream[s:s + length] for s in starts.tolist()]).long()
+
+
+def fixed_windows(stream: torch.Tensor, count: int, length: int) -> torch.Tensor:
+    """[count, length] evenly spaced windows: a deterministic evaluation set."""
+    step = max(1, (len(stream) - length) // count)
+    return torch.stack([stream[i * step:i * step + length] for i in range(count)]).long()

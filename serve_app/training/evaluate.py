@@ -1,0 +1,47 @@
+"""Measure a trained pair with the reference engine, the way the test and the benchmark do."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from serve_app.engines.reference.builder import (
+    ReferenceEngineConfig,
+    SpeculationConfig,
+    build_engine,
+    build_runner,
+)
+from serve_app.engines.reference.sampling import SamplingParams
+
+
+def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]],
+                       max_tokens: int = 64, temperature: float = 0.0,
+                       seed: int = 0) -> dict[str, Any]:
+    """Decode each prompt alone (batch 1) with speculation; SGLang's acceptance statistics:
+    the per-request spec_accept_length macro-averaged over prompts, and token-weighted.
+    Greedy runs also decode target-only and report whether the outputs are identical."""
+    def engine(speculative: bool) -> Any:
+        cfg = ReferenceEngineConfig(kv_capacity_tokens=4096,
+                                    speculation=SpeculationConfig(enabled=speculative))
+        return build_engine(build_runner(target, draft if speculative else None, cfg), cfg)
+
+    spec = engine(True)
+    outs = [spec.generate([p], SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                              ignore_eos=True, seed=seed + i))[0]
+            for i, p in enumerate(prompts)]
+    stats = spec.stats()
+    result: dict[str, Any] = {
+        "prompts": len(prompts), "max_tokens": max_tokens, "temperature": temperature,
+        "spec_accept_length_macro": statistics.fmean(o.spec["spec_accept_length"] for o in outs),
+        "spec_accept_length_token_weighted": stats["spec_accept_length"],
+        "spec_accept_rate": stats["spec_accept_rate"],
+        "spec_correct_drafts_histogram": stats["spec_correct_drafts_histogram"],
+        "per_prompt_accept_length": [round(o.spec["spec_accept_length"], 3) for o in outs],
+    }
+    if temperature == 0:
+        base = engine(False)
+        ref = [base.generate([p], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                 ignore_eos=True))[0].token_ids for p in prompts]
+        result["identical_to_target_only"] = ref == [o.token_ids for o in outs]
+    return result

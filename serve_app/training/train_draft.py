@@ -1,0 +1,312 @@
+"""Train the DSpark draft on the target's own hidden states and distributions.
+
+Data: every step mixes windows of the training corpus with sequences the target generated
+itself (greedy for two thirds, temperature 0.7 for the rest) from training-corpus prompts,
+some of them chat requests. The generated part is what the draft meets when the engine decodes,
+so it is where most anchors are drawn; the context features always come from the target's taps
+over the whole sequence, exactly what the inference path appends to the draft's cache.
+
+Objective (SpecForge defaults, dspark.md): per block row k,
+    0.1 * CE(logits, next token) + 0.9 * ||p_draft - p_target||_1 + 1.0 * BCE(conf, accept)
+with accept = 1 - 0.5 * ||p_draft - p_target||_1 (the chance a sampled draft is accepted),
+weighted by exp(-k / gamma); the Markov head is teacher-forced with the sequence's tokens;
+random anchors per sequence, each block seeing the context strictly before its anchor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from serve_app.models.dspark import DSparkDraft, save_dspark
+from serve_app.models.dspark_config import DSparkConfig
+from serve_app.models.kimi import KimiForCausalLM, load_kimi
+from serve_app.tokenizer import ChatTokenizer
+from serve_app.training.common import (
+    Progress,
+    cosine_lr,
+    encode_documents,
+    random_windows,
+    seed_everything,
+)
+from serve_app.training.corpus import SourceFile, chat_documents
+
+GAMMA = 7
+TAP_LAYERS = (1, 3, 5)
+LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
+
+
+def mini_draft_config(target: KimiForCausalLM, tok: ChatTokenizer) -> DSparkConfig:
+    t = target.config
+    return DSparkConfig.from_dict({
+        "architectures": ["DSparkDraftModel"], "model_type": "qwen3",
+        "hidden_size": t.hidden_size, "intermediate_size": 768, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+        "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position_embeddings,
+        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "block_size": GAMMA, "num_target_layers": t.num_hidden_layers,
+        "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+        "pad_token_id": tok.pad_token_id, "dtype": "bfloat16",
+        "dflash_config": {
+            "target_layer_ids": list(TAP_LAYERS), "mask_token_id": tok.mask_token_id,
+            "markov_rank": 32, "markov_head_type": "vanilla", "enable_confidence_head": True,
+            "confidence_head_with_markov": True, "target_hidden_size": t.hidden_size,
+        },
+    }, "mini draft")
+
+
+def init_draft(draft: DSparkDraft, std: float = 0.02) -> None:
+    layers = draft.config.num_hidden_layers
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.startswith("confidence_head"):
+                p.zero_()  # starts at 0.5 everywhere
+            elif name == "markov_head.markov_w2.weight":
+                p.zero_()  # the bigram correction starts neutral
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0, std / math.sqrt(2 * layers))
+            else:
+                p.normal_(0, std)
+
+
+@torch.no_grad()
+def generate(target: KimiForCausalLM, prompts: torch.Tensor, new_tokens: int,
+             temperature: float, gen: torch.Generator) -> torch.Tensor:
+    """Continue every prompt row ([N, P], equal lengths) by `new_tokens` with the cached
+    forward; returns [N, P + new_tokens]."""
+    n, p = prompts.shape
+    cache = target.new_cache(n * (p + new_tokens + 16), 16)
+    rids = list(range(n))
+    for r in rids:
+        cache.add(r)
+    logits = target(prompts, cache, rids, torch.full((n,), p)).logits[:, -1]
+    out = [prompts]
+    for i in range(new_tokens):
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        out.append(nxt)
+        if i + 1 < new_tokens:
+            logits = target(nxt, cache, rids, torch.ones(n, dtype=torch.long)).logits[:, -1]
+    return torch.cat(out, dim=1)
+
+
+def generation_prompts(tok: ChatTokenizer, stream: torch.Tensor, files: list[SourceFile],
+                       n: int, length: int, rng: random.Random,
+                       gen: torch.Generator) -> torch.Tensor:
+    """[n, length] prompts: corpus windows, and (a quarter of them) a chat request placed after
+    a document separator at the end of a corpus window, the way a chat prompt starts fresh."""
+    rows = random_windows(stream, n, length, gen)
+    chats = chat_documents(files, rng, n // 4)
+    for i, messages in enumerate(chats):
+        ids = [tok.bos_token_id, *tok.apply_chat_template(messages[:-1])]
+        if len(ids) < length:
+            rows[i, length - len(ids):] = torch.tensor(ids)
+    return rows[torch.randperm(n, generator=gen)]
+
+
+def draft_loss(out_logits: torch.Tensor, confidence: torch.Tensor | None,
+               target_logits: torch.Tensor, labels: torch.Tensor
+               ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """All [B, A, gamma, ...]; returns (loss, parts, per-row greedy agreement)."""
+    gamma = out_logits.shape[2]
+    weights = torch.exp(-torch.arange(gamma, dtype=torch.float32) / gamma)
+    weights = weights / weights.sum()
+    q = torch.softmax(out_logits, -1)
+    p = torch.softmax(target_logits, -1)
+    l1 = (q - p).abs().sum(-1)  # [B, A, g]
+    ce = F.cross_entropy(out_logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(l1)
+    accept = (1 - 0.5 * l1).detach().clamp(0, 1)
+    per_row = LOSS_WEIGHTS["ce"] * ce + LOSS_WEIGHTS["l1"] * l1
+    bce = torch.zeros_like(l1)
+    if confidence is not None:
+        bce = F.binary_cross_entropy(confidence.float().clamp(1e-6, 1 - 1e-6), accept,
+                                     reduction="none")
+        per_row = per_row + LOSS_WEIGHTS["bce"] * bce
+    loss = (per_row * weights).sum(-1).mean()
+    agree = (out_logits.argmax(-1) == target_logits.argmax(-1)).float()
+    parts = {k: float(v.detach().mean()) for k, v in (("ce", ce), ("l1", l1), ("bce", bce))}
+    return loss, parts, agree
+
+
+def expected_accept_length(agree_by_row: torch.Tensor) -> float:
+    """Greedy acceptance length implied by per-row agreement rates, if rows were independent
+    given the previous ones: 1 + sum_k prod_{j<=k} a_j (an estimate; the engine measures)."""
+    return 1.0 + float(torch.cumprod(agree_by_row, 0).sum())
+
+
+@dataclass
+class DraftResult:
+    config: DSparkConfig
+    params: int
+    steps: int
+    generated_sequences: int
+    wall_s: float
+    loss: float
+    heldout_agreement: list[float]
+    heldout_expected_accept: float
+
+
+def _batch(target: KimiForCausalLM, ids: torch.Tensor, anchors: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's taps and, per block row, its logits and the sequence's next tokens."""
+    last = target.config.num_hidden_layers - 1
+    layers = sorted({*TAP_LAYERS, last})
+    with torch.no_grad():
+        out = target.forward_train(ids, capture_layers=layers, compute_logits=False)
+        assert out.taps is not None
+        hidden = out.taps.unflatten(-1, (len(layers), -1))
+        rows = anchors[:, :, None] + torch.arange(GAMMA)  # positions p..p+g-1: row k scores p+k+1
+        b, a = anchors.shape
+        # Target logits only where a block row needs them: the lm_head over every token was
+        # a third of a training step.
+        h_last = hidden[:, :, layers.index(last)]
+        h_rows = h_last.gather(1, rows.view(b, -1, 1).expand(-1, -1, h_last.shape[-1]))
+        tlogits = target.logits_from_hidden(h_rows).view(b, a, GAMMA, -1)
+        taps = hidden[:, :, [layers.index(i) for i in TAP_LAYERS]].flatten(-2)
+    labels = ids.gather(1, (rows + 1).view(b, -1)).view(b, a, GAMMA)
+    return taps, tlogits, labels
+
+
+def train_draft(
+    tok: ChatTokenizer,
+    train_files: list[SourceFile],
+    heldout_files: list[SourceFile],
+    target_dir: Path,
+    out: Path,
+    seed: int,
+    budget_s: float,
+    threads: int = 2,
+    prompt_len: int = 128,
+    new_tokens: int = 128,
+    batch_corpus: int = 4,
+    batch_generated: int = 12,
+    anchors_per_seq: int = 24,
+    peak_lr: float = 1.5e-3,
+) -> DraftResult:
+    torch.set_num_threads(threads)
+    seed_everything(seed)
+    start = time.monotonic()
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    # The shipped target (bf16 weights, computed in fp32), as the engine will run it.
+    target = load_kimi(target_dir, dtype=torch.float32)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    stream = encode_documents(tok, train_files, seed + 1)
+    held = encode_documents(tok, heldout_files, seed + 1, chat_fraction=0.0)
+    seq_len = prompt_len + new_tokens
+
+    # 1. The target's own continuations (a fixed share of the budget).
+    gen_budget = 0.18 * budget_s
+    pool: list[torch.Tensor] = []
+    progress = Progress("generate", gen_budget)
+    i = 0
+    while progress.elapsed < gen_budget and len(pool) < 64:
+        temperature = 0.7 if i % 3 == 2 else 0.0
+        prompts = generation_prompts(tok, stream, train_files, 32, prompt_len, rng, gen)
+        pool.append(generate(target, prompts, new_tokens, temperature, gen))
+        i += 1
+        progress.update(sequences=32 * len(pool))
+    generated = torch.cat(pool)
+    progress.update(force=True, sequences=len(generated))
+    sample = tok.decode(generated[0, prompt_len - 24:].tolist(), skip_special_tokens=False)
+    print("generate: sample continuation:\n" + sample[:600], flush=True)
+    held_prompts = random_windows(held, 16, prompt_len, torch.Generator().manual_seed(seed + 7))
+    held_gen = generate(target, held_prompts, new_tokens, 0.0, gen)
+
+    # 2. The draft.
+    config = mini_draft_config(target, tok)
+    draft = DSparkDraft(config)
+    init_draft(draft)
+    params = sum(p.numel() for p in draft.parameters())
+    print(f"draft: {params:,} parameters, taps {list(TAP_LAYERS)}, gamma {GAMMA}, "
+          f"{len(generated)} generated sequences", flush=True)
+    embed = target.model.embed_tokens.weight
+    lm_head = target.lm_head.weight
+    decay = [p for p in draft.parameters() if p.ndim == 2]
+    no_decay = [p for p in draft.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=peak_lr, betas=(0.9, 0.95))
+    # Keep time for saving, the held-out agreement and the engine measurement after the loop.
+    loop_budget = budget_s - (time.monotonic() - start) - 75
+    progress = Progress("draft", loop_budget)
+    step, ema = 0, float("nan")
+    agree_ema = torch.zeros(GAMMA)
+    while progress.elapsed < loop_budget:
+        lr = cosine_lr(progress.fraction, step, peak_lr, warmup=30)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        pick = torch.randint(0, len(generated), (batch_generated,), generator=gen)
+        ids = torch.cat([random_windows(stream, batch_corpus, seq_len, gen), generated[pick]])
+        # Corpus rows: anchors anywhere; generated rows: mostly in the generated part.
+        hi = seq_len - 1 - GAMMA
+        lo = torch.tensor([1] * batch_corpus + [prompt_len - 8] * batch_generated)
+        u = torch.rand(len(ids), anchors_per_seq, generator=gen)
+        anchors = (lo[:, None] + u * (hi - lo[:, None] + 1)).long().clamp(max=hi)
+        taps, tlogits, labels = _batch(target, ids, anchors)
+        res = draft.forward_train(taps, ids, anchors, embed, lm_head)
+        loss, parts, agree = draft_loss(res.logits, res.confidence, tlogits, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        step += 1
+        value = float(loss.detach())
+        ema = value if math.isnan(ema) else 0.95 * ema + 0.05 * value
+        rows = agree[batch_corpus:].mean(dim=(0, 1))
+        agree_ema = rows if step == 1 else 0.95 * agree_ema + 0.05 * rows
+        progress.update(step=step, loss=ema, lr=lr, l1=parts["l1"],
+                        est_accept=expected_accept_length(agree_ema))
+    progress.update(force=True, step=step, loss=ema)
+
+    # 3. Save bf16 and measure teacher-forced agreement on held-out generations.
+    draft.eval()
+    draft.to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    save_dspark(draft, out)
+    draft.float()
+    with torch.no_grad():
+        hi = seq_len - 1 - GAMMA
+        anchors = torch.arange(prompt_len - 1, hi + 1)[None].expand(len(held_gen), -1)
+        taps, tlogits, labels = _batch(target, held_gen, anchors)
+        res = draft.forward_train(taps, held_gen, anchors, embed, lm_head)
+        _, _, agree = draft_loss(res.logits, res.confidence, tlogits, labels)
+    by_row = agree.mean(dim=(0, 1))
+    est = expected_accept_length(by_row)
+    wall = time.monotonic() - start
+    print(f"draft: {step} steps, held-out greedy agreement by row "
+          f"{[round(float(a), 3) for a in by_row]}, estimated accept length {est:.2f}, "
+          f"{wall / 60:.1f} min", flush=True)
+    result = DraftResult(config, params, step, len(generated), wall, ema,
+                         [round(float(a), 4) for a in by_row], est)
+    metrics = _metrics(result)
+    # What the engine measures on the fixed held-out prompts (after the training wall time).
+    from serve_app.embedded import heldout_prompt_ids
+    from serve_app.training.evaluate import measure_acceptance
+
+    metrics["engine_heldout_greedy"] = measure_acceptance(target_dir, out,
+                                                          heldout_prompt_ids(tok))
+    print(f"draft: engine, held-out greedy: {metrics['engine_heldout_greedy']}", flush=True)
+    (out / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return result
+
+
+def _metrics(r: DraftResult) -> dict[str, Any]:
+    return {"parameters": r.params, "steps": r.steps,
+            "generated_sequences": r.generated_sequences, "wall_s": round(r.wall_s, 1),
+            "train_loss_ema": round(r.loss, 4),
+            "heldout_teacher_forced_agreement_by_row": r.heldout_agreement,
+            "heldout_estimated_accept_length": round(r.heldout_expected_accept, 3)}

@@ -1,0 +1,105 @@
+"""The committed CPU default pair: configs, tokenizer, lossless speculation and acceptance."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from serve_app.embedded import DRAFT, TARGET, TOKENIZER, asset_bytes, heldout_prompt_ids
+from serve_app.engines.reference.builder import (
+    ReferenceEngineConfig,
+    SpeculationConfig,
+    build_engine,
+    build_runner,
+)
+from serve_app.engines.reference.engine import EngineCore
+from serve_app.engines.reference.sampling import SamplingParams
+from serve_app.models.dspark_config import DSparkConfig
+from serve_app.models.kimi_config import KimiConfig
+from serve_app.tokenizer import ChatTokenizer, load_tokenizer
+
+# Measured on the committed pair: the macro mean accept length on these 6 prompts (see the
+# draft's MODEL_CARD.md), less a margin for float differences between machines.
+MIN_ACCEPT_LENGTH = 4.0
+MAX_TOKENS = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tok() -> ChatTokenizer:
+    return load_tokenizer(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok: ChatTokenizer) -> list[list[int]]:
+    # 5 code-completion prompts and 1 chat request, all from held-out files.
+    return heldout_prompt_ids(tok, n_completion=5, n_chat=1)
+
+
+def _engine(speculative: bool) -> EngineCore:
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=2048,
+                                speculation=SpeculationConfig(enabled=speculative))
+    return build_engine(build_runner(TARGET, DRAFT if speculative else None, cfg), cfg)
+
+
+def test_asset_configs_parse_and_agree(tok: ChatTokenizer) -> None:
+    target = KimiConfig.from_file(TARGET)
+    draft = DSparkConfig.from_file(DRAFT)
+    assert json.loads((DRAFT / "config.json").read_text())["dflash_config"]["mask_token_id"] \
+        == draft.mask_token_id
+    assert draft.mask_token_id == tok.mask_token_id
+    assert target.vocab_size == draft.vocab_size == tok.vocab_size
+    assert target.eos_token_id == draft.eos_token_id == tok.eos_token_id
+    assert draft.block_size == 7 and draft.num_target_layers == target.num_hidden_layers
+    assert len(draft.target_layer_ids) >= 3
+    # The features the engine serves: MLA with LoRA ranks, MoE + shared expert, dense first.
+    assert target.q_lora_rank and target.kv_lora_rank and target.n_shared_experts >= 1
+    assert target.first_k_dense_replace == 1 and target.n_routed_experts > 1
+
+
+def test_draft_has_the_published_tensor_names() -> None:
+    from serve_app.cli import inspect_checkpoint
+
+    report = inspect_checkpoint(DRAFT)  # raises on any missing / unexpected / mis-shaped name
+    assert report["block_size"] == 7 and report["markov_rank"] > 0
+
+
+def test_assets_fit_the_wheel_budget() -> None:
+    assert asset_bytes() < 25_000_000
+
+
+def test_tokenizer_round_trip_and_chat_template(tok: ChatTokenizer) -> None:
+    text = 'def f(x):\n    """Docstring — ünïcode ✓."""\n\treturn x  # tab\n'
+    assert tok.decode(tok.encode(text)) == text
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Write the function f."}]
+    assert tok.render_chat(messages) == (
+        "<|im_system|>Be brief.<|im_end|><|im_user|>Write the function f.<|im_end|>"
+        "<|im_assistant|>")
+    ids = tok.apply_chat_template(messages)
+    special = {tok.tokenizer.token_to_id(t) for t in
+               ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_end|>")}
+    assert special <= set(ids) and ids[-1] == tok.tokenizer.token_to_id("<|im_assistant|>")
+    assert ids.count(tok.eos_token_id) == 2  # each finished turn ends with the EOS token
+    assert tok.decode(ids) == "Be brief.Write the function f."  # specials skipped
+    with pytest.raises(ValueError, match="unknown chat roles"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_speculation_is_lossless_and_accepts_enough(prompts: list[list[int]]) -> None:
+    torch.manual_seed(0)
+    base = _engine(False)
+    expected = [base.generate([p], GREEDY)[0].token_ids for p in prompts]
+    spec = _engine(True)
+    outs = [spec.generate([p], GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == expected
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    per_prompt = [o.spec["spec_accept_length"] for o in outs]
+    macro = statistics.fmean(per_prompt)
+    stats = spec.stats()
+    assert 1.0 <= stats["spec_accept_length"] <= 8.0
+    assert macro >= MIN_ACCEPT_LENGTH, (
+        f"mean accept length {macro:.2f} < {MIN_ACCEPT_LENGTH} (per prompt {per_prompt})")

@@ -1,0 +1,140 @@
+"""The training forwards compute exactly what the inference paths compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import write_tiny_pair
+
+from serve_app.models.dspark import DSparkDraft, block_attention_mask, load_dspark
+from serve_app.models.kimi import KimiForCausalLM, load_kimi
+from serve_app.training.common import cosine_lr
+from serve_app.training.train_draft import draft_loss, expected_accept_length
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[KimiForCausalLM, DSparkDraft]:
+    t, d = write_tiny_pair(tmp_path_factory.mktemp("train_pair"), seed=5)
+    return load_kimi(t), load_dspark(d)
+
+
+def test_target_forward_train_matches_the_cached_forward(pair: tuple) -> None:
+    target, draft = pair
+    layers = list(draft.config.target_layer_ids)
+    ids = torch.randint(0, 60, (2, 30), generator=torch.Generator().manual_seed(0))
+    full = target.forward_train(ids, capture_layers=layers)
+    # Cached: a 20-token prefill, then two steps of 5 (different lengths per row padded).
+    cache = target.new_cache(256)
+    cache.add("a")
+    cache.add("b")
+    logits, taps = [], []
+    for lo, hi in ((0, 20), (20, 25), (25, 30)):
+        out = target(ids[:, lo:hi], cache, ["a", "b"], torch.tensor([hi - lo] * 2),
+                     capture_layers=layers)
+        logits.append(out.logits)
+        taps.append(out.taps)
+    torch.testing.assert_close(full.logits, torch.cat(logits, 1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(full.taps, torch.cat(taps, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_target_forward_train_has_gradients_and_expert_counts(pair: tuple) -> None:
+    target, _ = pair
+    model = KimiForCausalLM(target.config)
+    model.load_state_dict(target.state_dict())
+    counts: list[list[int]] = []
+    out = model.forward_train(torch.randint(0, 60, (2, 12)), expert_counts=counts)
+    out.logits.logsumexp(-1).mean().backward()
+    moe_layers = sum(model.config.is_moe_layer(i) for i in range(model.config.num_hidden_layers))
+    assert len(counts) == moe_layers
+    assert all(sum(c) == 2 * 12 * model.config.num_experts_per_tok for c in counts)
+    assert model.model.layers[0].self_attn.kv_b_proj.weight.grad is not None
+    assert model.model.layers[1].mlp.gate.weight.grad is not None
+
+
+def test_draft_forward_train_matches_draft_at_every_anchor(pair: tuple) -> None:
+    """Several anchors in one training forward, each equal to an inference draft step whose
+    cache holds exactly the context rows before that anchor."""
+    target, draft = pair
+    gamma = draft.config.block_size
+    layers = list(draft.config.target_layer_ids)
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    g = torch.Generator().manual_seed(1)
+    anchors = [3, 11, 19]
+    ids = torch.randint(0, 60, (1, 40), generator=g)
+    # Inference first; then write each block's greedy drafts into the sequence after its
+    # anchor, so the teacher-forced Markov inputs of training equal inference's choices.
+    expected_logits, expected_conf = [], []
+    for p in anchors:
+        taps = target.forward_train(ids, capture_layers=layers).taps
+        cache = draft.new_cache(128)
+        cache.add(0)
+        draft.append_context(cache, [0], [taps[0, :p]])
+        out = draft.draft(cache, [0], ids[:, p], embed, head)
+        ids[0, p + 1:p + gamma] = out.tokens[0, : gamma - 1]
+        expected_logits.append(out.logits[0])
+        expected_conf.append(out.confidence[0])
+    # Later anchors' blocks were written after earlier ones: recompute every expectation on
+    # the final sequence (the blocks do not overlap, so earlier drafts are unchanged).
+    taps = target.forward_train(ids, capture_layers=layers).taps
+    for i, p in enumerate(anchors):
+        cache = draft.new_cache(128)
+        cache.add(0)
+        draft.append_context(cache, [0], [taps[0, :p]])
+        out = draft.draft(cache, [0], ids[:, p], embed, head)
+        expected_logits[i], expected_conf[i] = out.logits[0], out.confidence[0]
+    res = draft.forward_train(taps, ids, torch.tensor([anchors]), embed, head)
+    for i in range(len(anchors)):
+        torch.testing.assert_close(res.logits[0, i], expected_logits[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(res.confidence[0, i], expected_conf[i], rtol=1e-4, atol=1e-4)
+
+
+def test_block_mask_sees_context_before_the_anchor_and_its_own_block() -> None:
+    mask = block_attention_mask(torch.tensor([[2, 5]]), context_len=8, gamma=3)[0, 0]
+    assert mask.shape == (6, 8 + 6)
+    assert mask[0, :8].tolist() == [True, True] + [False] * 6
+    assert mask[4, :8].tolist() == [True] * 5 + [False] * 3
+    assert mask[0, 8:].tolist() == [True] * 3 + [False] * 3
+    assert mask[5, 8:].tolist() == [False] * 3 + [True] * 3
+
+
+def test_draft_loss_is_zero_l1_when_the_draft_equals_the_target() -> None:
+    logits = torch.randn(2, 3, 7, 11)
+    labels = logits.argmax(-1)
+    loss, parts, agree = draft_loss(logits, torch.full((2, 3, 7), 0.999), logits, labels)
+    assert parts["l1"] < 1e-5 and bool(agree.all())
+    assert expected_accept_length(torch.ones(7)) == 8.0
+    assert expected_accept_length(torch.zeros(7)) == 1.0
+    assert loss > 0  # the CE term remains
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    assert cosine_lr(0.0, 0, 1.0, warmup=10) == pytest.approx(0.1)
+    assert cosine_lr(0.5, 50, 1.0, warmup=10) == pytest.approx(0.55)
+    assert cosine_lr(1.0, 99, 1.0, warmup=10) == pytest.approx(0.1)
+
+
+def test_heldout_split_is_stable() -> None:
+    from serve_app.training.corpus import is_heldout
+
+    assert [is_heldout(f"m{i}.py") for i in range(3)] == [is_heldout(f"m{i}.py") for i in range(3)]
+
+
+def test_draft_batch_targets_equal_the_full_forward(pair: tuple) -> None:
+    """_batch computes target logits only at block rows; they equal the full forward's."""
+    from serve_app.training import train_draft as td
+
+    target, _ = pair
+    ids = torch.randint(0, 60, (2, 24), generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([[1, 9], [4, 16]])
+    old = td.TAP_LAYERS
+    td.TAP_LAYERS = (0, 2)  # the tiny target has 4 layers; its last one is not tapped
+    try:
+        taps, tlogits, labels = td._batch(target, ids, anchors)
+    finally:
+        td.TAP_LAYERS = old
+    full = target.forward_train(ids, capture_layers=[0, 2])
+    rows = anchors[:, :, None] + torch.arange(td.GAMMA)
+    for b in range(2):
+        torch.testing.assert_close(tlogits[b], full.logits[b, rows[b]])
+        assert labels[b].tolist() == ids[b, rows[b] + 1].tolist()
+    torch.testing.assert_close(taps, full.taps)
