@@ -29,7 +29,10 @@ def _local_config() -> dict[str, Any]:
             "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25}}}]}
 
 
-def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None = None) -> int:
+def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None = None,
+             result: dict[str, Any] | None = None) -> int:
+    """Returns the exit status; `result`, if given, receives the prompt, the streamed text and
+    the usage (with the speculative statistics)."""
     # A local, single-machine cluster: no token authentication (set explicitly, see README).
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import openai
@@ -64,6 +67,7 @@ def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None 
         t0 = time.perf_counter()
         first = None
         usage = None
+        text = ""
         stream = client.chat.completions.create(
             model=config.models.served_model_name, messages=[{"role": "user", "content": prompt}],
             max_tokens=max_tokens, temperature=0, stream=True,
@@ -71,12 +75,15 @@ def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None 
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first or time.perf_counter()
+                text += chunk.choices[0].delta.content
                 sys.stdout.write(chunk.choices[0].delta.content)
                 sys.stdout.flush()
             if chunk.usage is not None:
                 usage = chunk.usage
         elapsed = time.perf_counter() - t0
         print("\n")
+        if result is not None:
+            result.update(prompt=prompt, text=text, usage=usage, config=config)
         if usage is None:
             print("no usage returned", file=sys.stderr)
             return 1
