@@ -343,6 +343,17 @@ def test_sampled_drafts_return_their_distribution() -> None:
                                out.logits[0] - _markov(draft, 4, out.tokens[0]), rtol=1e-4, atol=1e-4)
 
 
+def test_all_greedy_batches_skip_the_draft_distributions() -> None:
+    draft = make_draft(seed=2)
+    cfg = draft.config
+    embed, lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
+    cache = draft.new_cache(64)
+    cache.add("g")
+    draft.append_context(cache, ["g"], [torch.randn(5, len(cfg.target_layer_ids) * cfg.target_hidden_size)])
+    out = draft.draft(cache, ["g"], torch.tensor([4]), embed, lm_head, 0.0)
+    assert out.probs is None and out.tokens.shape == (1, cfg.block_size)
+
+
 def test_survival_draft_count() -> None:
     conf = torch.tensor([[0.9, 0.9, 0.9, 0.1], [0.5, 0.9, 0.9, 0.9], [0.99, 0.99, 0.99, 0.99]])
     # survival: [.9 .81 .729 .07], [.5 .45 ...], [.99 .98 .97 .96]

@@ -159,7 +159,7 @@ class DraftOutput:
 
     tokens: torch.Tensor  # [B, gamma] int64
     # [B, gamma, vocab] draft distributions q for rejection sampling; rows of greedy requests
-    # (temperature 0) are one-hot.
+    # (temperature 0) are one-hot. None when every request in the batch is greedy.
     probs: torch.Tensor | None
     confidence: torch.Tensor | None  # [B, gamma] in (0, 1): P(draft k accepted | k-1 accepted)
     logits: torch.Tensor  # [B, gamma, vocab] Markov-corrected logits, before temperature
@@ -298,16 +298,17 @@ class DSparkDraft(nn.Module):
                 correction, feats = self.markov_head(prev)
                 logits = logits + correction.float()
             tok = logits.argmax(-1)
-            probs = F.one_hot(tok, logits.shape[-1]).float()
             if sampled_rows:
+                # q is only needed when some request samples: greedy verification ignores it.
+                probs = F.one_hot(tok, logits.shape[-1]).float()
                 q = torch.softmax(logits[sampled] / temp[sampled, None], dim=-1)
                 tok = tok.clone()
                 for i, row in enumerate(sampled_rows):
                     tok[row] = torch.multinomial(q[i], 1, generator=generators[row]).squeeze()
                 probs[sampled] = q
+                probs_out.append(probs)
             tokens.append(tok)
             logits_out.append(logits)
-            probs_out.append(probs)
             feats_out.append(feats)
             prev = tok
         confidence = None
@@ -318,7 +319,7 @@ class DSparkDraft(nn.Module):
             confidence = self.confidence_head(torch.cat(parts, dim=-1))
         return DraftOutput(
             tokens=torch.stack(tokens, dim=1),
-            probs=torch.stack(probs_out, dim=1),
+            probs=torch.stack(probs_out, dim=1) if probs_out else None,
             confidence=confidence,
             logits=torch.stack(logits_out, dim=1),
         )
