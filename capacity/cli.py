@@ -527,7 +527,7 @@ def emit_cmd(
     running = min(report.max_concurrent, max_running_requests(draft_model))
     result = emit(out_dir, target, model_ref or target.name, layout, tokens, running, replicas,
                   draft_model, draft_ref or (draft_model.name if draft_model else None), spec,
-                  auth_mode)
+                  auth_mode, planner_refs=(model, draft))
     out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "
               f"(cluster launcher schema: valid); max_running_requests {running}")
 

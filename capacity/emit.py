@@ -19,9 +19,7 @@ from capacity.errors import CapacityError
 from capacity.model import ModelDescriptor
 
 SERVE_IMPORT_PATH = "serve_app.app:build_app"
-TARGET_DEPLOYMENT = "TargetDeployment"
 # The replica actor itself only coordinates; rank workers take the GPUs of its bundles.
-REPLICA_CPUS = 1
 CPUS_PER_GPU = 8
 HEAD_CPUS = 8
 AUTH_MODES = ("token", "disabled")
@@ -45,47 +43,37 @@ def serve_config(
     draft: ModelDescriptor | None = None,
     draft_ref: str | None = None,
     speculation: Speculation | None = None,
+    planner_refs: tuple[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """The Serve application: one target deployment whose replica owns one placement group
     (one bundle per node); the builder's `args` carry the app's config tree."""
     gpn = layout.gpus_per_node
-    bundles = [{"GPU": gpn, "CPU": gpn * CPUS_PER_GPU} for _ in range(layout.nodes)]
     kv_dtype = "fp8_e4m3" if layout.kv_dtype.value == "fp8" else "auto"
-    sglang_args: dict[str, Any] = {
-        "tp_size": layout.attention_tp * layout.attention_dp,
-        "ep_size": layout.expert_parallel,
-        "pp_size": layout.pipeline_stages,
-        "nnodes": layout.nodes,
-        "mem_fraction_static": layout.mem_fraction,
+    # The Serve app's config tree (serve_app/config.py: AppConfig): capacity/ never imports
+    # the app, so the shape is written here and a test validates it with AppConfig.
+    sglang: dict[str, Any] = {
         "context_length": context_length,
+        "mem_fraction_static": layout.mem_fraction,
         "kv_cache_dtype": kv_dtype,
         "max_running_requests": max_running_requests,
+        # What the app's start-up check sizes (a packaged name or a config.json path), since
+        # the checkpoints may not be on the machine that runs `serve run`.
+        "planner_model": planner_refs[0] if planner_refs else model_ref,
+        "speculative_algorithm": None,
     }
-    if layout.attention_dp > 1:
-        sglang_args["enable_dp_attention"] = True
-        sglang_args["dp_size"] = layout.attention_dp
-    engine: dict[str, Any] = {
-        "backend": "sglang",
-        "dtype": "bfloat16",
-        "weight_format": layout.weight_format.value if layout.weight_format else "native",
-        "kv_cache_dtype": layout.kv_dtype.value,
-        "context_length": context_length,
-        "max_running_requests": max_running_requests,
-        "speculation": {"enabled": False},
-        "sglang": sglang_args,
-    }
-    models: dict[str, Any] = {"target": model_ref, "tokenizer": model_ref}
+    models: dict[str, Any] = {"target": model_ref, "tokenizer": model_ref,
+                              "served_model_name": model.name.lower()}
     if draft is not None:
         spec = speculation or Speculation()
         models["draft"] = draft_ref or draft.name
-        engine["speculation"] = {
-            "enabled": True,
-            "algorithm": "DSPARK",
-            "gamma": spec.gamma,
-            "expected_acceptance_length": spec.acceptance_length,
-        }
-        sglang_args["speculative_algorithm"] = "DSPARK"
-        sglang_args["speculative_dspark_block_size"] = spec.gamma
+        sglang["speculative_algorithm"] = "DSPARK"
+        sglang["speculative_dspark_block_size"] = spec.gamma
+        sglang["planner_draft"] = (planner_refs[1] if planner_refs else None) or draft_ref \
+            or draft.name
+    else:
+        sglang["planner_draft"] = None
+    if layout.pipeline_stages > 1:
+        sglang["extra_server_args"] = {"pp_size": layout.pipeline_stages}
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": 8000},
@@ -100,33 +88,22 @@ def serve_config(
                 },
                 "args": {
                     "models": models,
-                    "engine": engine,
+                    "engine": {"backend": "sglang", "sglang": sglang},
                     "parallelism": {
                         "tp": layout.attention_tp * layout.attention_dp,
                         "ep": layout.expert_parallel,
                         "attention_dp": layout.attention_dp,
                         "pp": layout.pipeline_stages,
                         "nodes": layout.nodes,
-                        "gpus_per_node": gpn,
+                        "devices_per_node": gpn,
                     },
-                    "capacity": {
-                        "gpu": layout.gpu,
-                        "layout": layout.label(),
-                        "planned_by": "kimi-capacity",
+                    "placement": {
+                        "accelerator": "GPU",
+                        "gpu_type": layout.gpu,
+                        "cpus_per_rank": CPUS_PER_GPU,
+                        "replicas": replicas,
                     },
                 },
-                "deployments": [
-                    {
-                        "name": TARGET_DEPLOYMENT,
-                        "num_replicas": replicas,
-                        "max_ongoing_requests": max_running_requests,
-                        "ray_actor_options": {"num_cpus": REPLICA_CPUS, "num_gpus": 0},
-                        "placement_group_bundles": bundles,
-                        "placement_group_strategy": (
-                            "STRICT_PACK" if layout.nodes == 1 else "STRICT_SPREAD"
-                        ),
-                    }
-                ],
             }
         ],
     }
@@ -213,9 +190,10 @@ def emit(
     draft_ref: str | None = None,
     speculation: Speculation | None = None,
     auth_mode: str = "token",
+    planner_refs: tuple[str, str | None] | None = None,
 ) -> EmitResult:
     serve = serve_config(model, model_ref, layout, context_length, max_running_requests,
-                         replicas, draft, draft_ref, speculation)
+                         replicas, draft, draft_ref, speculation, planner_refs)
     cluster = cluster_config(layout, replicas, auth_mode=auth_mode)
     validate_serve_config(serve)
     validate_cluster_config(cluster)

@@ -143,14 +143,23 @@ def test_emit_writes_valid_configs(tmp_path: Path):
     validate_serve_config(serve)
     validate_cluster_config(cluster)
     app_cfg = serve["applications"][0]
-    deployment = app_cfg["deployments"][0]
     assert app_cfg["import_path"] == "serve_app.app:build_app"
-    assert deployment["placement_group_bundles"] == [{"GPU": 8, "CPU": 64}] * 2
-    assert deployment["placement_group_strategy"] == "STRICT_SPREAD"
     assert app_cfg["args"]["parallelism"] == {
-        "tp": 16, "ep": 16, "attention_dp": 1, "pp": 1, "nodes": 2, "gpus_per_node": 8,
+        "tp": 16, "ep": 16, "attention_dp": 1, "pp": 1, "nodes": 2, "devices_per_node": 8,
     }
-    assert app_cfg["args"]["engine"]["speculation"]["algorithm"] == "DSPARK"
+    # The args are the Serve app's own config tree: its model accepts them, and the placement
+    # it derives is the plan's (one 8-GPU bundle per node, spread over the nodes).
+    from serve_app.config import AppConfig
+    from serve_app.engines.sglang import sglang_server_args
+
+    app = AppConfig.model_validate(app_cfg["args"])
+    assert app.bundles() == [{"CPU": 64.0, "GPU": 8.0}] * 2
+    assert app.strategy == "STRICT_SPREAD"
+    assert (app.engine.sglang.planner_model, app.engine.sglang.planner_draft) == (
+        "kimi-k3", "kimi-k3-dspark")
+    server_args = sglang_server_args(app)
+    assert server_args["speculative_algorithm"] == "DSPARK"
+    assert server_args["tp_size"] == 16 and server_args["nnodes"] == 2
     assert "--num-gpus=0" in cluster["head_start_ray_commands"][1]
     assert all("RAY_AUTH_MODE=token" in c for c in cluster["worker_start_ray_commands"][1:])
 
