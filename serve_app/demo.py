@@ -35,6 +35,9 @@ def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None 
     the usage (with the speculative statistics)."""
     # A local, single-machine cluster: no token authentication (set explicitly, see README).
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Serve's 5 s proxy readiness check is tight on a small, busy laptop (the proxy is killed
+    # and restarted in a loop); every Ray process started below inherits this.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     import openai
     import ray
     from ray import serve
@@ -99,5 +102,7 @@ def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None 
               f"{json.dumps(spec.get('spec_correct_drafts_histogram'))}")
         return 0
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

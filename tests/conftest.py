@@ -9,12 +9,34 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# A Serve proxy must report ready within 5 s by default; on a loaded 2-core machine its worker
+# process can take longer to start, and Serve then kills it and starts another, forever.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
 import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_left_behind() -> Iterator[None]:
+    """A module whose cluster fixture failed half-way must not leave Ray initialised for the
+    next module (every later `ray.init` would then fail)."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        except Exception:  # the cluster is already broken; shutting Ray down is what matters
+            pass
+        finally:
+            ray.shutdown()
