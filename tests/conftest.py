@@ -12,13 +12,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # A Serve proxy must report ready within 5 s by default; on a loaded 2-core machine its worker
 # process can take longer to start, and Serve then kills it and starts another, forever.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
-import torch
+import torch  # noqa: E402  (after the environment it reads)
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
