@@ -20,7 +20,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # process can take longer to start, and Serve then kills it and starts another, forever.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 
-import torch  # noqa: E402  (after the environment it reads)
+import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
