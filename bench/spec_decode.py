@@ -45,15 +45,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, heldout_prompt_ids  # noqa: E402
-from serve_app.engines.reference.builder import (  # noqa: E402
-    ReferenceEngineConfig,
-    SpeculationConfig,
-    build_engine,
-    build_runner,
-)
 from serve_app.engines.reference.engine import EngineCore  # noqa: E402
 from serve_app.engines.reference.sampling import SamplingParams  # noqa: E402
 from serve_app.tokenizer import load_tokenizer  # noqa: E402
+from serve_app.training.evaluate import pair_engine  # noqa: E402
 
 
 def random_pair(folder: Path, seed: int = 0) -> tuple[Path, Path]:
@@ -104,14 +99,19 @@ def _forward_kind(rows: Any, rids: Any, capture: bool) -> str:
 
 
 def make_engine(target: Path, draft: Path, speculative: bool, timer: CallTimer) -> EngineCore:
-    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096,
-                                speculation=SpeculationConfig(enabled=speculative))
-    runner = build_runner(target, draft if speculative else None, cfg)
+    engine = pair_engine(target, draft, speculative)
+    runner = engine.runner  # the engine looks these up per call: wrapping after build is enough
     runner.forward = timer.wrap("forward", runner.forward, _forward_kind)  # type: ignore[method-assign]
     if speculative:
         runner.propose = timer.wrap("draft_propose", runner.propose)  # type: ignore[method-assign]
         runner.commit = timer.wrap("commit", runner.commit)  # type: ignore[method-assign]
-    return build_engine(runner, cfg)
+    return engine
+
+
+def add_histograms(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two spec_correct_drafts_histogram lists of any lengths."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)), strict=True)]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -163,9 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         tokens_spec += out.completion_tokens
                         proposed += out.spec["spec_proposed_drafts"]
                         accepted += out.spec["spec_accepted_drafts"]
-                        h = out.spec["spec_correct_drafts_histogram"]
-                        hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)),
-                                                      h + [0] * (len(hist) - len(h)), strict=True)]
+                        hist = add_histograms(hist, out.spec["spec_correct_drafts_histogram"])
             n_tok = len(outputs["target_only"][0])
             med = {m: statistics.median(v) for m, v in times.items()}
             per_prompt.append({
@@ -196,9 +194,7 @@ def summarize(temperature: float, rows: list[dict[str, Any]],
               timers: dict[str, CallTimer]) -> dict[str, Any]:
     hist: list[int] = []
     for r in rows:
-        h = r["histogram"]
-        hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)),
-                                      h + [0] * (len(hist) - len(h)), strict=True)]
+        hist = add_histograms(hist, r["histogram"])
     tot = {m: sum(r["time_s"][m] for r in rows) for m in ("target_only", "speculative")}
     toks = {m: sum(r["tokens"][m] for r in rows) for m in ("target_only", "speculative")}
     agg = {m: toks[m] / tot[m] for m in tot}

@@ -9,17 +9,11 @@ import pytest
 import torch
 
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, asset_bytes, heldout_prompt_ids
-from serve_app.engines.reference.builder import (
-    ReferenceEngineConfig,
-    SpeculationConfig,
-    build_engine,
-    build_runner,
-)
-from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.kimi_config import KimiConfig
 from serve_app.tokenizer import ChatTokenizer, load_tokenizer
+from serve_app.training.evaluate import pair_engine
 
 # Measured on the committed pair: the macro mean accept length on these 6 prompts (see the
 # draft's MODEL_CARD.md), less a margin for float differences between machines.
@@ -37,12 +31,6 @@ def tok() -> ChatTokenizer:
 def prompts(tok: ChatTokenizer) -> list[list[int]]:
     # 5 code-completion prompts and 1 chat request, all from held-out files.
     return heldout_prompt_ids(tok, n_completion=5, n_chat=1)
-
-
-def _engine(speculative: bool) -> EngineCore:
-    cfg = ReferenceEngineConfig(kv_capacity_tokens=2048,
-                                speculation=SpeculationConfig(enabled=speculative))
-    return build_engine(build_runner(TARGET, DRAFT if speculative else None, cfg), cfg)
 
 
 def test_asset_configs_parse_and_agree(tok: ChatTokenizer) -> None:
@@ -91,9 +79,9 @@ def test_tokenizer_round_trip_and_chat_template(tok: ChatTokenizer) -> None:
 
 def test_speculation_is_lossless_and_accepts_enough(prompts: list[list[int]]) -> None:
     torch.manual_seed(0)
-    base = _engine(False)
+    base = pair_engine(TARGET, DRAFT, speculative=False)
     expected = [base.generate([p], GREEDY)[0].token_ids for p in prompts]
-    spec = _engine(True)
+    spec = pair_engine(TARGET, DRAFT, speculative=True)
     outs = [spec.generate([p], GREEDY)[0] for p in prompts]
     assert [o.token_ids for o in outs] == expected
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)

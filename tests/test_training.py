@@ -138,3 +138,28 @@ def test_draft_batch_targets_equal_the_full_forward(pair: tuple) -> None:
         torch.testing.assert_close(tlogits[b], full.logits[b, rows[b]])
         assert labels[b].tolist() == ids[b, rows[b] + 1].tolist()
     torch.testing.assert_close(taps, full.taps)
+
+
+def test_thread_tuner_keeps_the_faster_count() -> None:
+    from serve_app.training.common import ThreadTuner
+
+    before = torch.get_num_threads()
+    try:
+        tuner = ThreadTuner(2, every_s=10.0, trial=2)
+        assert tuner.current == 2
+        tuner.record(1.0)
+        tuner.record(1.0)  # 2 steps timed at 2 threads: the first trial (1 thread) starts
+        assert tuner.trying == 1 and torch.get_num_threads() == 1
+        tuner.record(0.5)
+        tuner.record(0.5)  # 1 thread is faster (a busy machine): keep it
+        assert tuner.current == 1 and tuner.trying is None and torch.get_num_threads() == 1
+        for _ in range(19):
+            tuner.record(0.5)  # 9.5 s of steps: no trial yet
+        assert tuner.trying is None
+        tuner.record(0.5)  # 10 s: try 2 threads again
+        assert tuner.trying == 2
+        tuner.record(5.0)  # far slower: the trial ends after one step, and backs off
+        assert tuner.trying is None and tuner.current == 1 and torch.get_num_threads() == 1
+        assert tuner.every_s == 20.0
+    finally:
+        torch.set_num_threads(before)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -93,3 +94,54 @@ def fixed_windows(stream: torch.Tensor, count: int, length: int) -> torch.Tensor
     """[count, length] evenly spaced windows: a deterministic evaluation set."""
     step = max(1, (len(stream) - length) // count)
     return torch.stack([stream[i * step:i * step + length] for i in range(count)]).long()
+
+
+class ThreadTuner:
+    """Picks the faster of 1..max_threads torch threads while a loop runs, and keeps checking.
+
+    On a shared 2-core machine, 2 OpenMP threads are ~1.8x faster than 1 when the machine is
+    free and many times slower when another process holds a core (the threads spin against
+    each other). Once `trial` steps are timed, and again after `every_s` seconds of steps, the
+    other count is tried for up to `trial` steps and the faster (median step time) is kept;
+    steps are of one size, so their wall times compare directly. A trial step slower than
+    `abort_ratio` x the current median ends the trial at once, and each lost trial doubles the
+    wait before the next (a busy machine stays busy for minutes)."""
+
+    def __init__(self, max_threads: int, every_s: float = 60.0, trial: int = 3,
+                 abort_ratio: float = 1.3, max_every_s: float = 480.0) -> None:
+        self.options = list(range(1, max(1, max_threads) + 1))
+        self.current = self.options[-1]
+        self.base_every_s = self.every_s = every_s
+        self.max_every_s = max_every_s
+        self.trial, self.abort_ratio = trial, abort_ratio
+        self.since_trial = float("inf")  # seconds of steps since the last trial: try soon
+        self.recent: list[float] = []  # the last `trial` step times at the current count
+        self.trying: int | None = None
+        self.trial_times: list[float] = []
+        torch.set_num_threads(self.current)
+
+    def record(self, seconds: float) -> None:
+        if self.trying is None:
+            self.recent = [*self.recent, seconds][-self.trial:]
+            self.since_trial += seconds
+            if (len(self.options) > 1 and len(self.recent) == self.trial
+                    and self.since_trial >= self.every_s):
+                self.trying = next(o for o in reversed(self.options) if o != self.current)
+                torch.set_num_threads(self.trying)
+            return
+        self.trial_times.append(seconds)
+        base = statistics.median(self.recent)
+        if seconds > self.abort_ratio * base:
+            self._end_trial(won=False)
+        elif len(self.trial_times) >= self.trial:
+            self._end_trial(won=statistics.median(self.trial_times) < base)
+
+    def _end_trial(self, won: bool) -> None:
+        if won:
+            assert self.trying is not None
+            self.current, self.recent = self.trying, self.trial_times
+            self.every_s = self.base_every_s
+        else:
+            self.every_s = min(2 * self.every_s, self.max_every_s)
+        self.trying, self.trial_times, self.since_trial = None, [], 0.0
+        torch.set_num_threads(self.current)

@@ -12,7 +12,16 @@ from serve_app.engines.reference.builder import (
     build_engine,
     build_runner,
 )
+from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams
+
+
+def pair_engine(target: Path, draft: Path, speculative: bool,
+                kv_capacity_tokens: int = 4096) -> EngineCore:
+    """A reference engine on a target/draft pair, fp32 on CPU; target-only without speculation."""
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=kv_capacity_tokens,
+                                speculation=SpeculationConfig(enabled=speculative))
+    return build_engine(build_runner(target, draft if speculative else None, cfg), cfg)
 
 
 def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]],
@@ -21,12 +30,7 @@ def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]],
     """Decode each prompt alone (batch 1) with speculation; SGLang's acceptance statistics:
     the per-request spec_accept_length macro-averaged over prompts, and token-weighted.
     Greedy runs also decode target-only and report whether the outputs are identical."""
-    def engine(speculative: bool) -> Any:
-        cfg = ReferenceEngineConfig(kv_capacity_tokens=4096,
-                                    speculation=SpeculationConfig(enabled=speculative))
-        return build_engine(build_runner(target, draft if speculative else None, cfg), cfg)
-
-    spec = engine(True)
+    spec = pair_engine(target, draft, True)
     outs = [spec.generate([p], SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                               ignore_eos=True, seed=seed + i))[0]
             for i, p in enumerate(prompts)]
@@ -40,7 +44,7 @@ def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]],
         "per_prompt_accept_length": [round(o.spec["spec_accept_length"], 3) for o in outs],
     }
     if temperature == 0:
-        base = engine(False)
+        base = pair_engine(target, draft, False)
         ref = [base.generate([p], SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                  ignore_eos=True))[0].token_ids for p in prompts]
         result["identical_to_target_only"] = ref == [o.token_ids for o in outs]

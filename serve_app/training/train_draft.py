@@ -32,6 +32,7 @@ from serve_app.models.kimi import KimiForCausalLM, load_kimi
 from serve_app.tokenizer import ChatTokenizer
 from serve_app.training.common import (
     Progress,
+    ThreadTuner,
     cosine_lr,
     encode_documents,
     random_windows,
@@ -213,10 +214,13 @@ def train_draft(
     pool: list[torch.Tensor] = []
     progress = Progress("generate", gen_budget)
     i = 0
+    gen_tuner = ThreadTuner(threads, every_s=60.0, trial=1)
     while progress.elapsed < gen_budget and len(pool) < 64:
+        t_batch = time.monotonic()
         temperature = 0.7 if i % 3 == 2 else 0.0
         prompts = generation_prompts(tok, stream, train_files, 32, prompt_len, rng, gen)
         pool.append(generate(target, prompts, new_tokens, temperature, gen))
+        gen_tuner.record(time.monotonic() - t_batch)
         i += 1
         progress.update(sequences=32 * len(pool))
     generated = torch.cat(pool)
@@ -243,12 +247,14 @@ def train_draft(
     # Keep time for saving, the held-out agreement and the engine measurement after the loop.
     loop_budget = budget_s - (time.monotonic() - start) - 75
     progress = Progress("draft", loop_budget)
+    tuner = ThreadTuner(threads)
     step, ema = 0, float("nan")
     agree_ema = torch.zeros(GAMMA)
     while progress.elapsed < loop_budget:
         lr = cosine_lr(progress.fraction, step, peak_lr, warmup=30)
         for g in opt.param_groups:
             g["lr"] = lr
+        t_step = time.monotonic()
         pick = torch.randint(0, len(generated), (batch_generated,), generator=gen)
         ids = torch.cat([random_windows(stream, batch_corpus, seq_len, gen), generated[pick]])
         # Corpus rows: anchors anywhere; generated rows: mostly in the generated part.
@@ -263,13 +269,14 @@ def train_draft(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
+        tuner.record(time.monotonic() - t_step)
         step += 1
         value = float(loss.detach())
         ema = value if math.isnan(ema) else 0.95 * ema + 0.05 * value
         rows = agree[batch_corpus:].mean(dim=(0, 1))
         agree_ema = rows if step == 1 else 0.95 * agree_ema + 0.05 * rows
         progress.update(step=step, loss=ema, lr=lr, l1=parts["l1"],
-                        est_accept=expected_accept_length(agree_ema))
+                        est_accept=expected_accept_length(agree_ema), threads=tuner.current)
     progress.update(force=True, step=step, loss=ema)
 
     # 3. Save bf16 and measure teacher-forced agreement on held-out generations.

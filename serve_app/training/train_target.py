@@ -18,6 +18,7 @@ from serve_app.models.kimi_config import KimiConfig
 from serve_app.tokenizer import ChatTokenizer
 from serve_app.training.common import (
     Progress,
+    ThreadTuner,
     cosine_lr,
     encode_documents,
     fixed_windows,
@@ -150,12 +151,14 @@ def train_target(
     # Keep time for the held-out evaluation and the save after the loop.
     loop_budget = budget_s - (time.monotonic() - start) - 60
     progress = Progress("target", loop_budget)
+    tuner = ThreadTuner(threads)
     model.train()
     step, tokens, ema = 0, 0, float("nan")
     while progress.elapsed < loop_budget:
         lr = cosine_lr(progress.fraction, step, peak_lr, warmup=40)
         for g in opt.param_groups:
             g["lr"] = lr
+        t_step = time.monotonic()
         w = random_windows(stream, batch, seq_len + 1, gen)
         counts: list[list[int]] = []
         # fp32: bf16 autocast measured no faster here (small matmuls, cast overhead).
@@ -166,11 +169,13 @@ def train_target(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         balance_router(model, counts, rate=1e-3)
+        tuner.record(time.monotonic() - t_step)
         step += 1
         tokens += w[:, 1:].numel()
         value = float(loss.detach())
         ema = value if math.isnan(ema) else 0.95 * ema + 0.05 * value
-        progress.update(step=step, loss=ema, lr=lr, tok_s=int(tokens / progress.elapsed))
+        progress.update(step=step, loss=ema, lr=lr, tok_s=int(tokens / progress.elapsed),
+                        threads=tuner.current)
     progress.update(force=True, step=step, loss=ema)
 
     model.eval()
