@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -96,6 +96,12 @@ class Speculation(BaseModel):
                 f"({self.gamma + 1})"
             )
         return self
+
+    @classmethod
+    def for_draft(cls, draft: Any) -> Speculation:
+        """The draft's own block size as gamma (DSpark's default window), the default
+        acceptance length."""
+        return cls(gamma=draft.draft.block_size if draft.draft else DEFAULT_GAMMA)
 
 
 class Workload(BaseModel):

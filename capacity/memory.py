@@ -213,7 +213,7 @@ def memory_per_gpu(
     check_context(model, workload.context_length)
     check_layout(model, layout)
     if draft is not None and speculation is None:
-        speculation = Speculation(gamma=draft.draft.block_size if draft.draft else 7)
+        speculation = Speculation.for_draft(draft)
     fmt_key = layout.weight_format.value if layout.weight_format else None
     stage_totals = _stage_component_bytes(model, fmt_key, layout.pipeline_stages)
     bounds = _stage_bounds(len(model.layers), layout.pipeline_stages)

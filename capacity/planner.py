@@ -231,7 +231,7 @@ def plan(
     if max_nodes <= 0:
         raise CapacityError(f"max nodes must be positive, got {max_nodes}")
     if draft is not None and speculation is None:
-        speculation = Speculation(gamma=draft.draft.block_size if draft.draft else 7)
+        speculation = Speculation.for_draft(draft)
     names = allowed_gpus or [g.gpu for g in gpus.values()]
     specs = [gpu_spec(gpus, n) for n in names]
     best_price = cheapest_prices(prices)

@@ -352,7 +352,7 @@ def decode_step(
     """One decode step of `concurrency` requests at `context` tokens each, with pipelining:
     each stage works on 1/stages of the requests at a time."""
     if draft is not None and speculation is None:
-        speculation = Speculation(gamma=draft.draft.block_size if draft.draft else 7)
+        speculation = Speculation.for_draft(draft)
     spec = speculation if draft is not None else None
     microbatch = concurrency / layout.pipeline_stages
     rows = (spec.gamma + 1) if spec else 1
