@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from serve_app.engines.reference.builder import release_tensor_parallel
 from serve_app.models.checkpoint import CheckpointError, expected_from_module, read_index
 from serve_app.models.kimi import (
     KimiForCausalLM,
@@ -485,8 +486,9 @@ def _tp_worker(rank: int, world: int, port: int, folders: list[str], out_dir: st
                 "experts": sorted(int(e) for e in moe.experts),
                 "q_b_rows": model.model.layers[0].self_attn.q_b_proj.weight.shape[0],
             }, os.path.join(out_dir, f"rank{rank}_{i}.pt"))
+            del model, moe
     finally:
-        dist.destroy_process_group()
+        release_tensor_parallel()
 
 
 def test_tensor_parallel_2_matches_single_rank(tmp_path: Path) -> None:

@@ -425,7 +425,7 @@ def test_engine_without_draft_and_bad_requests(pair: tuple[Path, Path]) -> None:
 
 def _tp_worker(rank: int, size: int, port: int, pair: tuple[Path, Path], prompts: list[list[int]],
                results: mp.Queue) -> None:
-    from serve_app.engines.reference.builder import init_tensor_parallel
+    from serve_app.engines.reference.builder import init_tensor_parallel, release_tensor_parallel
 
     torch.set_num_threads(1)
     group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, size, "gloo")
@@ -436,9 +436,11 @@ def _tp_worker(rank: int, size: int, port: int, pair: tuple[Path, Path], prompts
         outs = engine.generate(prompts, GREEDY)
         runner.shutdown()
         results.put(([o.token_ids for o in outs], engine.stats()))
+        del engine
     else:
         runner.follow()
-    torch.distributed.destroy_process_group()
+    del runner, group
+    release_tensor_parallel()
 
 
 @pytest.mark.slow
