@@ -51,13 +51,14 @@ def main() -> None:
     args = parser.parse_args()
     times = []
     for _ in range(args.repeats):
-        # Each repeat starts cold: descriptors and caches are rebuilt inside sweep().
-        from capacity import memory, planner, timing
+        # Each repeat starts cold: descriptors are rebuilt inside sweep(), and every memo in the
+        # planner's modules is emptied here.
+        from capacity import memory, model, planner, tables, timing
 
-        memory._stage_component_bytes.cache_clear()
-        memory._stage_weights.cache_clear()
-        timing._stage_sharded_bytes.cache_clear()
-        planner._candidate_layouts.cache_clear()
+        for module in (memory, model, planner, tables, timing):
+            for memo in vars(module).values():
+                if callable(getattr(memo, "cache_clear", None)):
+                    memo.cache_clear()
         start = time.perf_counter()
         evaluated, feasible, per_context = sweep()
         times.append(time.perf_counter() - start)

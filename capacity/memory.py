@@ -15,9 +15,11 @@ Conventions (each one is what SGLang does for K3, per kimi-k3-serving.md):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from math import ceil
+from types import MappingProxyType
 
 from capacity.config import Layout, Speculation, Workload
 from capacity.errors import CapacityError
@@ -51,9 +53,9 @@ class StageMemory:
     stage: int
     first_layer: int
     last_layer: int
-    weights: dict[str, int]
+    weights: Mapping[str, int]
     budget: int
-    per_request: dict[str, int]
+    per_request: Mapping[str, int]
     outside_pool: dict[str, int]
     weight_bytes: int
     request_bytes: int
@@ -200,6 +202,65 @@ def max_running_requests(draft: ModelDescriptor | None) -> int:
     return DSPARK_MAX_RUNNING_REQUESTS if draft is not None else DEFAULT_MAX_RUNNING_REQUESTS
 
 
+@dataclass(frozen=True)
+class _StageNeeds:
+    first_layer: int
+    last_layer: int
+    weights: Mapping[str, int]
+    per_request: Mapping[str, int]
+    weight_bytes: int
+    request_bytes: int
+
+
+@lru_cache(maxsize=8192)
+def _stage_needs(
+    model: ModelDescriptor, draft: ModelDescriptor | None, verify_rows: int | None,
+    fmt_key: str | None, pipeline_stages: int, attention_tp: int, expert_parallel: int,
+    moe_tp: int, kv_bytes: int, context_length: int, kda_state_slots: int,
+) -> tuple[_StageNeeds, ...]:
+    """What each stage's GPU holds, independent of which GPU it is: a sweep asks for the same
+    shape on every GPU type and memory fraction. `verify_rows` is None without speculation."""
+    rows = verify_rows or 1
+    cached_tokens = ceil((context_length + rows) / KV_PAGE_TOKENS) * KV_PAGE_TOKENS
+    mla_per_layer_token = (
+        (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * kv_bytes if model.mla else 0
+    )
+    kda_per_layer = _kda_state_per_layer(model)
+    stage_weights = _stage_weights(
+        model, fmt_key, pipeline_stages, attention_tp, expert_parallel, moe_tp
+    )
+    attention_layers = _stage_attention_layers(model, pipeline_stages)
+    out: list[_StageNeeds] = []
+    for index, (start, end) in enumerate(_stage_bounds(len(model.layers), pipeline_stages)):
+        weights = dict(stage_weights[index])
+        mla_here, kda_here = attention_layers[index]
+        per_request = {
+            "mla_kv": cached_tokens * mla_per_layer_token * mla_here,
+            "kda_state": ceil(kda_per_layer * kda_here * kda_state_slots / attention_tp),
+        }
+        if verify_rows is not None and kda_here:
+            # Hybrid linear-attention models keep one state per verified position so a
+            # rejected draft can be rolled back (SGLang's intermediate SSM state cache; inferred).
+            per_request["kda_verify_states"] = ceil(
+                kda_per_layer * kda_here * verify_rows / attention_tp
+            )
+        if draft is not None and index == pipeline_stages - 1:
+            weights["draft"] = ceil(_total_bytes(draft) / attention_tp)
+            if draft.gqa is not None:
+                per_token = (
+                    len(draft.layers) * 2 * draft.gqa_kv_heads_per_rank(attention_tp)
+                    * draft.gqa.head_dim * kv_bytes
+                )
+                per_request["draft_kv"] = cached_tokens * per_token
+        out.append(_StageNeeds(
+            first_layer=start, last_layer=end - 1,
+            # Shared by every report of this shape: read-only.
+            weights=MappingProxyType(weights), per_request=MappingProxyType(per_request),
+            weight_bytes=sum(weights.values()), request_bytes=sum(per_request.values()),
+        ))
+    return tuple(out)
+
+
 def memory_per_gpu(
     model: ModelDescriptor,
     layout: Layout,
@@ -214,69 +275,30 @@ def memory_per_gpu(
     check_layout(model, layout)
     if draft is not None and speculation is None:
         speculation = Speculation.for_draft(draft)
-    fmt_key = layout.weight_format.value if layout.weight_format else None
-    stage_totals = _stage_component_bytes(model, fmt_key, layout.pipeline_stages)
-    bounds = _stage_bounds(len(model.layers), layout.pipeline_stages)
-    capacity = gpu.memory_bytes
-    budget = int(capacity * layout.mem_fraction)
     kv_bytes = KV_DTYPE_BYTES[layout.kv_dtype]
     verify_rows = (speculation.gamma + 1) if speculation else 1
-    cached_tokens = ceil((workload.context_length + verify_rows) / KV_PAGE_TOKENS) * KV_PAGE_TOKENS
-    mla_per_layer_token = (
-        (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * kv_bytes if model.mla else 0
-    )
-    kda_per_layer = _kda_state_per_layer(model)
-    running_cap = max_running_requests(draft)
+    capacity = gpu.memory_bytes
+    budget = int(capacity * layout.mem_fraction)
     activation = (
         workload.prefill_chunk_tokens * model.hidden_size * ACTIVATION_BYTES
         * ACTIVATION_HIDDEN_BUFFERS
-        + ceil(running_cap * verify_rows * model.vocab_size * LOGIT_BYTES / layout.stage_gpus)
+        + ceil(max_running_requests(draft) * verify_rows * model.vocab_size * LOGIT_BYTES
+               / layout.stage_gpus)
     )
     outside = {"activation_workspace": activation, "runtime_reserve": RUNTIME_OTHER_BYTES + NCCL_BYTES}
-
-    stages: list[StageMemory] = []
-    stage_weights = _stage_weights(
-        model, fmt_key, layout.pipeline_stages, layout.attention_tp, layout.expert_parallel,
-        layout.moe_tp,
+    needs = _stage_needs(
+        model, draft, verify_rows if speculation else None,
+        layout.weight_format.value if layout.weight_format else None, layout.pipeline_stages,
+        layout.attention_tp, layout.expert_parallel, layout.moe_tp, kv_bytes,
+        workload.context_length, workload.kda_state_slots,
     )
-    attention_layers = _stage_attention_layers(model, layout.pipeline_stages)
-    for index in range(len(stage_totals)):
-        start, end = bounds[index]
-        weights = dict(stage_weights[index])
-        mla_here, kda_here = attention_layers[index]
-        per_request = {
-            "mla_kv": cached_tokens * mla_per_layer_token * mla_here,
-            "kda_state": ceil(kda_per_layer * kda_here * workload.kda_state_slots
-                              / layout.attention_tp),
-        }
-        if speculation and kda_here:
-            # Hybrid linear-attention models keep one state per verified position so a
-            # rejected draft can be rolled back (SGLang's intermediate SSM state cache; inferred).
-            per_request["kda_verify_states"] = ceil(
-                kda_per_layer * kda_here * verify_rows / layout.attention_tp
-            )
-        if draft is not None and index == layout.pipeline_stages - 1:
-            weights["draft"] = ceil(_total_bytes(draft) / layout.attention_tp)
-            if draft.gqa is not None:
-                gqa_layers = len(draft.layers)
-                per_token = (
-                    gqa_layers * 2 * draft.gqa_kv_heads_per_rank(layout.attention_tp)
-                    * draft.gqa.head_dim * kv_bytes
-                )
-                per_request["draft_kv"] = cached_tokens * per_token
-        stages.append(
-            StageMemory(
-                stage=index,
-                first_layer=start,
-                last_layer=end - 1,
-                weights=weights,
-                budget=budget,
-                per_request=per_request,
-                outside_pool=outside,
-                weight_bytes=sum(weights.values()),
-                request_bytes=sum(per_request.values()),
-            )
-        )
+    stages = [
+        StageMemory(stage=index, first_layer=n.first_layer, last_layer=n.last_layer,
+                    weights=n.weights, budget=budget, per_request=n.per_request,
+                    outside_pool=outside, weight_bytes=n.weight_bytes,
+                    request_bytes=n.request_bytes)
+        for index, n in enumerate(needs)
+    ]
 
     reasons: list[str] = []
     outside_need = sum(outside.values())
