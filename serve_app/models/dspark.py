@@ -58,6 +58,24 @@ class DSparkAttention(nn.Module):
         k = apply_rotary(k, cos.unsqueeze(-2), sin.unsqueeze(-2))
         return k, self.v_proj(x).view(shape)
 
+    def _heads(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block rows x [B, T, hidden] -> q [B, T, heads, d] (normed, rotated) and k, v
+        [B, kv_heads, L + T, d]: the context's entries followed by the block's own."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
+        q = apply_rotary(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        k_block, v_block = self.key_value(x, cos, sin)
+        k = torch.cat([context_k, k_block], dim=1).transpose(1, 2)
+        v = torch.cat([context_v, v_block], dim=1).transpose(1, 2)
+        return q, k, v
+
     def forward(
         self,
         x: torch.Tensor,
@@ -70,11 +88,7 @@ class DSparkAttention(nn.Module):
         """x: [B, G, hidden] block rows; context_k/v: [B, L, kv_heads, head_dim];
         context_valid: [B, L] (requests have different context lengths)."""
         b, g, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, g, self.num_heads, self.head_dim))
-        q = apply_rotary(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        k_block, v_block = self.key_value(x, cos, sin)
-        k = torch.cat([context_k, k_block], dim=1).transpose(1, 2)
-        v = torch.cat([context_v, v_block], dim=1).transpose(1, 2)
+        q, k, v = self._heads(x, cos, sin, context_k, context_v)
         valid = torch.cat([context_valid, context_valid.new_ones(b, g)], dim=1)
         # Non-causal: every block row sees every valid context entry and the whole block.
         mask = valid[:, None, None, :]
@@ -95,11 +109,7 @@ class DSparkAttention(nn.Module):
         """Training: x [B, Q, hidden] holds many blocks at once; mask [B, 1, Q, L + Q] says
         which context and block keys each query row sees. Differentiable."""
         b, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
-        q = apply_rotary(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        k_block, v_block = self.key_value(x, cos, sin)
-        k = torch.cat([context_k, k_block], dim=1).transpose(1, 2)
-        v = torch.cat([context_v, v_block], dim=1).transpose(1, 2)
+        q, k, v = self._heads(x, cos, sin, context_k, context_v)
         groups = self.num_heads // self.num_kv_heads
         # Repeated, not enable_gqa: the CPU backward of a GQA-broadcast SDPA is not guaranteed.
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
