@@ -172,6 +172,9 @@ class EngineSettings(_Strict):
     max_model_len: int | None = Field(default=None, gt=0, description="context limit; default "
                                       "the smaller of the two models' maximum")
     health_check_timeout_s: float = Field(default=30.0, gt=0)
+    step_watchdog_s: float = Field(default=30.0, gt=0, description="an engine step (a "
+                                   "forward and its collectives) running longer than this "
+                                   "fails its requests (503) and marks the replica unhealthy")
     startup_timeout_s: float = Field(default=600.0, gt=0)
 
 

@@ -65,7 +65,15 @@ class GenerateRequest:
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine cannot serve (a rank died, or it was shut down)."""
+    """The engine cannot serve (a rank died, a step hung past the watchdog, or it was shut
+    down). Retryable: the ingress answers 503 with Retry-After. The message is shown to
+    clients, so it never carries reprs, paths or addresses (those go to the log)."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine (e.g. its sampling or stop checks raised); only
+    that request was aborted, the engine and every other request carry on. The message is
+    shown to clients: no reprs, paths or addresses."""
 
 
 class Engine(Protocol):
