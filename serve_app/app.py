@@ -43,6 +43,13 @@ def _model_configs(config: AppConfig) -> tuple[KimiConfig, DSparkConfig | None]:
 
 
 def context_length(config: AppConfig) -> int:
+    """The longest prompt + completion a request may ask for: one number for the ingress's
+    check, the body-size limit and the router's long/short threshold."""
+    if config.engine.max_model_len:
+        return config.engine.max_model_len
+    if config.engine.backend == "sglang":
+        # The checkpoints may be only on the GPU nodes; SGLang enforces the same number.
+        return config.engine.sglang.context_length
     target, draft = _model_configs(config)
     limit = target.max_position_embeddings
     if draft is not None and config.engine.reference.speculation.enabled:
@@ -105,7 +112,7 @@ def _router_options(config: AppConfig) -> dict[str, Any]:
 
     from ray.serve.config import RequestRouterConfig
 
-    settings = asdict(config.router.settings(config.engine.backend))
+    settings = asdict(config.router.settings(config.engine.backend, context_length(config)))
     return {"request_router_config": RequestRouterConfig(
         request_router_class="serve_app.serving.router:KVAwareRequestRouter",
         request_router_kwargs={"key": "TargetDeployment", "settings": settings})}
@@ -134,6 +141,7 @@ def build_app(config: AppConfig) -> Application:
         placement_group_strategy=config.strategy,
         max_ongoing_requests=max_ongoing,
         health_check_timeout_s=config.engine.health_check_timeout_s + 10,
+        health_check_period_s=config.engine.health_check_period_s,
         graceful_shutdown_timeout_s=10,
         logging_config=logging_config,
         **_router_options(config),

@@ -88,10 +88,38 @@ class PlacementConfig(_Strict):
 
 
 class IngressConfig(_Strict):
+    """The OpenAI edge: limits every request meets before it is tokenized, and who may call."""
+
     default_max_tokens: int = Field(default=256, gt=0)
     max_tokens_limit: int = Field(default=8192, gt=0)
     max_ongoing_requests: int = Field(default=256, gt=0)
     ingress_cpus: float = Field(default=0.1, ge=0)
+    max_body_bytes: int | None = Field(default=None, gt=0, description="larger request bodies "
+                                       "get 413; default: 16 bytes per token of the context "
+                                       "length + 64 KiB (JSON-escaped text or token ids)")
+    api_keys: list[str] = Field(default_factory=list, description="bearer keys accepted "
+                                "(empty, and no keys in api_keys_env: no authentication); "
+                                "prefer api_keys_env, files in a repo leak")
+    api_keys_env: str | None = Field(default="KIMI_DSPARK_API_KEYS", description="environment "
+                                     "variable of the ingress process holding comma-separated "
+                                     "keys, added to api_keys")
+    expose_docs: bool = Field(default=False, description="serve /docs and /openapi.json "
+                              "(behind the key when keys are set)")
+    tokenizer_threads: int = Field(default=2, gt=0, description="threads that tokenize off the "
+                                   "event loop")
+    health_cache_s: float = Field(default=1.0, ge=0, description="GET /health reuses a target "
+                                  "replica's answer for this long")
+    health_timeout_s: float = Field(default=3.0, gt=0, description="GET /health is 503 when no "
+                                    "target replica answers within this")
+    retry_after_s: int = Field(default=5, gt=0, description="Retry-After of 503 answers")
+
+    @model_validator(mode="after")
+    def _keys(self) -> IngressConfig:
+        bad = [i for i, k in enumerate(self.api_keys) if len(k) < 8 or k != k.strip()]
+        if bad:
+            raise ValueError(f"ingress.api_keys{bad}: keys need at least 8 characters and no "
+                             "surrounding whitespace")
+        return self
 
 
 class SGLangSettings(_Strict):
@@ -133,8 +161,9 @@ class RouterConfig(_Strict):
         Field(default="kv_aware", description="kv_aware: this router; cache_aware/power_of_two/"
               "round_robin: the baselines (no admission); ray_default: Serve's own routing"))
     block_size: int = Field(default=256, gt=0, description="tokens per prefix-hash block")
-    long_threshold: int = Field(default=32_768, gt=0, description="prompt tokens from which a "
-                                "request is in the long class")
+    long_threshold: int | None = Field(default=None, gt=0, description="prompt tokens from "
+                                       "which a request is in the long class; default: the "
+                                       "context length / 32 (32,768 at K3's 1,048,576)")
     max_long_prefills_per_replica: int = Field(default=1, gt=0)
     long_prefill_replica_fraction: float = Field(default=0.5, gt=0, le=1, description="share "
                                                  "of replicas that may run a long prefill")
@@ -153,13 +182,22 @@ class RouterConfig(_Strict):
                                       "in-flight requests once; default: true for sglang "
                                       "(radix cache), false for reference (no prefix cache)")
     retry_after_s: float = Field(default=2.0, gt=0)
+    client_max_requests: int = Field(default=256, gt=0, description="requests one client "
+                                     "(API key, else address) may have queued + in flight; "
+                                     "beyond it: 429")
+    client_max_kv_share: float = Field(default=0.5, gt=0, le=1, description="share of the "
+                                       "fleet's KV tokens one client's in-flight requests may "
+                                       "commit; its further requests wait (a client with none "
+                                       "in flight is always served)")
 
-    def settings(self, backend: str) -> RouterSettings:
+    def settings(self, backend: str, context_length: int) -> RouterSettings:
         from serve_app.routing.policy import RouterSettings
 
         values = self.model_dump()
         share = values.pop("share_prefix")
         values["share_prefix"] = backend == "sglang" if share is None else share
+        if values["long_threshold"] is None:
+            values["long_threshold"] = max(1, context_length // 32)
         if values["policy"] == "ray_default":
             values["policy"] = "kv_aware"  # unused: the ingress bypasses the router
         return RouterSettings(**values)
@@ -172,6 +210,9 @@ class EngineSettings(_Strict):
     max_model_len: int | None = Field(default=None, gt=0, description="context limit; default "
                                       "the smaller of the two models' maximum")
     health_check_timeout_s: float = Field(default=30.0, gt=0)
+    health_check_period_s: float = Field(default=5.0, gt=0, description="how often Serve "
+                                         "checks each target replica (a replica that fails "
+                                         "is replaced)")
     step_watchdog_s: float = Field(default=30.0, gt=0, description="an engine step (a "
                                    "forward and its collectives) running longer than this "
                                    "fails its requests (503) and marks the replica unhealthy")

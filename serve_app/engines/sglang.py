@@ -507,6 +507,12 @@ class SGLangEngine:
         if self._stopped:
             raise EngineUnavailable("engine is shut down")
 
+    def problem(self) -> str | None:
+        """Cheap liveness for GET /health. SGLang's own scheduler watchdog
+        (`--watchdog-timeout`) kills a stuck scheduler, which ends its Ray actor; a dead
+        scheduler actor fails the real health generation of `check_health`."""
+        return "the engine is shut down" if self._stopped else None
+
     def _abort(self, request_id: str) -> None:
         try:
             self.engine.tokenizer_manager.abort_request(rid=request_id)

@@ -43,6 +43,15 @@ class QueueFull(RouterError):
                          f"{retry_after_s:.0f} s")
 
 
+class ClientLimit(QueueFull):
+    """One client has too many requests queued + in flight (429)."""
+
+    def __init__(self, limit: int, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        RouterError.__init__(self, f"this client already has {limit} requests queued or in "
+                             f"flight (the per-client limit); retry in {retry_after_s:.0f} s")
+
+
 class QueueTimeout(RouterError):
     status = 503
 
@@ -71,6 +80,9 @@ class RouterSettings:
     index_max_entries: int = 2_000_000
     share_prefix: bool = True
     retry_after_s: float = 2.0
+    # Per client (API key or address; "" = no client, e.g. the simulator: unlimited).
+    client_max_requests: int = 256
+    client_max_kv_share: float = 1.0
     # SGLang router (sgl-router cache_aware) published defaults, for the baseline.
     sglang_cache_threshold: float = 0.5
     sglang_balance_abs_threshold: int = 32
@@ -84,6 +96,7 @@ class RouteRequest:
     prompt_tokens: int
     max_tokens: int
     blocks: tuple[int, ...] = ()
+    client: str = ""
     arrival: float = 0.0
     is_long: bool = False
     # Set by dispatch: prompt tokens the chosen replica is expected to prefill (uncached part)
@@ -94,6 +107,13 @@ class RouteRequest:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.max_tokens
+
+
+@dataclass
+class _Client:
+    requests: int = 0  # queued + in flight
+    in_flight: int = 0
+    committed: int = 0  # prompt + max_tokens of its in-flight requests
 
 
 @dataclass
@@ -117,6 +137,9 @@ class Policy(ABC):
         self.load: dict[str, _Load] = {}
         self.queue: deque[RouteRequest] = deque()
         self._where: dict[str, str] = {}
+        self._requests: dict[str, RouteRequest] = {}  # queued or in flight, by id
+        self._dispatched: set[str] = set()
+        self.clients: dict[str, _Client] = {}
         self.rng = random.Random(settings.seed)
 
     # --- replicas -------------------------------------------------------------------------------
@@ -133,6 +156,7 @@ class Policy(ABC):
         gone = list(self.load.pop(replica, _Load()).routed)
         for rid in gone:
             self._where.pop(rid, None)
+            self._forget(rid)
         return gone
 
     def replicas(self) -> list[str]:
@@ -149,7 +173,40 @@ class Policy(ABC):
                 raise RequestTooLarge(req.total_tokens, largest)
             if self.queued() >= self.s.queue_size:
                 raise QueueFull(self.s.queue_size, self.s.retry_after_s)
+        if req.client:
+            client = self.clients.setdefault(req.client, _Client())
+            if client.requests >= self.s.client_max_requests:
+                raise ClientLimit(self.s.client_max_requests, self.s.retry_after_s)
+            client.requests += 1
+        self._requests[req.request_id] = req
         self._enqueue(req)
+
+    def _forget(self, request_id: str) -> None:
+        """The request left the router (completed, cancelled, expired or its replica went):
+        its client's counters drop, once."""
+        req = self._requests.pop(request_id, None)
+        if req is None or not req.client:
+            return
+        client = self.clients[req.client]
+        client.requests -= 1
+        if request_id in self._dispatched:
+            self._dispatched.discard(request_id)
+            client.in_flight -= 1
+            client.committed -= req.total_tokens
+        if client.requests <= 0:
+            del self.clients[req.client]
+
+    def client_may_dispatch(self, req: RouteRequest) -> bool:
+        """A client holds at most client_max_kv_share of the fleet's KV tokens; one with
+        nothing in flight is always served (a single request larger than the share must not
+        wait forever)."""
+        if not req.client or self.s.client_max_kv_share >= 1.0:
+            return True
+        client = self.clients.get(req.client)
+        if client is None or client.in_flight == 0:
+            return True
+        fleet = sum(self.ledger.capacity(r) for r in self.ledger.replicas())
+        return client.committed + req.total_tokens <= self.s.client_max_kv_share * fleet
 
     def _enqueue(self, req: RouteRequest) -> None:
         self.queue.append(req)
@@ -169,6 +226,7 @@ class Policy(ABC):
             for req in q:
                 if req.request_id == request_id:
                     q.remove(req)
+                    self._forget(request_id)
                     return True
         return False
 
@@ -189,6 +247,11 @@ class Policy(ABC):
             load.long_prefills += 1
         load.routed[req.request_id] = req
         self._where[req.request_id] = replica
+        client = self.clients.get(req.client) if req.client else None
+        if client is not None and req.request_id not in self._dispatched:
+            self._dispatched.add(req.request_id)
+            client.in_flight += 1
+            client.committed += req.total_tokens
         # Index at routing time, not at completion: a second question on the same document that
         # arrives during the first one's minutes-long prefill must find it.
         self.index.insert(req.blocks, replica)
@@ -213,6 +276,7 @@ class Policy(ABC):
         """Idempotent: the routing hook and error paths may both call it."""
         self.prefill_done(request_id)
         self.ledger.release(request_id)
+        self._forget(request_id)
         replica = self._where.pop(request_id, None)
         if replica is None or replica not in self.load:
             return
@@ -341,6 +405,7 @@ class KVRouterPolicy(Policy):
         for q in self._queues():
             while q and now - q[0].arrival > self.s.queue_timeout_s:
                 gone.append(q.popleft())
+                self._forget(gone[-1].request_id)
             # FIFO per class: only the heads can be the oldest, but aging reorders nothing inside
             # a class, so scanning beyond the head is not needed.
         if self.reserved_for and all(r.request_id != self.reserved_for for r in self.long_queue):
@@ -419,8 +484,9 @@ class KVRouterPolicy(Policy):
         # Batch: queued long requests on the same document follow it to the same replica; the
         # engine serves them from the prefix this prefill is writing.
         for other in list(self.long_queue):
-            if self._shares_prefix(req, other) and self.ledger.fits(
-                    replica, other.prompt_tokens, other.max_tokens, other.blocks):
+            if (self._shares_prefix(req, other) and self.client_may_dispatch(other)
+                    and self.ledger.fits(replica, other.prompt_tokens, other.max_tokens,
+                                         other.blocks)):
                 self.long_queue.remove(other)
                 other.long_prefill = False
                 m = self.index.match(other.blocks).get(replica, 0)
@@ -434,7 +500,8 @@ class KVRouterPolicy(Policy):
         if self.reserved_for and all(r.request_id != self.reserved_for for r in self.long_queue):
             self.reserved = self.reserved_for = None
         # Aged long head: it goes before any short, onto a reserved replica if need be.
-        if self.long_queue and now - self.long_queue[0].arrival >= self.s.aging_s:
+        if (self.long_queue and now - self.long_queue[0].arrival >= self.s.aging_s
+                and self.client_may_dispatch(self.long_queue[0])):
             head = self.long_queue[0]
             placed = self._place(head, None)
             if placed is not None:
@@ -449,16 +516,26 @@ class KVRouterPolicy(Policy):
                 self.reserved = max(self.load, key=lambda r: (
                     self.ledger.capacity(r) >= head.total_tokens, self.ledger.free(r)))
         # Shorts, FIFO: stop at the first that fits nowhere (all later ones would queue anyway,
-        # and letting smaller ones pass would starve the larger).
+        # and letting smaller ones pass would starve the larger). A request held back by its
+        # own client's share is skipped, not waited on: it waits for its client's requests,
+        # and other clients must not wait behind it.
+        held: list[RouteRequest] = []
         while self.queue:
-            placed = self._place(self.queue[0], self.reserved)
+            head = self.queue[0]
+            if not self.client_may_dispatch(head):
+                held.append(self.queue.popleft())
+                continue
+            placed = self._place(head, self.reserved)
             if placed is None:
                 break
             self._dispatch_one(self.queue.popleft(), *placed, out)
+        self.queue.extendleft(reversed(held))
         # Longs, FIFO with bounded look-ahead: a follow-up question on a cached document (no long
         # prefill) may pass a new document that waits for a prefill slot, but never onto the
         # replica reserved for the aged head.
         for req in list(self.long_queue)[:64]:
+            if not self.client_may_dispatch(req):
+                continue
             exclude = None if req.request_id == self.reserved_for else self.reserved
             placed = self._place(req, exclude)
             if placed is None:

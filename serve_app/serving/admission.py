@@ -41,7 +41,9 @@ class AdmissionStage:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.policy: Policy = make_policy(settings)
-        self._lock = threading.Lock()
+        # Reentrant: a request's lease may be released from a finalizer that runs while this
+        # thread already holds the lock.
+        self._lock = threading.RLock()
         self._waiters: dict[str, asyncio.Future[str]] = {}
         self.decisions: deque[tuple[str, str]] = deque(maxlen=1000)  # (request id, replica)
         self.capacity: dict[str, int] = {}
@@ -69,15 +71,17 @@ class AdmissionStage:
 
     # --- requests (from the ingress) ------------------------------------------------------------
 
-    async def admit(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> str:
+    async def admit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                    client: str = "") -> str:
         """The replica for this request, once one can hold it. Raises RequestTooLarge (400),
-        QueueFull (429) or QueueTimeout (503)."""
+        QueueFull / ClientLimit (429) or QueueTimeout (503). From the moment this returns, the
+        caller owns the reservation and must `release` it exactly once, on every path."""
         blocks = block_hashes(prompt_ids, self.settings.block_size)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         started = time.monotonic()
         with self._lock:
-            self.policy.submit(RouteRequest(request_id, len(prompt_ids), max_tokens, blocks),
-                               time.monotonic())
+            self.policy.submit(RouteRequest(request_id, len(prompt_ids), max_tokens, blocks,
+                                            client), time.monotonic())
             self._waiters[request_id] = fut
             self._pump()
         try:
@@ -103,7 +107,8 @@ class AdmissionStage:
             self._pump()
 
     def release(self, request_id: str) -> None:
-        """Idempotent (the routing hook and the ingress's error path may both call it)."""
+        """Idempotent: the request's lease calls it once, a replica's removal may have freed
+        it already."""
         with self._lock:
             self.policy.complete(request_id)
             self._pump()
@@ -121,6 +126,7 @@ class AdmissionStage:
                                  "pending_prefill_tokens": p.load[r].pending_prefill,
                                  "long_prefills": p.load[r].long_prefills}
                              for r in p.replicas()},
+                "clients": len(p.clients),
                 "recent": [{"id": rid, "replica": rep} for rid, rep in self.decisions],
             }
 

@@ -6,28 +6,49 @@ after Serve rewrites the route signatures.)
 It turns requests into token ids + sampling parameters, sends them to a target replica, and
 turns the committed-token events that stream back into OpenAI responses. It never knows which
 engine backend runs behind the handle.
+
+What a request meets, in order (each checked once, here): the edge guard (API key -> 401, body
+size -> 413, anything unexpected -> an OpenAI-shaped 500), JSON parsing and the schema
+(protocol.py: every field, 400 naming it), the model name (404), the prompt's size before and
+after tokenizing and max_tokens against the context (400), the router (per-client limits and
+queue -> 429, capacity -> 400, queue timeout -> 503), then the engine.
 """
 
 
+import asyncio
+import contextlib
+import hashlib
+import hmac
 import json
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
+import ray.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 
 from serve_app.config import AppConfig
-from serve_app.engines.types import EngineUnavailable, GenerateRequest, RequestOutput
+from serve_app.engines.types import (
+    EngineUnavailable,
+    GenerateRequest,
+    RequestFailed,
+    RequestOutput,
+)
 from serve_app.models.kv_cache import KVCapacityError
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.metrics import app_metrics
 from serve_app.observability.tracing import tracer
-from serve_app.routing.policy import QueueFull, RequestTooLarge, RouterError
+from serve_app.routing.policy import ClientLimit, QueueFull, RequestTooLarge, RouterError
 from serve_app.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,40 +56,171 @@ from serve_app.serving.protocol import (
     _Request,
     new_id,
     now,
+    quote,
     usage,
+    validation_error,
 )
 from serve_app.tokenizer import load_tokenizer
 
 logger = get_logger("ingress")
 
-app = FastAPI(title="Kimi + DSpark (OpenAI-compatible)")
+_DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+class OpenAIJSONResponse(JSONResponse):
+    """JSON that is always ASCII: no client string (a lone surrogate in a field name) can make
+    rendering an error fail."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode("ascii")
+
+
+app = FastAPI(title="Kimi + DSpark (OpenAI-compatible)", default_response_class=OpenAIJSONResponse)
+
+
+def _error_response(err: OpenAIError) -> OpenAIJSONResponse:
+    return OpenAIJSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 @app.exception_handler(OpenAIError)
 async def _openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status,
-                        headers=getattr(exc, "headers", None))
+    return _error_response(exc)
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    # Unknown paths (404), wrong methods (405): the same shape as every other error.
+    kind = "not_found" if exc.status_code == 404 else None
+    message = {404: "unknown path", 405: "method not allowed for this path"}.get(
+        exc.status_code, "request refused")
+    err = OpenAIError(exc.status_code, message, code=kind)
+    err.headers = dict(exc.headers or {}) or None
+    return _error_response(err)
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    if any(e.get("type") == "json_invalid" for e in errors):
-        err = OpenAIError(400, "the request body is not valid JSON")
-    else:
-        parts = []
-        for e in errors:
-            loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-            parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        first = errors[0].get("loc", ()) if errors else ()
-        param = ".".join(str(p) for p in first if p != "body") or None
-        err = OpenAIError(400, "invalid request: " + "; ".join(parts), param=param)
-    return JSONResponse(err.body(), status_code=400)
+    return _error_response(OpenAIError(400, "invalid request"))
+
+
+# --- the edge guard: authentication, body size, last-resort errors -----------------------------
+
+
+@dataclass
+class EdgeSettings:
+    """Set once per process by the ingress's constructor (one ingress per replica process)."""
+
+    key_digests: list[bytes] = field(default_factory=list)
+    max_body_bytes: int = 1 << 20
+    expose_docs: bool = False
+
+
+EDGE = EdgeSettings()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "replace")).digest()
+
+
+def key_matches(presented: str, digests: list[bytes]) -> int | None:
+    """Index of the matching key, comparing in constant time against every key (SHA-256
+    digests first, so lengths leak nothing either)."""
+    d = _digest(presented)
+    found = None
+    for i, k in enumerate(digests):
+        if hmac.compare_digest(d, k) and found is None:
+            found = i
+    return found
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class EdgeGuard:
+    """Pure ASGI middleware, outermost: what every request meets before FastAPI parses it."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        if path in _DOC_PATHS and not EDGE.expose_docs:
+            await _send_error(send, OpenAIError(404, "unknown path", code="not_found"))
+            return
+        if EDGE.key_digests and path != "/health":
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            index = (key_matches(token.strip(), EDGE.key_digests)
+                     if scheme.lower() == "bearer" else None)
+            if index is None:
+                await _send_error(send, OpenAIError(
+                    401, "a valid API key is required (Authorization: Bearer KEY)",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+                return
+            scope.setdefault("state", {})["client"] = f"key-{index}"
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > EDGE.max_body_bytes):
+            await _send_error(send, _too_large())
+            return
+        seen = 0
+
+        async def counted_receive() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message.get("type") == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > EDGE.max_body_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        started = False
+
+        async def tracked_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message.get("type") == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, _too_large())
+        except Exception:
+            logger.exception("unhandled error on %s", path)
+            if not started:
+                await _send_error(send, OpenAIError(500, "internal error", "server_error"))
+
+
+def _too_large() -> OpenAIError:
+    return OpenAIError(413, f"the request body exceeds this server's limit of "
+                       f"{EDGE.max_body_bytes} bytes", param=None, code="request_too_large")
+
+
+async def _send_error(send: Any, err: OpenAIError) -> None:
+    response = _error_response(err)
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+app.add_middleware(EdgeGuard)
+
+
+# --- telemetry ------------------------------------------------------------------------------------
 
 
 class RequestTelemetry:
     """One request's span, metrics and closing log line (the ingress view: arrival to last
-    token, as the client sees it)."""
+    token, as the client sees it). Labels carry the server's own names only: a client's
+    `model` string never becomes a metric series."""
 
     def __init__(self, endpoint: str, model: str) -> None:
         self.started = time.perf_counter()
@@ -121,37 +273,186 @@ class RequestTelemetry:
         self.span.end()
 
 
+# --- errors clients see ---------------------------------------------------------------------------
+
+
+_RAY_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+    ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
+    ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError)
+
+
 def _unwrap(exc: BaseException) -> BaseException:
     # Ray wraps a replica's exception; the original is its cause.
     return getattr(exc, "cause", None) or exc
 
 
-def _router_error(exc: RouterError) -> OpenAIError:
-    """Router refusals: 400 (larger than any replica), 429 + Retry-After (queue full), 503
-    (queue timeout)."""
+def _unavailable(message: str, retry_after_s: int) -> OpenAIError:
+    return OpenAIError(503, message, "server_error", code="service_unavailable",
+                       headers={"Retry-After": str(retry_after_s)})
+
+
+def _router_error(exc: RouterError, retry_after_s: int) -> OpenAIError:
+    """Router refusals: 400 (larger than any replica), 429 + Retry-After (queue or client
+    limit), 503 + Retry-After (queue timeout)."""
     if isinstance(exc, QueueFull):
-        err = OpenAIError(429, str(exc), "rate_limit_error", code="router_queue_full")
-        err.headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}  # type: ignore[attr-defined]
-        return err
+        code = "client_limit" if isinstance(exc, ClientLimit) else "router_queue_full"
+        return OpenAIError(429, str(exc), "rate_limit_error", code=code,
+                           headers={"Retry-After": str(max(1, round(exc.retry_after_s)))})
     if isinstance(exc, RequestTooLarge):
         return OpenAIError(400, str(exc), param="max_tokens", code="kv_capacity_exceeded")
-    return OpenAIError(exc.status, str(exc), "server_error", code="router_queue_timeout")
+    err = _unavailable(str(exc), retry_after_s)
+    err.code = "router_queue_timeout"
+    return err
 
 
-def _error_for(exc: BaseException) -> OpenAIError:
+def error_for(exc: BaseException, retry_after_s: int, request_id: str = "") -> OpenAIError:
+    """Any failure as what a client may see: no reprs, paths or internal addresses; faults
+    that a retry can cure are 503 with Retry-After."""
     cause = _unwrap(exc)
     if isinstance(cause, OpenAIError):
         return cause
     if isinstance(cause, RouterError):
-        return _router_error(cause)
+        return _router_error(cause, retry_after_s)
     if isinstance(cause, KVCapacityError):
         return OpenAIError(400, str(cause), code="kv_capacity_exceeded")
-    if isinstance(cause, ValueError):
-        return OpenAIError(400, str(cause))
     if isinstance(cause, EngineUnavailable):
-        return OpenAIError(503, f"the engine is unavailable: {cause}", "server_error")
-    logger.error("request failed", exc_info=exc)
-    return OpenAIError(500, f"internal error: {cause!r}", "server_error")
+        return _unavailable(str(cause) or "the engine is unavailable", retry_after_s)
+    if isinstance(cause, RequestFailed):
+        logger.error("request %s failed in the engine: %s", request_id, cause)
+        return OpenAIError(500, str(cause) or "the request failed in the engine",
+                           "server_error", code="request_failed")
+    if isinstance(cause, ValueError):  # the engine refused it before queueing: names the field
+        return OpenAIError(400, str(cause))
+    if isinstance(exc, _RAY_UNAVAILABLE) or isinstance(cause, _RAY_UNAVAILABLE) or type(
+            cause).__name__ in ("BackPressureError", "DeploymentUnavailableError"):
+        logger.warning("request %s: target replica unavailable", request_id, exc_info=exc)
+        return _unavailable("the model replica is unavailable (restarting or overloaded); "
+                            "retry", retry_after_s)
+    logger.error("request %s failed", request_id, exc_info=exc)
+    return OpenAIError(500, "internal error", "server_error", code="internal_error")
+
+
+# --- a request's hold on the router and the target ------------------------------------------------
+
+
+class Lease:
+    """One admitted request: its router reservation and its handle stream. `close` releases
+    both exactly once, whoever calls it first: the normal end, an error, a cancellation at any
+    await, or, for a streaming response the server never started sending (the client left
+    first), the finalizer when the response is dropped."""
+
+    def __init__(self, request_id: str, router: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.router = router
+        self.loop = loop
+        self.stream: Any = None
+        self.finished = False
+        self._closed = False
+
+    def prefill_done(self) -> None:
+        if self.router is not None:
+            self.router.prefill_done(self.request_id)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.stream is not None and not self.finished:
+            # Reaches the replica, whose generator aborts the request in the engine.
+            self.stream.cancel()
+        if self.router is not None:
+            self.router.release(self.request_id)
+
+    def __del__(self) -> None:
+        if not self._closed:
+            # RuntimeError: the loop is closed, the process is going away.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.close)
+
+
+# --- health ----------------------------------------------------------------------------------------
+
+
+class HealthProbe:
+    """GET /health: a target replica's own account of itself (its engine loop, watchdog and
+    ranks), cached briefly so that probes stay cheap. No answer within the timeout (no
+    replica running, all stuck) is a 503."""
+
+    def __init__(self, target: DeploymentHandle, cache_s: float, timeout_s: float) -> None:
+        self.target = target
+        self.cache_s = cache_s
+        self.timeout_s = timeout_s
+        self._at = -1e9
+        self._problem: str | None = "not checked yet"
+        self._lock = asyncio.Lock()
+
+    async def problem(self) -> str | None:
+        async with self._lock:
+            if time.monotonic() - self._at > self.cache_s:
+                self._problem = await self._ask()
+                self._at = time.monotonic()
+            return self._problem
+
+    async def _ask(self) -> str | None:
+        # A probe that lands on a broken replica while another is healthy asks again: the
+        # answer is "can any replica serve", not "is the first one fine".
+        problem = None
+        deadline = time.monotonic() + self.timeout_s
+        for _ in range(3):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            response = self.target.health_status.remote()
+            try:
+                status = await asyncio.wait_for(_result(response), left)
+            except TimeoutError:
+                response.cancel()
+                return f"no target replica answered within {self.timeout_s:g} s"
+            except Exception as exc:
+                logger.warning("health probe failed", exc_info=exc)
+                problem = "no target replica is reachable"
+                continue
+            if status.get("ok"):
+                return None
+            problem = str(status.get("problem") or "the target replica is unhealthy")
+        return problem
+
+
+async def _result(response: Any) -> Any:
+    return await response
+
+
+# --- the deployment --------------------------------------------------------------------------------
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError):
+        # ValueError covers invalid UTF-8, NaN/Infinity and ints past Python's digit limit.
+        raise OpenAIError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    except RecursionError:
+        raise OpenAIError(400, "the request body is nested too deeply") from None
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _api_keys(config: AppConfig) -> list[str]:
+    keys = list(config.ingress.api_keys)
+    env = config.ingress.api_keys_env
+    if env and os.environ.get(env):
+        keys += [k.strip() for k in os.environ[env].split(",") if k.strip()]
+    return keys
 
 
 # Decorated here, at import, so that every process importing this module (the replicas too)
@@ -168,20 +469,37 @@ class OpenAIIngress:
         from serve_app.app import context_length
 
         self.max_model_len = context_length(self.config)
+        ing = self.config.ingress
+        EDGE.key_digests = [_digest(k) for k in _api_keys(self.config)]
+        EDGE.max_body_bytes = ing.max_body_bytes or 16 * self.max_model_len + 65_536
+        EDGE.expose_docs = ing.expose_docs
+        self.retry_after_s = ing.retry_after_s
+        self._tokenize_pool = ThreadPoolExecutor(ing.tokenizer_threads,
+                                                 thread_name_prefix="tokenize")
+        self.health_probe = HealthProbe(target, ing.health_cache_s, ing.health_timeout_s)
+        # Who we are, so the target can abort our requests if this process dies.
+        ctx = ray.get_runtime_context()
+        name = ctx.get_actor_name()
+        self.caller = (ctx.namespace, name) if name else None
         install_trace_ids()
+        logger.info("ingress ready: %d API keys, body limit %d bytes, context %d tokens",
+                    len(EDGE.key_digests), EDGE.max_body_bytes, self.max_model_len)
         # The long-context router (docs/router.md): None = Serve's own routing.
         self.router = None
         if self.config.router.policy != "ray_default":
             from serve_app.serving.admission import stage_for
 
-            self.router = stage_for("TargetDeployment",
-                                    self.config.router.settings(self.config.engine.backend))
+            self.router = stage_for("TargetDeployment", self.config.router.settings(
+                self.config.engine.backend, self.max_model_len))
 
     # --- routes ---------------------------------------------------------------------------------
 
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> Any:
+        problem = await self.health_probe.problem()
+        if problem is None:
+            return {"status": "ok"}
+        return _error_response(_unavailable(problem, self.retry_after_s))
 
     @app.get("/v1/router")
     async def router_state(self) -> dict[str, Any]:
@@ -195,89 +513,135 @@ class OpenAIIngress:
             "max_model_len": self.max_model_len}]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
-        telemetry = RequestTelemetry("chat.completions", body.model)
-        with telemetry.active():
-            try:
-                self._check_model(body)
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                try:
-                    prompt_ids = self.tokenizer.apply_chat_template(messages)
-                except ValueError as exc:
-                    raise OpenAIError(400, str(exc), param="messages") from None
-                return await self._serve(body, prompt_ids, True, telemetry)
-            except OpenAIError as exc:
-                telemetry.finish(exc.status)
-                raise
+    async def chat_completions(self, request: Request) -> Any:
+        return await self._handle(request, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest) -> Any:
-        telemetry = RequestTelemetry("completions", body.model)
-        with telemetry.active():
-            try:
-                self._check_model(body)
-                if body.echo or body.suffix:
-                    raise OpenAIError(400, "echo and suffix are not supported", param="echo")
-                prompt = body.prompt_ids_or_text()
-                prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-                vocab = self.tokenizer.vocab_size
-                if any(not 0 <= t < vocab for t in prompt_ids):
-                    raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})",
-                                      param="prompt")
-                return await self._serve(body, prompt_ids, False, telemetry)
-            except OpenAIError as exc:
-                telemetry.finish(exc.status)
-                raise
+    async def completions(self, request: Request) -> Any:
+        return await self._handle(request, chat=False)
 
     # --- the request path -----------------------------------------------------------------------
 
+    async def _handle(self, request: Request, chat: bool) -> Any:
+        telemetry = RequestTelemetry("chat.completions" if chat else "completions",
+                                     self.model_name)
+        with telemetry.active():
+            try:
+                body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
+                self._check_model(body)
+                prompt_ids = await self._tokenize(body, chat)
+                return await self._serve(body, prompt_ids, chat, telemetry,
+                                         self._client_of(request))
+            except OpenAIError as exc:
+                telemetry.finish(exc.status)
+                raise
+
+    def _client_of(self, request: Request) -> str:
+        """Whose request this is, for the per-client limits: the API key it used, else the
+        address it came from."""
+        state = request.scope.get("state") or {}
+        if "client" in state:
+            return str(state["client"])
+        client = request.client
+        return f"addr-{client.host}" if client else "addr-unknown"
+
     def _check_model(self, body: _Request) -> None:
         if body.model != self.model_name:
-            raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves "
-                              f"{self.model_name!r}", param="model", code="model_not_found")
+            raise OpenAIError(404, f"the model {quote(body.model)} does not exist; this server "
+                              f"serves {quote(self.model_name)}", param="model",
+                              code="model_not_found")
 
-    async def _serve(self, body: _Request, prompt_ids: list[int], chat: bool,
-                     telemetry: RequestTelemetry) -> Any:
+    async def _tokenize(self, body: _Request, chat: bool) -> list[int]:
+        """Token ids of the prompt, computed off the event loop (a long prompt must not stall
+        /health or other requests). A text that cannot fit the context even at the
+        tokenizer's most bytes per token is refused without tokenizing it."""
+        param = "messages" if chat else "prompt"
+        if chat:
+            assert isinstance(body, ChatCompletionRequest)
+            messages = body.conversation()
+            size = sum(len(m["content"].encode("utf-8")) for m in messages)
+            work: Callable[[], list[int]] = lambda: self.tokenizer.apply_chat_template(messages)  # noqa: E731
+        else:
+            assert isinstance(body, CompletionRequest)
+            prompt = body.prompt_ids_or_text()
+            if not isinstance(prompt, str):
+                vocab = self.tokenizer.vocab_size
+                if any(not 0 <= t < vocab for t in prompt):
+                    raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})",
+                                      param="prompt")
+                return prompt
+            size = len(prompt.encode("utf-8"))
+            work = lambda: self.tokenizer.encode_text(prompt)  # noqa: E731
+        if size > self.max_model_len * self.tokenizer.max_token_bytes:
+            raise OpenAIError(400, f"This model's maximum context length is "
+                              f"{self.max_model_len} tokens; the {param} ({size} bytes of "
+                              f"text) is longer than that", param=param,
+                              code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._tokenize_pool, work)
+        except ValueError as exc:  # the chat template refused the conversation
+            raise OpenAIError(400, str(exc), param=param) from None
+
+    def _limits(self, body: _Request, prompt_ids: list[int], chat: bool) -> int:
+        """max_tokens against this server's limit and the context: the request's max_tokens."""
+        ing = self.config.ingress
+        max_tokens = body.requested_max_tokens(ing.default_max_tokens)
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        if max_tokens > ing.max_tokens_limit:
+            raise OpenAIError(400, f"{param}={max_tokens} exceeds this server's limit "
+                              f"{ing.max_tokens_limit}", param=param)
         if not prompt_ids:
             raise OpenAIError(400, "the prompt is empty", param="messages" if chat else "prompt")
-        params = body.sampling(self.config.ingress.default_max_tokens,
-                               self.config.ingress.max_tokens_limit)
-        total = len(prompt_ids) + params.max_tokens
+        total = len(prompt_ids) + max_tokens
         if total > self.max_model_len:
             raise OpenAIError(
                 400, f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {total} tokens ({len(prompt_ids)} in the "
-                f"{'messages' if chat else 'prompt'}, {params.max_tokens} in the completion).",
-                param="max_tokens", code="context_length_exceeded")
+                f"{'messages' if chat else 'prompt'}, {max_tokens} in the completion).",
+                param=param, code="context_length_exceeded")
+        return max_tokens
+
+    async def _serve(self, body: _Request, prompt_ids: list[int], chat: bool,
+                     telemetry: RequestTelemetry, client: str) -> Any:
+        max_tokens = self._limits(body, prompt_ids, chat)
+        params = body.sampling(max_tokens)
         rid = new_id("chatcmpl" if chat else "cmpl")
         telemetry.span.set_attribute("request_id", rid)
-        telemetry.span.set_attribute("max_tokens", params.max_tokens)
+        telemetry.span.set_attribute("max_tokens", max_tokens)
         telemetry.span.set_attribute("stream", body.stream)
         if self.router is not None:
-            await self._admit(rid, prompt_ids, params.max_tokens)
-        stream = self.target.options(stream=True).generate.remote(
-            GenerateRequest(rid, prompt_ids, params))
-        # Wait for the first event before answering, so a refused request gets its 4xx.
+            await self._admit(rid, prompt_ids, max_tokens, client)
+        lease: Lease | None = Lease(rid, self.router, asyncio.get_running_loop())
         try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            raise OpenAIError(500, "the engine returned no output", "server_error") from None
-        except Exception as exc:
-            if self.router is not None:
-                self.router.release(rid)  # idempotent with the routing hook
-            raise _error_for(exc) from None
-        if self.router is not None:
-            self.router.prefill_done(rid)
-        telemetry.first_token()
-        if body.stream:
-            return StreamingResponse(self._sse(body, rid, chat, first, stream, telemetry),
-                                     media_type="text/event-stream")
-        response = await self._collect(body, rid, chat, first, stream)
-        telemetry.finish(200, response["usage"]["prompt_tokens"],
-                         response["usage"]["completion_tokens"])
-        return response
+            assert lease is not None
+            stream = self.target.options(stream=True).generate.remote(
+                GenerateRequest(rid, prompt_ids, params, caller=self.caller))
+            lease.stream = stream
+            # Wait for the first event before answering, so a refused request gets its 4xx.
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                raise OpenAIError(500, "the engine returned no output", "server_error") from None
+            except Exception as exc:
+                raise error_for(exc, self.retry_after_s, rid) from None
+            lease.finished = first.finished
+            lease.prefill_done()
+            telemetry.first_token()
+            if body.stream:
+                sse = self._sse(body, rid, chat, first, lease, telemetry)
+                lease = None  # the stream owns it now (or its finalizer, if never started)
+                return StreamingResponse(sse, media_type="text/event-stream")
+            response = await self._collect(body, rid, chat, first, lease)
+            telemetry.finish(200, response["usage"]["prompt_tokens"],
+                             response["usage"]["completion_tokens"])
+            return response
+        finally:
+            if lease is not None:
+                lease.close()
 
-    async def _admit(self, rid: str, prompt_ids: list[int], max_tokens: int) -> None:
+    async def _admit(self, rid: str, prompt_ids: list[int], max_tokens: int,
+                     client: str) -> None:
         assert self.router is not None
         if not self.router.ready:
             # The handle's router (and with it the replicas' KV capacities) exists only after
@@ -285,25 +649,23 @@ class OpenAIIngress:
             try:
                 await self.target.capacity.remote()
             except Exception as exc:
-                raise _error_for(exc) from None
+                raise error_for(exc, self.retry_after_s, rid) from None
         try:
-            await self.router.admit(rid, prompt_ids, max_tokens)
+            await self.router.admit(rid, prompt_ids, max_tokens, client)
         except RouterError as exc:
-            raise _router_error(exc) from None
+            raise _router_error(exc, self.retry_after_s) from None
 
     async def _collect(self, body: _Request, rid: str, chat: bool, first: RequestOutput,
-                       stream: AsyncIterator[RequestOutput]) -> dict[str, Any]:
+                       lease: Lease) -> dict[str, Any]:
         text, last = first.text, first
         try:
             if not first.finished:
-                async for out in stream:
+                async for out in lease.stream:
                     text += out.text
                     last = out
         except Exception as exc:
-            raise _error_for(exc) from None
-        finally:
-            if not last.finished:  # cancelled: the client went away
-                stream.cancel()  # type: ignore[attr-defined]
+            raise error_for(exc, self.retry_after_s, rid) from None
+        lease.finished = last.finished
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
                                   "logprobs": None}
         if chat:
@@ -317,9 +679,12 @@ class OpenAIIngress:
         }
 
     async def _sse(self, body: _Request, rid: str, chat: bool, first: RequestOutput,
-                   stream: Any, telemetry: RequestTelemetry) -> AsyncIterator[str]:
+                   lease: Lease, telemetry: RequestTelemetry) -> AsyncIterator[str]:
         created = now()
         kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(payload: dict[str, Any]) -> str:
+            return f"data: {json.dumps(payload, ensure_ascii=True)}\n\n"
 
         def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
             if chat:
@@ -335,32 +700,36 @@ class OpenAIIngress:
                                        "model": self.model_name, "choices": [choice]}
             if body.include_usage:
                 payload["usage"] = None
-            return f"data: {json.dumps(payload)}\n\n"
+            return event(payload)
 
         last = first
         try:
             yield chunk(first.text, None, role=True)
             if not first.finished:
-                async for out in stream:
+                async for out in lease.stream:
                     last = out
                     if out.text:
                         yield chunk(out.text, None)
+            lease.finished = last.finished
             yield chunk(None if chat else "", last.finish_reason)
             if body.include_usage:
-                payload = {"id": rid, "object": kind, "created": created,
-                           "model": self.model_name, "choices": [],
-                           "usage": usage(last.prompt_tokens, last.completion_tokens, last.spec)}
-                yield f"data: {json.dumps(payload)}\n\n"
+                yield event({"id": rid, "object": kind, "created": created,
+                             "model": self.model_name, "choices": [],
+                             "usage": usage(last.prompt_tokens, last.completion_tokens,
+                                            last.spec)})
             yield "data: [DONE]\n\n"
+            telemetry.finish(200, last.prompt_tokens, last.completion_tokens)
         except Exception as exc:
-            err = _error_for(exc)
+            # Headers are sent: the error travels as an event, and the stream still ends the
+            # way every OpenAI stream ends.
+            err = error_for(exc, self.retry_after_s, rid)
             telemetry.finish(err.status, last.prompt_tokens, last.completion_tokens)
-            yield f"data: {json.dumps(err.body())}\n\n"
+            yield event(err.body())
+            yield "data: [DONE]\n\n"
         finally:
-            # Client disconnected (this generator was closed): cancelling the handle's stream
-            # reaches the replica, whose generator aborts the request in the engine.
-            if not last.finished:
-                stream.cancel()
+            # Client disconnected (this generator was closed or cancelled): closing the lease
+            # cancels the handle's stream, which reaches the replica's generator and aborts the
+            # request in the engine; and it gives the router its tokens back.
+            if not lease.finished:
                 telemetry.finish(499, last.prompt_tokens, last.completion_tokens)
-            else:
-                telemetry.finish(200, last.prompt_tokens, last.completion_tokens)
+            lease.close()

@@ -1,5 +1,11 @@
 """OpenAI request/response shapes (the subset this server implements) and error bodies.
 
+Every field a client sends is validated here, once, before anything is tokenized or queued:
+a bad value is a 400 that names the field. OpenAI fields this server does not implement are
+refused when set (a client asking for JSON mode or a forced tool call must not get free text
+it cannot tell apart); fields that do not change the output (`user`, `metadata`, `store`,
+`service_tier`) are accepted. Unknown non-OpenAI fields are ignored, as vLLM and SGLang do.
+
 Extension: `usage` carries the speculative statistics under SGLang's names
 (`spec_accept_length`, `spec_accept_rate`, `spec_verify_ct`,
 `spec_correct_drafts_histogram`) when the engine speculated. Requests may also set `top_k`,
@@ -8,105 +14,259 @@ Extension: `usage` carries the speculative statistics under SGLang's names
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_app.engines.types import SamplingParams
 
+# Bounds that keep every accepted value meaningful to the sampler and the engine (and to
+# SGLang, whose kernels take int32/int64).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOP_K = 2**31 - 1
+
 
 class OpenAIError(Exception):
-    """Raised anywhere in the ingress; rendered as {"error": {...}} with its status."""
+    """Raised anywhere in the ingress; rendered as {"error": {...}} with its status. The
+    message is shown to clients: it never carries reprs, paths or internal addresses."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type_, param, code)
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
 
-class _Request(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI's own API does.
-    model_config = ConfigDict(extra="allow")
+def quote(value: object, limit: int = 64) -> str:
+    """A client-supplied value as it may appear in an error message: JSON-quoted, ASCII-only
+    (a lone surrogate or a control character cannot break the response), and cut short."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return json.dumps(text, ensure_ascii=True)
 
-    model: str
+
+def _valid_unicode(value: str) -> str:
+    # JSON may carry "\ud800": Python accepts the lone surrogate, the tokenizer (Rust, UTF-8)
+    # and every JSON encoder downstream do not.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("contains a lone surrogate (not valid Unicode)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+class _Strictish(BaseModel):
+    # Unknown fields are ignored (vLLM/SGLang behaviour); NaN and infinities are never numbers.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+# OpenAI fields this server does not implement, and the value(s) that mean "not used": any
+# other value is refused with a 400 naming the field.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),  # meaningless without tools
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "best_of": (None, 1),
+    "n": (None, 1),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+_WHY = {
+    "tools": "tool calling is not supported by this server",
+    "tool_choice": "tool calling is not supported by this server",
+    "functions": "function calling is not supported by this server",
+    "function_call": "function calling is not supported by this server",
+    "parallel_tool_calls": "tool calling is not supported by this server",
+    "response_format": "only response_format {\"type\": \"text\"} is supported (no JSON mode "
+                       "or schemas)",
+    "logit_bias": "logit_bias is not supported by this server",
+    "logprobs": "logprobs are not supported by this server",
+    "top_logprobs": "logprobs are not supported by this server",
+    "presence_penalty": "presence_penalty is not supported by this server (only 0)",
+    "frequency_penalty": "frequency_penalty is not supported by this server (only 0)",
+    "repetition_penalty": "repetition_penalty is not supported by this server (only 1)",
+    "min_p": "min_p is not supported by this server (only 0)",
+    "min_tokens": "min_tokens is not supported by this server",
+    "best_of": "best_of > 1 is not supported by this server",
+    "n": "n > 1 is not supported by this server",
+}
+# Where OpenAI documents a range, an out-of-range value gets the range in its message.
+_RANGES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
+           "top_logprobs": (0, 20)}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    # True == 1 in Python; a client sending `"n": true` did not ask for n=1.
+    return (type(a) is type(b) and a == b) or (
+        isinstance(a, int | float) and not isinstance(a, bool)
+        and isinstance(b, int | float) and not isinstance(b, bool) and a == b)
+
+
+def _refuse_unsupported(data: Any) -> Any:
+    if not isinstance(data, dict):
+        return data
+    for name, allowed in _UNSUPPORTED.items():
+        if name not in data or any(_equal(data[name], a) or data[name] is a for a in allowed):
+            continue
+        value = data[name]
+        if name in _RANGES and isinstance(value, int | float) and not isinstance(value, bool):
+            lo, hi = _RANGES[name]
+            if not lo <= value <= hi:
+                raise OpenAIError(400, f"{name}={quote(value)} is out of range [{lo}, {hi}]",
+                                  param=name)
+        raise OpenAIError(400, _WHY.get(name, f"{name} is not supported by this server"),
+                          param=name, code="unsupported_parameter")
+    if data.get("stream_options") is not None and data.get("stream") is not True:
+        raise OpenAIError(400, "stream_options is only allowed when stream is true",
+                          param="stream_options")
+    return data
+
+
+class StreamOptions(_Strictish):
+    include_usage: bool = False
+
+
+class _Request(_Strictish):
+    model: Text = Field(max_length=256)
     max_tokens: int | None = Field(default=None, gt=0)
     max_completion_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOP_K)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    logprobs: bool | int | None = None
-    user: str | None = None
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
 
-    @field_validator("stop")
+    @model_validator(mode="before")
     @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        stops = [v] if isinstance(v, str) else (v or [])
+    def _unsupported(cls, data: Any) -> Any:
+        return _refuse_unsupported(data)
+
+    @model_validator(mode="after")
+    def _stops(self) -> _Request:
+        stops = self.stop_list
         if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return v
+            raise ValueError("stop: stop strings must be non-empty")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"stop: at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop: a stop sequence may have at most {MAX_STOP_CHARS} "
+                             "characters")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, default_max_tokens: int, max_tokens_limit: int) -> SamplingParams:
-        if self.n != 1:
-            raise OpenAIError(400, "n > 1 is not supported by this server", param="n")
-        if self.logprobs:
-            raise OpenAIError(400, "logprobs are not supported by this server", param="logprobs")
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        if max_tokens > max_tokens_limit:
-            raise OpenAIError(400, f"max_tokens={max_tokens} exceeds this server's limit "
-                              f"{max_tokens_limit}", param="max_tokens")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    def requested_max_tokens(self, default_max_tokens: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default_max_tokens
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=max_tokens, stop=tuple(stops),
+            max_tokens=max_tokens, stop=tuple(self.stop_list),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             seed=self.seed,
         )
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: Text
+
+
+class ContentPart(BaseModel):
+    """Any content part: only `text` parts are served; others are refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Text = Field(max_length=64)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[TextPart | ContentPart] | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-            if len(parts) != len(self.content):
-                raise OpenAIError(400, "only text content parts are supported",
-                                  param="messages")
-            return "".join(parts)
-        return self.content or ""
+    def text(self, where: str) -> str:
+        if not isinstance(self.content, list):
+            return self.content or ""
+        for j, part in enumerate(self.content):
+            if not isinstance(part, TextPart):
+                if part.type == "text":  # a text part whose text is missing or not a string
+                    raise OpenAIError(400, "a text content part needs a string `text`",
+                                      param=f"{where}.content[{j}].text")
+                raise OpenAIError(400, f"content part type {quote(part.type)} is not "
+                                  "supported; only \"text\"", param=f"{where}.content[{j}].type")
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
 
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(f"messages[{i}]")}
+                for i, m in enumerate(self.messages)]
+
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
+
+    @model_validator(mode="after")
+    def _no_echo_or_suffix(self) -> CompletionRequest:
+        if self.echo:
+            raise OpenAIError(400, "echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported by this server", param="suffix")
+        return self
 
     def prompt_ids_or_text(self) -> str | list[int]:
         p = self.prompt
@@ -118,6 +278,22 @@ class CompletionRequest(_Request):
             return p[0]  # type: ignore[return-value]
         raise OpenAIError(400, "batched prompts are not supported; send one prompt per request",
                           param="prompt")
+
+
+def validation_error(exc: ValidationError) -> OpenAIError:
+    """A pydantic error as one 400 naming every bad field (field names are ASCII-quoted: a
+    client controls the keys of its own JSON)."""
+    parts, first = [], None
+    for e in exc.errors(include_url=False, include_input=False):
+        loc = ".".join(str(p) if isinstance(p, int) else p for p in e.get("loc", ())
+                       if isinstance(p, int | str))
+        loc = json.dumps(loc, ensure_ascii=True)[1:-1] if loc else ""
+        first = first or loc or None
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+        if len(parts) == 8:
+            break
+    return OpenAIError(400, "invalid request: " + "; ".join(parts), param=first)
 
 
 def new_id(prefix: str) -> str:

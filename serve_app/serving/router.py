@@ -7,8 +7,10 @@ the target deployment, sharing one policy object per ingress process (docs/route
 - `KVAwareRequestRouter` (the handle's router, same process): `update_replicas` fetches each new
   replica's KV capacity from its engine (`TargetReplica.record_routing_stats` ->
   `engine.capacity()`) and forgets gone ones; `choose_replicas` sends a request to the replica
-  the policy chose; `on_request_completed` releases its tokens. Calls without an assignment
-  (stats, capacity, health probes from other processes) go to any replica.
+  the policy chose. Calls without an assignment (stats, capacity, health probes) go to any
+  replica. Releasing a request's tokens is the ingress's job (its lease, on every path:
+  completion, error, cancellation), not a routing hook's: a request cancelled before it was
+  routed never reaches the hooks.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import asyncio
 import logging
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from serve_app.engines.types import GenerateRequest
 from serve_app.routing.policy import RouterSettings
@@ -38,7 +40,6 @@ class KVAwareRequestRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.stage = admission.stage_for(kwargs["key"], RouterSettings(**kwargs["settings"]))
-        self._by_internal: dict[str, str] = {}
         self._fetching: set[str] = set()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -86,14 +87,3 @@ class KVAwareRequestRouter(RequestRouter):
         # The chosen replica may be momentarily missing from the candidates (being replaced);
         # an empty rank makes Serve back off and ask again.
         return [chosen]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: Any) -> None:
-        rid = _request_id(pending_request)
-        if rid is not None:
-            self._by_internal[pending_request.metadata.internal_request_id] = rid
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        rid = self._by_internal.pop(internal_request_id, None)
-        if rid is not None:
-            self.stage.release(rid)

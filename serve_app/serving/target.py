@@ -143,7 +143,9 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
                         detokenize=tokenizer.decode)
     if config.engine.max_model_len:
         core.max_model_len = config.engine.max_model_len
-    return ReferenceAsyncEngine(core, replica=replica_tag), workers, info
+    engine = ReferenceAsyncEngine(core, replica=replica_tag,
+                                  watchdog_s=config.engine.step_watchdog_s)
+    return engine, workers, info
 
 
 def _start_sglang(config: AppConfig) -> tuple[Any, list[Any], list[dict[str, Any]]]:
@@ -168,25 +170,94 @@ class TargetReplica:
             self.engine, self.workers, self.info = _start_sglang(self.config)
         else:
             self.engine, self.workers, self.info = _start_reference(self.config, config)
+        self.replica = replica_name()
+        self._status_at = -1e9
+        self._status: dict[str, Any] = {}
+        self._last_check_problem: str | None = None
+        # Requests by the ingress actor that sent them, and the tasks serving them: if that
+        # actor dies, nobody reads the tokens, so the work is aborted (see _watch_callers).
+        self._by_caller: dict[tuple[str, str], dict[str, asyncio.Task[Any]]] = {}
+        self._watcher: asyncio.Task[None] | None = None
         logger.info("replica ready in %.2f s: %s", time.perf_counter() - started,
                     self.engine.capacity())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        async for out in self.engine.generate(request):
-            yield out
+        task = asyncio.current_task()
+        caller = request.caller
+        if caller is not None and task is not None:
+            self._by_caller.setdefault(caller, {})[request.request_id] = task
+            if self._watcher is None or self._watcher.done():
+                self._watcher = asyncio.get_running_loop().create_task(self._watch_callers())
+        try:
+            async for out in self.engine.generate(request):
+                yield out
+        finally:
+            if caller is not None:
+                mine = self._by_caller.get(caller, {})
+                mine.pop(request.request_id, None)
+                if not mine:
+                    self._by_caller.pop(caller, None)
+
+    async def _watch_callers(self) -> None:
+        """Once a second, while requests are in flight: is each sending ingress still alive?
+        A dead one's requests are cancelled (their generators abort them in the engine)."""
+        while self._by_caller:
+            await asyncio.sleep(1.0)
+            for caller in list(self._by_caller):
+                if await asyncio.to_thread(_actor_alive, *caller):
+                    continue
+                tasks = self._by_caller.pop(caller, {})
+                logger.warning("ingress %s is gone: aborting its %d requests", caller[1],
+                               len(tasks))
+                for task in tasks.values():
+                    task.cancel()
+
+    async def health_status(self) -> dict[str, Any]:
+        """What GET /health reports: cheap (no generation), cached for a second. Problems:
+        the engine's own (loop dead, a step past the watchdog, failed), a rank worker gone,
+        or the last real health generation failed."""
+        if time.monotonic() - self._status_at > 1.0:
+            problem = self.engine.problem() or await self._rank_problem(timeout_s=2.0)
+            problem = problem or self._last_check_problem
+            self._status = {"ok": problem is None, "problem": problem, "replica": self.replica}
+            self._status_at = time.monotonic()
+        return self._status
+
+    async def _rank_problem(self, timeout_s: float) -> str | None:
+        if not self.workers:
+            return None
+        try:
+            alive = await asyncio.wait_for(
+                asyncio.gather(*[w.alive.remote() for w in self.workers]), timeout_s)
+        except TimeoutError:
+            return "a rank worker did not answer"
+        except Exception:
+            logger.exception("rank worker check failed")
+            return "a rank worker is gone"
+        if not all(alive):
+            return "a rank worker stopped following rank 0"
+        return None
 
     async def check_health(self) -> None:
-        """Serve calls this periodically; raising makes it replace the replica."""
+        """Serve calls this periodically; raising makes it replace the replica. A real 1-token
+        generation when the engine is idle; under load, the engine's progress (its watchdog)
+        is the evidence, since a probe queued behind long prefills would time out on a
+        healthy replica."""
         timeout = self.config.engine.health_check_timeout_s
-        if self.workers:
+        problem = self.engine.problem() or await self._rank_problem(timeout)
+        if problem is None and not self._busy():
             try:
-                alive = await asyncio.wait_for(
-                    asyncio.gather(*[w.alive.remote() for w in self.workers]), timeout)
-            except Exception as exc:
-                raise EngineUnavailable(f"a rank worker is gone: {exc!r}") from None
-            if not all(alive):
-                raise EngineUnavailable("a rank worker stopped following rank 0")
-        await self.engine.health(timeout)
+                await self.engine.health(timeout)
+            except EngineUnavailable as exc:
+                problem = str(exc)
+        self._last_check_problem = problem
+        self._status_at = -1e9  # the next /health probe sees this at once
+        if problem is not None:
+            raise EngineUnavailable(problem)
+
+    def _busy(self) -> bool:
+        stats = self.engine.stats()
+        return bool(stats.get("running") or stats.get("waiting"))
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -205,3 +276,13 @@ class TargetReplica:
     def __del__(self) -> None:
         for w in getattr(self, "workers", []):
             ray.kill(w, no_restart=True)
+
+
+def _actor_alive(namespace: str, name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:  # no live actor has that name any more
+        return False
+    except Exception:  # the GCS is busy or unreachable: do not abort on a guess
+        return True
+    return True
