@@ -40,7 +40,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Greedy: top_k 1, or a temperature below 1e-5 (vLLM's epsilon). Dividing logits by a
+        smaller temperature (1e-38, a subnormal) leaves nothing but the argmax and overflows
+        float32, so those are the argmax by definition rather than by arithmetic."""
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 @dataclass

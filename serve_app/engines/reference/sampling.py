@@ -4,6 +4,13 @@ Verification follows dspark.md / SGLang: greedy requests accept the longest pref
 that equal the target's argmax and add the target's token at the first mismatch (the bonus);
 sampled requests use chain rejection sampling, which leaves the output distributed exactly as
 the target's.
+
+Every parameter SamplingParams accepts yields a proper distribution: temperatures below
+SamplingParams.greedy's epsilon are greedy, logits are shifted to a zero maximum before they
+are scaled (so no temperature overflows them), and top-p always keeps the most likely token
+and compares its threshold in float64 (float32 turns top_p=1e-300 into 0, which dropped every
+token). Logits that are themselves NaN or inf are a model fault: `SamplingError`, raised before
+torch.multinomial (which on CUDA would be a device-side assert, fatal to every request).
 """
 
 from __future__ import annotations
@@ -15,25 +22,45 @@ import torch
 
 from serve_app.engines.types import SamplingParams
 
-__all__ = ["SamplingParams", "Verdict", "residual_distribution", "sample_token",
-           "target_probs", "verify_drafts"]
+__all__ = ["SamplingError", "SamplingParams", "Verdict", "residual_distribution",
+           "sample_token", "target_probs", "verify_drafts"]
+
+
+class SamplingError(ValueError):
+    """The logits of one request cannot be sampled (NaN or inf from the model)."""
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """p over the vocabulary for rows of one request: temperature, then top-k, then top-p."""
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+    """p over the vocabulary for rows of one request: temperature, then top-k, then top-p.
+
+    Callers sample only non-greedy requests, but any temperature > 0 gives a distribution."""
+    logits = logits.float()
+    # softmax(l / t) == softmax((l - max l) / t). Shifted first, every value is <= 0 and the
+    # maximum is exactly 0, so a tiny t sends the others to -inf (probability 0), never to
+    # inf - inf = NaN, and the most likely token keeps probability > 0. The floor only keeps a
+    # direct call with temperature 0 from computing 0 / 0 at the maximum.
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(params.temperature, 1e-30)
+    if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        outside = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        # Keep the smallest prefix whose mass reaches top_p. float64: in float32 a top_p
+        # below ~1e-45 rounds to 0 and the comparison would drop the first token too.
+        before = sorted_p.double().cumsum(-1) - sorted_p.double()
+        outside = before >= params.top_p
+        outside[..., 0] = False  # the most likely token always stays
         sorted_p = sorted_p.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _check_distribution(probs: torch.Tensor) -> None:
+    # Only NaN/inf logits get here (see target_probs); name the fault before multinomial does.
+    if not bool(torch.isfinite(probs).all()):
+        raise SamplingError("the target logits are not finite")
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams,
@@ -42,6 +69,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
     if params.greedy:
         return int(logits.argmax())
     probs = target_probs(logits, params)
+    _check_distribution(probs)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -60,6 +88,12 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     total = residual.sum()
     # p == q exactly (possible for one-hot q at a one-hot p): any draw from p is right.
     return residual / total if total > 0 else p
+
+
+def _valid_draft_row(q_row: torch.Tensor) -> bool:
+    """A draft distribution the rejection rule can use: finite, non-negative, some mass."""
+    return bool(torch.isfinite(q_row).all()) and bool((q_row >= 0).all()) and float(
+        q_row.sum()) > 0
 
 
 ResidualRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -84,10 +118,18 @@ def verify_drafts(
             accepted += 1
         return Verdict([*list(drafts[:accepted]), target[accepted]], accepted)
     p = target_probs(target_logits, params)
+    _check_distribution(p)
+    vocab = p.shape[-1]
     for j in range(k):
         d = int(drafts[j])
+        if not 0 <= d < vocab:
+            # Not a token: reject it. Drawing position j from p alone ignores the draft, which
+            # is exact whatever the draft was.
+            return _reject(drafts, j, p[j], generator)
         q_row = (draft_probs[j].float() if draft_probs is not None
-                 else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).float())
+                 else torch.nn.functional.one_hot(torch.tensor(d), vocab).float())
+        if not _valid_draft_row(q_row):
+            return _reject(drafts, j, p[j], generator)  # a NaN/negative q: as above
         q_d, p_d = float(q_row[d]), float(p[j, d])
         u = float(torch.rand((), generator=generator))
         if q_d > 0 and u * q_d < p_d:
@@ -96,3 +138,10 @@ def verify_drafts(
         return Verdict([int(t) for t in drafts[:j]] + [correction], j)
     bonus = int(torch.multinomial(p[k], 1, generator=generator))
     return Verdict([int(t) for t in drafts] + [bonus], k)
+
+
+def _reject(drafts: Sequence[int], j: int, p_j: torch.Tensor,
+            generator: torch.Generator | None) -> Verdict:
+    """Reject draft j without using its q: position j is drawn from the target's p."""
+    token = int(torch.multinomial(p_j, 1, generator=generator))
+    return Verdict([int(t) for t in drafts[:j]] + [token], j)
