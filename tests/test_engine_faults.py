@@ -1,10 +1,13 @@
-"""Hostile input to the reference engine: sampling that cannot fail (no NaN, inf or exception)
-on any parameter SamplingParams accepts, and stays exact.
+"""Hostile input and faults in the reference engine: sampling that cannot fail on any accepted
+parameter, requests refused up front, and one request's failure isolated from its batch.
 
 Engine-only: no Ray."""
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import write_tiny_pair
 
+import serve_app.engines.reference.engine as engine_module
 from serve_app.engines.reference.builder import (
     ReferenceEngineConfig,
     SpeculationConfig,
@@ -26,6 +30,7 @@ from serve_app.engines.reference.sampling import (
     target_probs,
     verify_drafts,
 )
+from serve_app.engines.reference.sequence import Sequence
 from serve_app.engines.types import RequestOutput
 
 VOCAB = 64
@@ -177,7 +182,243 @@ def test_the_engine_serves_hostile_params(pair: tuple[Path, Path]) -> None:
     for speculative in (True, False):
         outs = run(engine_from(pair, speculative), requests)
         for rid, out in outs.items():
-            assert out.finish_reason == "length", rid
+            assert out.error is None and out.finish_reason == "length", rid
             assert all(0 <= t < VOCAB for t in out.token_ids)
         for rid in ("h0", "h1", "h2", "h3", "h4"):
             assert outs[rid].token_ids == greedy, rid
+
+
+# --- requests refused up front -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prompt", "params", "field"), [
+    ([1, 64, 2], GREEDY, "prompt"),
+    ([1, -1], GREEDY, "prompt"),
+    ([1, 2.5], GREEDY, "prompt"),
+    ([1, True], GREEDY, "prompt"),
+    ([1], SamplingParams(seed=2**64), "seed"),
+    ([1], SamplingParams(seed=-(2**63) - 1), "seed"),
+    ([1], SamplingParams(seed=1.5), "seed"),  # type: ignore[arg-type]
+    ([1], SamplingParams(temperature=math.nan), "temperature"),
+    ([1], SamplingParams(temperature=math.inf), "temperature"),
+    ([1], SamplingParams(top_k=2.5), "top_k"),  # type: ignore[arg-type]
+    ([1], SamplingParams(max_tokens=2.5), "max_tokens"),  # type: ignore[arg-type]
+    ([1], SamplingParams(stop_token_ids=("x",)), "stop_token_ids"),  # type: ignore[arg-type]
+])
+def test_add_request_refuses_bad_fields_by_name(pair: tuple[Path, Path], prompt: list[Any],
+                                                params: SamplingParams, field: str) -> None:
+    engine = engine_from(pair, speculative=False)
+    with pytest.raises(ValueError, match=rf"^{field}\b|\b{field}="):
+        engine.add_request(prompt, params)
+    assert not engine.sequences and not engine.scheduler.waiting
+    # The extremes of the seed range are fine.
+    for seed in (-(2**63), 2**64 - 1):
+        engine.add_request([1], SamplingParams(seed=seed, max_tokens=2))
+    while engine.has_work:
+        engine.step()
+
+
+# --- one request's failure is its own ----------------------------------------------------------
+
+
+Stage = Callable[[pytest.MonkeyPatch, EngineCore, str, int], None]
+
+
+def _fail_nth(n: int) -> Callable[[], bool]:
+    calls = [0]
+
+    def hit() -> bool:
+        calls[0] += 1
+        return calls[0] == n
+
+    return hit
+
+
+def poison_sampling(mp: pytest.MonkeyPatch, engine: EngineCore, rid: str, n: int) -> None:
+    real, hit = engine_module.sample_token, _fail_nth(n)
+    generator = engine.sequences[rid].generator
+
+    def sample(logits: torch.Tensor, params: SamplingParams, g: torch.Generator | None) -> int:
+        if g is generator and hit():
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real(logits, params, g)
+
+    mp.setattr(engine_module, "sample_token", sample)
+
+
+def poison_verify(mp: pytest.MonkeyPatch, engine: EngineCore, rid: str, n: int) -> None:
+    real, hit = engine_module.verify_drafts, _fail_nth(n)
+    generator = engine.sequences[rid].generator
+
+    def verify(*args: Any) -> Any:
+        if args[4] is generator and hit():
+            raise IndexError("index 99 is out of bounds for dimension 0 with size 64")
+        return real(*args)
+
+    mp.setattr(engine_module, "verify_drafts", verify)
+
+
+def poison_method(name: str) -> Stage:
+    def poison(mp: pytest.MonkeyPatch, engine: EngineCore, rid: str, n: int) -> None:
+        real, hit = getattr(Sequence, name), _fail_nth(n)
+
+        def method(self: Sequence, *args: Any) -> Any:
+            if self.request_id == rid and hit():
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+            return real(self, *args)
+
+        mp.setattr(Sequence, name, method)
+
+    return poison
+
+
+STAGES: dict[str, tuple[Stage, str]] = {
+    "sample": (poison_sampling, "sampling"),
+    "verify": (poison_verify, "verifying drafts"),
+    "append": (poison_method("append"), "checking stop conditions"),
+    "text_delta": (poison_method("text_delta"), "detokenizing"),
+}
+
+
+def batch() -> dict[str, tuple[list[int], SamplingParams]]:
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=10 + i, max_tokens=14,
+                              ignore_eos=True) for i in range(2)]
+    return {
+        "a": ([5, 6, 7], GREEDY),
+        "bad": ([9, 8, 7, 6], SamplingParams(temperature=0.7, seed=5, max_tokens=14,
+                                             ignore_eos=True)),
+        "b": ([1, 2], sampled[0]),
+        "c": ([11, 12, 13, 14, 15], sampled[1]),
+        "d": ([4, 4], GREEDY),
+    }
+
+
+@pytest.mark.parametrize(("stage", "speculative"), [
+    ("sample", False), ("verify", True), ("append", True), ("append", False),
+    ("text_delta", True),
+])
+def test_one_failing_request_leaves_the_batch_exact(
+        pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, stage: str, speculative: bool) -> None:
+    requests = batch()
+    clean = run(engine_from(pair, speculative, detokenize=detok), requests)
+    engine = engine_from(pair, speculative, detokenize=detok)
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, rid)
+    poison, what = STAGES[stage]
+    poison(monkeypatch, engine, "bad", 2)  # the second call: mid-stream, in a full batch
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    final: dict[str, RequestOutput] = {}
+    with caplog.at_level(logging.ERROR, logger="serve_app.engines.reference.engine"):
+        while engine.has_work:
+            for out in engine.step():
+                assert out.request_id not in final
+                tokens[out.request_id] += out.token_ids
+                if out.finished:
+                    final[out.request_id] = out
+    bad = final.pop("bad")
+    assert bad.finished and bad.finish_reason == "error"
+    assert bad.error == f"the request failed in the engine while {what}"
+    assert_client_safe(bad.error)
+    assert 0 < len(tokens["bad"]) < 14 and bad.completion_tokens == len(tokens["bad"])
+    for rid, out in final.items():
+        assert out.error is None and tokens[rid] == clean[rid].token_ids, rid
+        assert out.text == clean[rid].text
+    # The traceback is in the log with the request id.
+    [record] = [r for r in caplog.records if "bad" in r.getMessage()]
+    assert record.exc_info is not None
+    # Nothing of it is left behind, and the engine carries on.
+    assert not engine.sequences and not engine.scheduler.running
+    assert engine.capacity()["kv_tokens_used"] == 0
+    assert engine.capacity()["kv_tokens_reserved"] == 0
+    assert engine.stats()["requests_failed"] == 1
+    assert engine.stats()["requests_finished"] == len(requests) - 1
+    again = run(engine, {"again": requests["a"]})["again"]
+    assert again.token_ids == clean["a"].token_ids
+
+
+class RecordingRunner:
+    """Wraps a runner's rank-0 entry points (each one broadcast to the followers)."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        runner = engine.runner
+        for name in ("add", "free", "forward", "commit", "propose"):
+            real = getattr(runner, name)
+            setattr(runner, name, self._wrap(name, real))
+
+    def _wrap(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            ids = args[0] if name in ("free", "add") else (
+                [s.request_id for s in args[0]] if name == "propose"
+                else list(args[1] if name == "forward" else args[0]))
+            self.calls.append((name, ids))
+            return real(*args, **kwargs)
+
+        return call
+
+
+def test_a_failed_request_is_freed_after_the_others_commit(
+        pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under TP every runner call is broadcast: the failing step must issue the same calls as
+    a clean one (propose, forward, commit), then free the failed request."""
+    engine = engine_from(pair)
+    requests = batch()
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, rid)
+    engine.step()  # prefill all
+    recorder = RecordingRunner(engine)
+    poison_verify(monkeypatch, engine, "bad", 1)
+    outs = engine.step()
+    assert [o.request_id for o in outs if o.error] == ["bad"]
+    others = [r for r in requests if r != "bad"]
+    assert recorder.calls == [
+        ("propose", list(requests)),
+        ("forward", list(requests)),
+        ("commit", others),
+        ("free", "bad"),
+    ]
+
+
+def test_a_failed_prefill_sample_frees_after_the_prefill_commit(
+        pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engine_from(pair)
+    requests = batch()
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, rid)
+    recorder = RecordingRunner(engine)
+    poison_sampling(monkeypatch, engine, "bad", 1)
+    outs = engine.step()
+    assert [o.request_id for o in outs if o.error] == ["bad"]
+    assert [name for name, _ in recorder.calls] == [
+        *["add"] * len(requests), "forward", "commit", "free"]
+
+
+def test_a_batched_forward_failure_is_an_engine_fault(pair: tuple[Path, Path]) -> None:
+    engine = engine_from(pair, speculative=False)
+    engine.add_request([1, 2, 3], GREEDY)
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("NCCL error: remote process exited")
+
+    engine.runner.forward = forward  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="NCCL"):
+        engine.step()
+
+
+def test_observer_exceptions_never_fail_requests(pair: tuple[Path, Path],
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:
+        def __getattr__(self, name: str) -> Callable[..., None]:
+            def hook(*args: Any) -> None:
+                raise RuntimeError(f"telemetry bug in {name}")
+            return hook
+
+    requests = batch()
+    clean = run(engine_from(pair), requests)
+    engine = engine_from(pair)
+    engine.observer = Broken()  # type: ignore[assignment]
+    with caplog.at_level(logging.ERROR):
+        outs = run(engine, requests)
+    assert {r: o.token_ids for r, o in outs.items()} == {r: o.token_ids for r, o in clean.items()}
+    assert any("observer on_step failed" in r.getMessage() for r in caplog.records)

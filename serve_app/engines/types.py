@@ -58,6 +58,9 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     spec: dict[str, Any] | None = None  # SGLang-named statistics, on the final output
+    # Set (with finished=True, finish_reason="error") when the engine aborted this request
+    # alone; a short message that is safe to show to the client (the traceback is logged).
+    error: str | None = None
 
 
 @dataclass(frozen=True)

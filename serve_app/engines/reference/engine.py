@@ -4,11 +4,19 @@ One step = at most one prefill forward (chunks of waiting prompts) + one decode 
 running request. With speculation, a decode step drafts gamma tokens per request in one draft
 forward, verifies [anchor, drafts] in one target forward, commits the accepted drafts plus the
 target's bonus token, and rolls both caches back past the committed length.
+
+Faults are isolated per request: an exception while sampling, verifying, committing or
+detokenizing for one sequence aborts that sequence alone (its final output carries `error`); the
+rest of the batch carries on with exactly the tokens it would have produced. A batched operation
+(a forward, the draft's proposal, a cache commit) that raises is an engine fault and propagates.
+Observer hooks are telemetry: their exceptions are logged, never allowed to fail requests.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,6 +36,11 @@ from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, SpecStats, Status
 from serve_app.engines.types import RequestOutput
 from serve_app.models.dspark import survival_draft_count
+
+logger = logging.getLogger(__name__)
+
+# What torch.Generator.manual_seed accepts (negative seeds wrap around modulo 2**64).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class EngineObserver(Protocol):
@@ -60,6 +73,7 @@ class SpeculationSettings:
 @dataclass
 class EngineTotals:
     requests_finished: int = 0
+    requests_failed: int = 0  # aborted alone by a fault in their own processing
     prompt_tokens: int = 0
     completion_tokens: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
@@ -88,6 +102,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.max_model_len = max_model_len
+        config = getattr(runner.target, "config", None)
+        self.vocab_size: int | None = getattr(config, "vocab_size", None)
         spec = speculation or SpeculationSettings()
         proposer = runner.proposer
         self.speculative = spec.enabled and proposer is not None
@@ -108,21 +124,21 @@ class EngineCore:
         self.sequences: dict[str, Sequence] = {}
         self.totals = EngineTotals()
         self._ids = itertools.count()
+        # Sequences that failed during the current step: (sequence, what it was doing).
+        self._failed: list[tuple[Sequence, str]] = []
 
     # --- requests -----------------------------------------------------------------------------
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
-        """Queue a request; raises ValueError / KVCapacityError (nothing queued) if it can
-        never be served."""
+        """Queue a request; raises ValueError (naming the field) / KVCapacityError (nothing
+        queued) if it can never be served. Everything that can be checked here is, so that a
+        bad request is refused rather than failing inside a step."""
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.sequences:
             raise ValueError(f"request id {rid!r} is already in use")
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if params.stop and self.detokenize is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none")
+        self._validate(prompt_ids, params)
         total = len(prompt_ids) + params.max_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             raise ValueError(
@@ -132,9 +148,44 @@ class EngineCore:
         seq = Sequence(rid, list(prompt_ids), params, self.eos_token_ids, self.detokenize)
         self.scheduler.add(seq)
         self.sequences[rid] = seq
-        if self.observer:
-            self.observer.on_queued(seq, time.time_ns())
+        self._notify("on_queued", seq, time.time_ns())
         return rid
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """What SamplingParams does not check itself (types, finiteness, the vocabulary and
+        the generator's seed range): each error names the field."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if not all(map(_is_int, prompt_ids)):
+            i = next(i for i, t in enumerate(prompt_ids) if not _is_int(t))
+            raise ValueError(f"prompt: token {i} is {type(prompt_ids[i]).__name__}, not an int")
+        vocab = self.vocab_size
+        if min(prompt_ids) < 0 or (vocab is not None and max(prompt_ids) >= vocab):
+            i, t = next((i, t) for i, t in enumerate(prompt_ids)
+                        if t < 0 or (vocab is not None and t >= vocab))
+            raise ValueError(f"prompt: token id {t} at position {i} is outside the "
+                             f"vocabulary [0, {vocab})")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, not {type(params).__name__}")
+        # SamplingParams lets NaN and inf through (nan < 0 is False).
+        if not (isinstance(params.temperature, int | float)
+                and math.isfinite(params.temperature) and params.temperature >= 0):
+            raise ValueError(f"temperature={params.temperature} must be a finite number >= 0")
+        if not (isinstance(params.top_p, int | float) and 0 < params.top_p <= 1):
+            raise ValueError(f"top_p={params.top_p} must be in (0, 1]")
+        if not _is_int(params.top_k) or params.top_k < 0:
+            raise ValueError(f"top_k={params.top_k} must be an int >= 0")
+        if not _is_int(params.max_tokens) or params.max_tokens <= 0:
+            raise ValueError(f"max_tokens={params.max_tokens} must be an int > 0")
+        if params.seed is not None and not (
+                _is_int(params.seed) and SEED_MIN <= params.seed <= SEED_MAX):
+            raise ValueError(f"seed={params.seed} must be an int in [{SEED_MIN}, {SEED_MAX}]")
+        if any(not _is_int(t) for t in params.stop_token_ids):
+            raise ValueError("stop_token_ids must be ints")
+        if any(not isinstance(x, str) or not x for x in params.stop):
+            raise ValueError("stop must be non-empty strings")
+        if params.stop and self.detokenize is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its cache at once."""
@@ -145,8 +196,7 @@ class EngineCore:
         self.runner.free(request_id)
         seq.status = Status.FINISHED
         seq.finish_reason = "abort"
-        if self.observer:
-            self.observer.on_finished(seq, time.time_ns())
+        self._notify("on_finished", seq, time.time_ns())
         return True
 
     @property
@@ -156,20 +206,66 @@ class EngineCore:
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step. Raises only for engine faults (a batched forward, a cache operation); a
+        request whose own processing raised gets a final output with `error` instead."""
+        self._failed = []
         for seq in self.scheduler.admit():
             self.runner.add(seq.request_id)
-            if self.observer:
-                self.observer.on_admitted(seq, time.time_ns())
+            self._notify("on_admitted", seq, time.time_ns())
         plan = self.scheduler.schedule()
         touched: list[Sequence] = []
         if plan.prefill:
             touched += self._prefill(plan.prefill)
         if plan.decode:
             touched += self._decode(plan.decode)
-        outputs = [self._output(seq) for seq in touched]
-        if self.observer:
-            self.observer.on_step(self)
+        outputs = []
+        for seq in touched:
+            try:
+                text = seq.text_delta()
+            except Exception as exc:
+                self._isolate(seq, "detokenizing", exc)
+                continue
+            outputs.append(self._output(seq, text))
+        # Last: every commit of this step is done, so the failed sequences' frees come after
+        # them on every rank.
+        outputs += [self._fail(seq, stage) for seq, stage in self._failed]
+        self._failed = []
+        self._notify("on_step", self)
         return outputs
+
+    def _isolate(self, seq: Sequence, stage: str, exc: Exception) -> None:
+        """Record that `seq` failed while `stage` (e.g. "sampling"); `_fail` ends it."""
+        logger.error("request %s failed in the engine while %s; aborting it alone",
+                     seq.request_id, stage, exc_info=exc)
+        self._failed.append((seq, stage))
+
+    def _fail(self, seq: Sequence, stage: str) -> RequestOutput:
+        """Remove a failed sequence, free its caches, and give its final output."""
+        self.scheduler.remove(seq)
+        self.runner.free(seq.request_id)
+        self.sequences.pop(seq.request_id, None)
+        seq.status = Status.FINISHED
+        seq.finish_reason = "error"
+        self.totals.requests_failed += 1
+        self._notify("on_finished", seq, time.time_ns())
+        return RequestOutput(
+            request_id=seq.request_id,
+            token_ids=[],
+            text="",
+            finished=True,
+            finish_reason="error",
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=seq.reported_tokens,  # what the client was given
+            error=f"the request failed in the engine while {stage}",
+        )
+
+    def _notify(self, hook: str, *args: Any) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, hook)(*args)
+        except Exception:
+            logger.exception("engine observer %s failed (ignored: telemetry only)", hook)
 
     def _prefill(self, chunks: list[Any]) -> list[Sequence]:
         start_ns = time.time_ns()
@@ -181,14 +277,20 @@ class EngineCore:
         done = []
         end_ns = time.time_ns()
         for b, c in enumerate(chunks):
-            if self.observer:
-                self.observer.on_prefill_chunk(c.seq, c.start, c.end, start_ns, end_ns)
+            self._notify("on_prefill_chunk", c.seq, c.start, c.end, start_ns, end_ns)
             c.seq.num_cached = c.end
             if c.completes_prompt:
                 seq = c.seq
-                first = sample_token(logits[b, c.end - c.start - 1], seq.params, seq.generator)
-                seq.status = Status.DECODING
-                seq.append([first])
+                stage = "sampling"
+                try:
+                    first = sample_token(logits[b, c.end - c.start - 1], seq.params,
+                                         seq.generator)
+                    seq.status = Status.DECODING
+                    stage = "checking stop conditions"
+                    seq.append([first])
+                except Exception as exc:
+                    self._isolate(seq, stage, exc)
+                    continue
                 done.append(seq)
         return done
 
@@ -198,12 +300,20 @@ class EngineCore:
             logits = self.runner.forward([[s.anchor] for s in seqs],
                                          [s.request_id for s in seqs], capture=False)
             end_ns = time.time_ns()
+            ok = []
             for b, seq in enumerate(seqs):
                 seq.num_cached += 1
-                kept = seq.append([sample_token(logits[b, 0], seq.params, seq.generator)])
-                if self.observer:
-                    self.observer.on_decode_step(seq, 0, 0, len(kept), start_ns, end_ns, False)
-            return seqs
+                stage = "sampling"
+                try:
+                    token = sample_token(logits[b, 0], seq.params, seq.generator)
+                    stage = "checking stop conditions"
+                    kept = seq.append([token])
+                except Exception as exc:
+                    self._isolate(seq, stage, exc)
+                    continue
+                self._notify("on_decode_step", seq, 0, 0, len(kept), start_ns, end_ns, False)
+                ok.append(seq)
+            return ok
 
         proposal = self.runner.propose(seqs)
         counts = torch.full((len(seqs),), self.gamma, dtype=torch.long)
@@ -219,31 +329,40 @@ class EngineCore:
         rows = [[s.anchor, *d] for s, d in zip(seqs, drafts, strict=True)]
         logits = self.runner.forward(rows, [s.request_id for s in seqs], capture=True)
         end_ns = time.time_ns()
-        lengths, tap_rows = [], []
+        ok, lengths, tap_rows = [], [], []
         for b, seq in enumerate(seqs):
             k = len(drafts[b])
-            q = proposal.probs[b, :k] if proposal.probs is not None else None
-            verdict = verify_drafts(logits[b, : k + 1], drafts[b], q, seq.params, seq.generator,
-                                    self.residual_rule)
+            stage = "verifying drafts"
+            try:
+                q = proposal.probs[b, :k] if proposal.probs is not None else None
+                verdict = verify_drafts(logits[b, : k + 1], drafts[b], q, seq.params,
+                                        seq.generator, self.residual_rule)
+                stage = "checking stop conditions"
+                kept = seq.append(verdict.tokens)
+            except Exception as exc:
+                self._isolate(seq, stage, exc)
+                continue
             seq.stats.record(k, verdict.accepted)
             # Cached now: the anchor and the accepted drafts; the last token is the new anchor.
             seq.num_cached += verdict.accepted + 1
+            ok.append(seq)
             lengths.append(seq.num_cached)
             tap_rows.append(verdict.accepted + 1)
-            kept = seq.append(verdict.tokens)
-            if self.observer:
-                self.observer.on_decode_step(seq, k, verdict.accepted, len(kept), start_ns,
-                                             end_ns, True)
-        self.runner.commit([s.request_id for s in seqs], lengths, tap_rows)
-        return seqs
+            self._notify("on_decode_step", seq, k, verdict.accepted, len(kept), start_ns,
+                         end_ns, True)
+        # The same call on every path (with fewer requests when some failed): a failed
+        # request's uncommitted verify rows go with its pages when step() frees it.
+        self.runner.commit([s.request_id for s in ok], lengths, tap_rows)
+        return ok
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, text: str) -> RequestOutput:
+        """`text`: the sequence's text_delta(), taken by step() where a failure is isolated."""
         new_ids = seq.output_ids[seq.reported_tokens :]
         seq.reported_tokens = len(seq.output_ids)
         out = RequestOutput(
             request_id=seq.request_id,
             token_ids=list(new_ids),
-            text=seq.text_delta(),
+            text=text,
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             prompt_tokens=len(seq.prompt_ids),
@@ -254,8 +373,7 @@ class EngineCore:
                 out.spec = seq.stats.as_dict(len(seq.output_ids))
                 self.totals.spec.merge(seq.stats)
                 self.totals.spec_completion_tokens += len(seq.output_ids)
-            if self.observer:
-                self.observer.on_finished(seq, time.time_ns())
+            self._notify("on_finished", seq, time.time_ns())
             self.totals.requests_finished += 1
             self.totals.prompt_tokens += len(seq.prompt_ids)
             self.totals.completion_tokens += len(seq.output_ids)
@@ -288,6 +406,7 @@ class EngineCore:
         t = self.totals
         stats: dict[str, Any] = {
             "requests_finished": t.requests_finished,
+            "requests_failed": t.requests_failed,
             "prompt_tokens": t.prompt_tokens,
             "completion_tokens": t.completion_tokens,
             "running": len(self.scheduler.running),
@@ -306,3 +425,7 @@ class EngineCore:
             "kv_tokens_free": alloc.free_tokens,
             "kv_tokens_reserved": self.scheduler.reserved_tokens,
         }
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
