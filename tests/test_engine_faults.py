@@ -1,13 +1,17 @@
 """Hostile input and faults in the reference engine: sampling that cannot fail on any accepted
-parameter, requests refused up front, and one request's failure isolated from its batch.
+parameter, requests refused up front, one request's failure isolated from its batch, engine
+faults and a hung step (the watchdog) failing every stream with a client-safe message.
 
-Engine-only: no Ray."""
+Engine-only: no Ray. Every `asyncio.wait_for(..., HANG_GUARD_S)` below is a guard that turns
+a hang into a failure, not a latency check."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ from scipy.stats import chisquare
 from tiny_models import write_tiny_pair
 
 import serve_app.engines.reference.engine as engine_module
+from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
 from serve_app.engines.reference.builder import (
     ReferenceEngineConfig,
     SpeculationConfig,
@@ -31,8 +36,14 @@ from serve_app.engines.reference.sampling import (
     verify_drafts,
 )
 from serve_app.engines.reference.sequence import Sequence
-from serve_app.engines.types import RequestOutput
+from serve_app.engines.types import (
+    EngineUnavailable,
+    GenerateRequest,
+    RequestFailed,
+    RequestOutput,
+)
 
+HANG_GUARD_S = 120.0
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -422,3 +433,152 @@ def test_observer_exceptions_never_fail_requests(pair: tuple[Path, Path],
         outs = run(engine, requests)
     assert {r: o.token_ids for r, o in outs.items()} == {r: o.token_ids for r, o in clean.items()}
     assert any("observer on_step failed" in r.getMessage() for r in caplog.records)
+
+
+# --- the async engine --------------------------------------------------------------------------
+
+
+async def collect(engine: ReferenceAsyncEngine, rid: str, prompt: list[int],
+                  params: SamplingParams = GREEDY) -> list[int]:
+    tokens: list[int] = []
+    async for out in engine.generate(GenerateRequest(rid, prompt, params)):
+        tokens += out.token_ids
+    return tokens
+
+
+async def gather(*aws: Any) -> list[Any]:
+    return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), HANG_GUARD_S)
+
+
+@pytest.fixture
+def async_engine() -> Iterator[Callable[..., ReferenceAsyncEngine]]:
+    """Builds ReferenceAsyncEngines and, at the end, stops their threads."""
+    made: list[ReferenceAsyncEngine] = []
+
+    def make(core: EngineCore, **kwargs: Any) -> ReferenceAsyncEngine:
+        made.append(ReferenceAsyncEngine(core, **kwargs))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine._stopping = True
+        engine._stopped.set()
+        engine._wake.set()
+        engine._thread.join(HANG_GUARD_S)
+
+
+async def test_a_failed_request_fails_only_its_stream(
+        pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        async_engine: Callable[..., ReferenceAsyncEngine]) -> None:
+    clean = run(engine_from(pair), {"a": ([5, 6, 7], GREEDY), "b": ([1, 2], GREEDY)})
+    engine = async_engine(engine_from(pair, detokenize=detok))
+    poison_method("text_delta")(monkeypatch, engine.core, "bad", 2)
+    a, bad, b = await gather(collect(engine, "a", [5, 6, 7]), collect(engine, "bad", [9, 8]),
+                             collect(engine, "b", [1, 2]))
+    assert isinstance(bad, RequestFailed)
+    assert str(bad) == "the request failed in the engine while detokenizing"
+    assert a == clean["a"].token_ids and b == clean["b"].token_ids
+    assert engine.problem() is None
+    await asyncio.wait_for(engine.health(HANG_GUARD_S), HANG_GUARD_S)
+
+
+async def test_an_add_request_crash_refuses_only_that_request(
+        pair: tuple[Path, Path], async_engine: Callable[..., ReferenceAsyncEngine]) -> None:
+    core = engine_from(pair)
+    real = core.add_request
+
+    def add_request(prompt: list[int], params: SamplingParams, rid: str | None = None) -> str:
+        if rid == "boom":
+            raise RuntimeError("an unexpected bug at /srv/engine.py")
+        return real(prompt, params, rid)
+
+    core.add_request = add_request  # type: ignore[method-assign]
+    engine = async_engine(core)
+    ok, boom, bad_seed = await gather(
+        collect(engine, "ok", [5, 6, 7]), collect(engine, "boom", [1]),
+        collect(engine, "bad-seed", [1], SamplingParams(seed=2**70)))
+    assert isinstance(boom, RequestFailed) and "could not accept" in str(boom)
+    assert_client_safe(str(boom))
+    assert isinstance(bad_seed, ValueError) and "seed=" in str(bad_seed)
+    assert len(ok) == GREEDY.max_tokens
+    assert engine.problem() is None and engine._thread.is_alive()
+
+
+async def test_a_step_exception_fails_every_stream_safely(
+        pair: tuple[Path, Path], caplog: pytest.LogCaptureFixture,
+        async_engine: Callable[..., ReferenceAsyncEngine]) -> None:
+    core = engine_from(pair, speculative=False)
+    real, calls = core.runner.forward, [0]
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("CUDA error at /opt/kernels/attn.cu: <Tensor at 0x7f00>")
+        return real(*args, **kwargs)
+
+    core.runner.forward = forward  # type: ignore[method-assign]
+    engine = async_engine(core)
+    with caplog.at_level(logging.ERROR, logger="serve_app.engines.reference.async_engine"):
+        results = await gather(collect(engine, "a", [5, 6, 7]), collect(engine, "b", [1, 2]))
+    for exc in results:
+        assert isinstance(exc, EngineUnavailable)
+        assert str(exc) == "the engine failed; the replica will be replaced"
+    assert any(r.exc_info for r in caplog.records)  # the traceback went to the log
+    problem = engine.problem()
+    assert problem is not None and "RuntimeError" in problem
+    assert_client_safe(str(results[0]))
+    with pytest.raises(EngineUnavailable):
+        await engine.health(HANG_GUARD_S)
+    with pytest.raises(EngineUnavailable, match="the engine failed"):
+        await collect(engine, "later", [1])
+
+
+async def test_the_watchdog_fails_a_stuck_step(
+        pair: tuple[Path, Path], async_engine: Callable[..., ReferenceAsyncEngine]) -> None:
+    """A step that never returns (a stopped TP rank: the collective waits forever) fails every
+    stream, later calls and the health check; idle time before it never counts."""
+    watchdog_s = 0.5
+    core = engine_from(pair, speculative=False)
+    real = core.runner.forward
+    stuck, release = threading.Event(), threading.Event()
+
+    def forward(rows: Any, rids: list[str], capture: bool) -> torch.Tensor:
+        if "stuck" in rids:
+            stuck.set()
+            release.wait()
+        return real(rows, rids, capture)
+
+    core.runner.forward = forward  # type: ignore[method-assign]
+    engine = async_engine(core, watchdog_s=watchdog_s)
+    try:
+        await asyncio.sleep(4 * watchdog_s)  # idle: no work, so no watchdog
+        assert engine.problem() is None
+        await asyncio.wait_for(engine.health(HANG_GUARD_S), HANG_GUARD_S)
+
+        params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+        running = asyncio.ensure_future(collect(engine, "running", [5, 6, 7], params))
+        while not engine.core.sequences.get("running") or not \
+                engine.core.sequences["running"].output_ids:
+            await asyncio.sleep(0.01)
+        results = await gather(running, collect(engine, "stuck", [1, 2, 3]))
+        assert stuck.is_set()
+        for exc in results:
+            assert isinstance(exc, EngineUnavailable)
+            assert str(exc) == ("an engine step exceeded the watchdog (0.5 s); the replica "
+                                "will be replaced")
+        problem = engine.problem()
+        assert problem is not None and "watchdog" in problem
+        with pytest.raises(EngineUnavailable, match="watchdog"):
+            await engine.health(HANG_GUARD_S)
+        with pytest.raises(EngineUnavailable, match="exceeded the watchdog"):
+            await collect(engine, "later", [1])
+    finally:
+        release.set()
+    engine._thread.join(HANG_GUARD_S)
+    assert not engine._thread.is_alive()  # the released step returned and the loop ended
+    assert engine.problem() is not None  # a failed engine stays failed
+
+
+def test_watchdog_s_must_be_positive(pair: tuple[Path, Path]) -> None:
+    with pytest.raises(ValueError, match="watchdog_s=0"):
+        ReferenceAsyncEngine(engine_from(pair, speculative=False), watchdog_s=0)

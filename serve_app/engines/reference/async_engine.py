@@ -3,14 +3,24 @@
 The step loop runs in one thread (it holds the GIL only between torch kernels); requests,
 aborts and outputs cross into it through a locked inbox and out through each request's asyncio
 queue, so the event loop of the Serve replica never waits for a forward pass.
+
+Failures come in two sizes. A request whose own processing failed (its output carries `error`)
+ends its stream with RequestFailed; everything else carries on. An exception out of a step is
+an engine fault (a dead rank, a CUDA error): every stream, and every later call, gets
+EngineUnavailable and the health check fails, so Serve replaces the replica. A step that never
+returns (a stopped rank leaves a collective waiting forever, and a thread stuck in one cannot be
+interrupted) is caught by the watchdog thread, which fails the engine the same way. Messages
+given to clients are fixed sentences; the exception and its traceback go to the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,12 +28,16 @@ from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.types import (
     EngineUnavailable,
     GenerateRequest,
+    RequestFailed,
     RequestOutput,
     SamplingParams,
 )
 from serve_app.models.kv_cache import KVCapacityError
 
 logger = logging.getLogger(__name__)
+
+ENGINE_FAILED = "the engine failed; the replica will be replaced"
+SHUT_DOWN = "engine is shut down"  # the message clients have always seen
 
 
 class _Stream:
@@ -32,48 +46,81 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        # RuntimeError: the caller's event loop is closed, so nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class ReferenceAsyncEngine:
-    def __init__(self, core: EngineCore, replica: str = "local") -> None:
+    def __init__(self, core: EngineCore, replica: str = "local",
+                 watchdog_s: float | None = None) -> None:
+        """`watchdog_s`: a step (or an abort's cache free, which also talks to every rank)
+        running longer than this fails the engine; None = no watchdog. Idle time never
+        counts."""
         from serve_app.observability.engine_telemetry import EngineTelemetry
 
+        if watchdog_s is not None and not watchdog_s > 0:
+            raise ValueError(f"watchdog_s={watchdog_s} must be > 0 (or None: no watchdog)")
         self.core = core
+        self.watchdog_s = watchdog_s
         self.telemetry = EngineTelemetry(replica)
         core.observer = self.telemetry
         self._inbox: list[tuple[str, Any]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the inbox, the streams, and the failure record
         self._wake = threading.Event()
+        self._stopped = threading.Event()  # wakes the watchdog at shutdown
         self._streams: dict[str, _Stream] = {}
-        self._failure: BaseException | None = None
+        self._failure: str | None = None  # client-safe message, once the engine has failed
+        self._problem: str | None = None  # operator-facing reason, same moment
+        # time.monotonic() when the loop thread started its current busy stretch; None while
+        # it waits for work (so idle time never trips the watchdog).
+        self._busy_since: float | None = None
         self._stopping = False
         self._health_ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+        self._watchdog: threading.Thread | None = None
+        if watchdog_s is not None:
+            self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
 
     # --- the loop thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            while not self._stopping:
+            while not self._stopping and self._failure is None:
+                self._busy_since = time.monotonic()
                 self._drain_inbox()
                 if not self.core.has_work:
+                    self._busy_since = None
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.core.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
+                outputs = self.core.step()
+                if self._failure is not None:
+                    break  # the watchdog gave up on this step: its streams are already failed
+                self._deliver(outputs)
         except BaseException as exc:  # a dead rank, a CUDA error: fail everything in flight
-            logger.exception("engine loop failed")
-            self._failure = exc
-            for stream in self._streams.values():
-                stream.put(EngineUnavailable(f"engine failed: {exc!r}"))
-            self._streams.clear()
+            logger.exception("engine loop failed; failing every request")
+            self._fail_engine(ENGINE_FAILED, f"the engine loop failed ({type(exc).__name__}); "
+                              "see the replica log")
+        finally:
+            self._busy_since = None
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.error is not None:
+                # This request alone was aborted in the engine (already removed and freed).
+                stream = self._streams.pop(out.request_id, None)
+                if stream is not None:
+                    stream.put(RequestFailed(out.error))
+                continue
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -84,31 +131,93 @@ class ReferenceAsyncEngine:
                 try:
                     self.core.add_request(request.prompt_ids, request.params, request.request_id)
                 except (ValueError, KVCapacityError) as exc:  # refused: nothing was queued
-                    stream.put(exc)
-                    self._streams.pop(request.request_id, None)
+                    self._refuse(request.request_id, stream, exc)
+                except Exception:
+                    logger.exception("request %s: add_request failed; refusing it",
+                                     request.request_id)
+                    self._refuse(request.request_id, stream,
+                                 RequestFailed("the engine could not accept the request"))
+                    # Whatever add_request got as far as queuing must not run unwatched.
+                    if request.request_id in self.core.sequences:
+                        self.core.abort(request.request_id)
             elif op == "abort":
                 self.core.abort(arg)
                 self._streams.pop(arg, None)
+
+    def _refuse(self, request_id: str, stream: _Stream, exc: BaseException) -> None:
+        stream.put(exc)
+        self._streams.pop(request_id, None)
 
     def _send(self, op: str, arg: Any) -> None:
         with self._lock:
             self._inbox.append((op, arg))
         self._wake.set()
 
+    def _fail_engine(self, message: str, problem: str) -> None:
+        """Record the first failure and end every stream with EngineUnavailable(message)."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure, self._problem = message, problem
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(EngineUnavailable(message))
+        self._wake.set()
+
+    # --- the watchdog thread --------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        assert self.watchdog_s is not None
+        limit = self.watchdog_s
+        poll = min(0.25, max(0.01, limit / 4))  # notices a stuck step within limit + poll
+        while not self._stopped.wait(poll):
+            if self._failure is not None:
+                return
+            since = self._busy_since
+            if since is not None and time.monotonic() - since > limit:
+                logger.error("an engine step has run for more than the %g s watchdog (a rank "
+                             "stopped, or a collective hangs); failing every request", limit)
+                self._fail_engine(
+                    f"an engine step exceeded the watchdog ({limit:g} s); the replica will be "
+                    "replaced",
+                    f"an engine step exceeded the {limit:g} s watchdog and is still stuck",
+                )
+                return
+
     # --- the interface --------------------------------------------------------------------------
+
+    def problem(self) -> str | None:
+        """Why this engine cannot serve, for operators (health checks, logs); None if it can.
+        Cheap and non-blocking: it reads flags, it runs nothing."""
+        if self._problem is not None:
+            return self._problem
+        if self._stopping:
+            return "the engine is shut down"
+        if not self._thread.is_alive():
+            return "the engine loop thread is not running"
+        since = self._busy_since
+        if self.watchdog_s is not None and since is not None:
+            busy = time.monotonic() - since
+            if busy > self.watchdog_s:
+                return (f"an engine step has run for {busy:.1f} s, over the {self.watchdog_s:g} "
+                        "s watchdog")
+        return None
 
     def _check_alive(self) -> None:
         if self._failure is not None:
-            raise EngineUnavailable(f"engine failed: {self._failure!r}")
+            raise EngineUnavailable(self._failure)
         if self._stopping or not self._thread.is_alive():
-            raise EngineUnavailable("engine is shut down")
+            raise EngineUnavailable(SHUT_DOWN)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        self._check_alive()
-        if request.request_id in self._streams:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop())
-        self._streams[request.request_id] = stream
+        # Checked and registered under the lock that _fail_engine takes: a stream is either
+        # refused here or failed there, never left waiting on a dead engine.
+        with self._lock:
+            self._check_alive()
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._streams[request.request_id] = stream
         self.telemetry.attach(request.request_id)  # the caller's trace becomes the parent
         self._send("add", (request, stream))
         finished = False
@@ -130,8 +239,10 @@ class ReferenceAsyncEngine:
         self._send("abort", request_id)
 
     async def health(self, timeout_s: float) -> None:
-        """A real 1-token generation through every rank."""
-        self._check_alive()
+        """A real 1-token generation through every rank; EngineUnavailable if the engine has
+        failed, a step is stuck, or the generation fails or times out."""
+        if (problem := self.problem()) is not None:
+            raise EngineUnavailable(f"the engine is unhealthy: {problem}")
         rid = f"health-{next(self._health_ids)}"
         prompt = [(self.core.eos_token_ids and min(self.core.eos_token_ids)) or 0]
 
@@ -146,6 +257,8 @@ class ReferenceAsyncEngine:
             await asyncio.wait_for(one_token(), timeout_s)
         except TimeoutError:
             raise EngineUnavailable(f"health generation took longer than {timeout_s} s") from None
+        except RequestFailed as exc:
+            raise EngineUnavailable(f"health generation failed: {exc}") from None
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
@@ -155,9 +268,25 @@ class ReferenceAsyncEngine:
 
     async def shutdown(self) -> None:
         self._stopping = True
+        self._stopped.set()
         self._wake.set()
-        await asyncio.to_thread(self._thread.join, 30)
-        for stream in self._streams.values():
-            stream.put(EngineUnavailable("engine is shut down"))
-        self._streams.clear()
-        self.core.runner.shutdown()
+        # A loop thread stuck in a step (the watchdog fired) will not come back: don't wait
+        # the full 30 s for it.
+        await asyncio.to_thread(self._thread.join, 1 if self._failure is not None else 30)
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(EngineUnavailable(SHUT_DOWN))
+        if self._thread.is_alive():
+            # The followers would meet the shutdown broadcast in the middle of the stuck step's
+            # collectives; Ray ends their actors with the replica instead.
+            logger.warning("engine loop is still inside a step; not telling the ranks to stop")
+            return
+        try:
+            self.core.runner.shutdown()
+        except Exception:
+            if self._failure is None:
+                raise
+            # After an engine fault the ranks may be gone already; shutting down must not fail.
+            logger.warning("telling the ranks to stop failed after an engine fault",
+                           exc_info=True)
