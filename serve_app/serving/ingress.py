@@ -119,6 +119,15 @@ class EdgeSettings:
 EDGE = EdgeSettings()
 
 
+def configure_edge(keys: list[str], max_body_bytes: int, expose_docs: bool) -> EdgeSettings:
+    """Set the process's edge settings. A function of this module on purpose: Serve pickles
+    the ingress class by value, so its methods would see a copy of EDGE, not this one."""
+    EDGE.key_digests = [_digest(k) for k in keys]
+    EDGE.max_body_bytes = max_body_bytes
+    EDGE.expose_docs = expose_docs
+    return EDGE
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "replace")).digest()
 
@@ -470,20 +479,22 @@ class OpenAIIngress:
 
         self.max_model_len = context_length(self.config)
         ing = self.config.ingress
-        EDGE.key_digests = [_digest(k) for k in _api_keys(self.config)]
-        EDGE.max_body_bytes = ing.max_body_bytes or 16 * self.max_model_len + 65_536
-        EDGE.expose_docs = ing.expose_docs
+        edge = configure_edge(_api_keys(self.config),
+                              ing.max_body_bytes or 16 * self.max_model_len + 65_536,
+                              ing.expose_docs)
         self.retry_after_s = ing.retry_after_s
         self._tokenize_pool = ThreadPoolExecutor(ing.tokenizer_threads,
                                                  thread_name_prefix="tokenize")
         self.health_probe = HealthProbe(target, ing.health_cache_s, ing.health_timeout_s)
         # Who we are, so the target can abort our requests if this process dies.
-        ctx = ray.get_runtime_context()
-        name = ctx.get_actor_name()
-        self.caller = (ctx.namespace, name) if name else None
+        # Serve's replica actors are named in Serve's namespace, not the job's.
+        from ray.serve._private.constants import SERVE_NAMESPACE
+
+        name = ray.get_runtime_context().get_actor_name()
+        self.caller = (SERVE_NAMESPACE, name) if name else None
         install_trace_ids()
         logger.info("ingress ready: %d API keys, body limit %d bytes, context %d tokens",
-                    len(EDGE.key_digests), EDGE.max_body_bytes, self.max_model_len)
+                    len(edge.key_digests), edge.max_body_bytes, self.max_model_len)
         # The long-context router (docs/router.md): None = Serve's own routing.
         self.router = None
         if self.config.router.policy != "ray_default":

@@ -52,9 +52,9 @@ class OpenAIError(Exception):
 def quote(value: object, limit: int = 64) -> str:
     """A client-supplied value as it may appear in an error message: JSON-quoted, ASCII-only
     (a lone surrogate or a control character cannot break the response), and cut short."""
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    if len(text) > limit:
-        text = text[:limit] + "..."
+    if not isinstance(value, str):
+        return json.dumps(value, ensure_ascii=True, default=str)[:limit]
+    text = value if len(value) <= limit else value[:limit] + "..."
     return json.dumps(text, ensure_ascii=True)
 
 
@@ -280,19 +280,36 @@ class CompletionRequest(_Request):
                           param="prompt")
 
 
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """('messages', 0, 'content', 'function-after[...]') -> 'messages[0].content': indices in
+    brackets, the union-member tags pydantic adds dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return json.dumps(out, ensure_ascii=True)[1:-1]  # a client controls its own JSON's keys
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def validation_error(exc: ValidationError) -> OpenAIError:
-    """A pydantic error as one 400 naming every bad field (field names are ASCII-quoted: a
-    client controls the keys of its own JSON)."""
-    parts, first = [], None
+    """A pydantic error as one 400 naming every bad field (one message per field: of a union's
+    failed members, the first, which is the most specific here)."""
+    messages: dict[str, str] = {}
     for e in exc.errors(include_url=False, include_input=False):
-        loc = ".".join(str(p) if isinstance(p, int) else p for p in e.get("loc", ())
-                       if isinstance(p, int | str))
-        loc = json.dumps(loc, ensure_ascii=True)[1:-1] if loc else ""
-        first = first or loc or None
+        loc = _field_path(tuple(e.get("loc", ())))
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-        if len(parts) == 8:
+        head, sep, rest = msg.partition(": ")
+        if not loc and sep and head.isidentifier():  # a model-level check naming its field
+            loc, msg = head, rest
+        messages.setdefault(loc, msg)
+        if len(messages) == 8:
             break
+    parts = [f"{loc}: {msg}" if loc else msg for loc, msg in messages.items()]
+    first = next(iter(messages), "") or None
     return OpenAIError(400, "invalid request: " + "; ".join(parts), param=first)
 
 
