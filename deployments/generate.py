@@ -152,9 +152,11 @@ def _common(name: str, workers: int) -> dict[str, Any]:
         "worker_setup_commands": _setup(with_sglang=True),
         "head_start_ray_commands": [
             "ray stop",
-            # --num-gpus=0: no replica's placement group can land on the head.
+            # --num-gpus=0: no replica's placement group can land on the head. The dashboard
+            # (job submission = running code) listens on the head's loopback only: reach it
+            # with `ray dashboard CLUSTER.yaml` (an SSH tunnel), see docs/runbook.md.
             f"ulimit -n 65536; {AUTH_ENV} ray start --head --port=6379 --num-gpus=0 "
-            "--dashboard-host=0.0.0.0 --autoscaling-config=~/ray_bootstrap_config.yaml",
+            "--dashboard-host=127.0.0.1 --autoscaling-config=~/ray_bootstrap_config.yaml",
         ],
         "worker_start_ray_commands": [
             "ray stop",
