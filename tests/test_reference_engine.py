@@ -361,7 +361,10 @@ def test_requests_wait_for_capacity_and_abort_frees(target: KimiForCausalLM) -> 
 
 
 def test_chunked_prefill_keeps_decodes_moving(pair: tuple[Path, Path]) -> None:
-    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, prefill_chunk_tokens=8)
+    # The long prompt may take the whole 8-token budget of a step (the per-request cap is
+    # tested below); the short request is decoding beside it.
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, prefill_chunk_tokens=8,
+                                max_prefill_tokens_per_request=8)
     engine = build_engine(build_runner(*pair, cfg), cfg)
     short = engine.add_request([4, 5], GREEDY)
     engine.step()
@@ -378,6 +381,84 @@ def test_chunked_prefill_keeps_decodes_moving(pair: tuple[Path, Path]) -> None:
     unchunked = engine_from(pair, enabled=False).generate([long_prompt], GREEDY)[0].token_ids
     assert engine.totals.completion_tokens == 2 * GREEDY.max_tokens
     assert unchunked == engine_from(pair).generate([long_prompt], GREEDY)[0].token_ids
+
+
+def first_token_steps(pair: tuple[Path, Path], cap: int | None, long_prompt: list[int],
+                      short_prompt: list[int]) -> tuple[int, dict[str, list[int]]]:
+    """Steps from the short prompt's arrival (one step into the long prefill) to its first
+    token, and both requests' tokens."""
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, prefill_chunk_tokens=64,
+                                max_prefill_tokens_per_request=cap)
+    engine = build_engine(build_runner(*pair, cfg), cfg)
+    tokens: dict[str, list[int]] = {"long": [], "short": []}
+    engine.add_request(long_prompt, GREEDY, "long")
+    engine.step()
+    engine.add_request(short_prompt, GREEDY, "short")
+    steps = 0
+    while engine.has_work:
+        outs = engine.step()
+        if not tokens["short"]:
+            steps += 1
+        for o in outs:
+            tokens[o.request_id] += o.token_ids
+    return steps, tokens
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_prefill(pair: tuple[Path, Path]) -> None:
+    long_prompt = [(7 * i) % 60 + 1 for i in range(400)]
+    short_prompt = [4, 5, 6]
+    # Default cap: 64 // 4 = 16 prompt tokens per request and step.
+    capped, tokens = first_token_steps(pair, None, long_prompt, short_prompt)
+    assert capped <= 2
+    # The whole budget to the oldest (the old behaviour): the short prompt waits it out.
+    uncapped, old_tokens = first_token_steps(pair, 64, long_prompt, short_prompt)
+    assert uncapped >= (len(long_prompt) - 64) // 64
+    # Chunking never changes what greedy decoding produces.
+    alone = engine_from(pair).generate([long_prompt, short_prompt], GREEDY)
+    assert tokens == old_tokens == {"long": alone[0].token_ids, "short": alone[1].token_ids}
+
+
+def test_prefill_order_oldest_first_then_fewest_remaining() -> None:
+    from serve_app.engines.reference.scheduler import Scheduler
+
+    scheduler = Scheduler(10_000, 8, prefill_chunk_tokens=20, headroom_tokens=1,
+                          max_prefill_tokens_per_request=8)
+    seqs = {name: Sequence(name, [1] * n, GREEDY)
+            for name, n in [("old", 30), ("big", 50), ("mid", 5), ("twelve", 12), ("tiny", 3)]}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    scheduler.admit()
+
+    def plan() -> list[tuple[str, int, int]]:
+        chunks = scheduler.schedule().prefill
+        for c in chunks:
+            c.seq.num_cached = c.end
+        return [(c.seq.request_id, c.start, c.end) for c in chunks]
+
+    # The oldest first; then fewest prompt tokens left; at most 8 each; 20 in all.
+    assert plan() == [("old", 0, 8), ("tiny", 0, 3), ("mid", 0, 5), ("twelve", 0, 4)]
+    for name in ("tiny", "mid"):
+        seqs[name].status = seqs[name].status.DECODING
+    assert plan() == [("old", 8, 16), ("twelve", 4, 12), ("big", 0, 4)]
+    seqs["twelve"].status = seqs["twelve"].status.DECODING
+    assert plan() == [("old", 16, 24), ("big", 4, 12)]
+    assert [s.request_id for s in scheduler.schedule().decode] == ["mid", "twelve", "tiny"]
+
+
+def test_prefill_cap_settings() -> None:
+    from pydantic import ValidationError
+
+    from serve_app.engines.reference.scheduler import Scheduler
+
+    with pytest.raises(ValidationError, match="max_prefill_tokens_per_request=9 must be <= "
+                       "prefill_chunk_tokens=8"):
+        ReferenceEngineConfig(prefill_chunk_tokens=8, max_prefill_tokens_per_request=9)
+    with pytest.raises(ValidationError, match="max_prefill_tokens_per_request"):
+        ReferenceEngineConfig(max_prefill_tokens_per_request=0)
+    with pytest.raises(ValueError, match="max_prefill_tokens_per_request=0"):
+        Scheduler(100, 1, 8, 1, max_prefill_tokens_per_request=0)
+    assert Scheduler(100, 1, 512, 1).max_prefill_tokens_per_request == 128
+    assert Scheduler(100, 1, 3, 1).max_prefill_tokens_per_request == 1
 
 
 # --- statistics ----------------------------------------------------------------------------------

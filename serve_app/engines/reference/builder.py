@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.engines.reference.engine import EngineCore, SpeculationSettings
 from serve_app.engines.reference.model_runner import ModelRunner
@@ -44,7 +44,18 @@ class ReferenceEngineConfig(BaseModel):
     page_size: int = Field(default=16, gt=0)
     max_batch_size: int = Field(default=32, gt=0)
     prefill_chunk_tokens: int = Field(default=512, gt=0)
+    max_prefill_tokens_per_request: int | None = Field(default=None, gt=0, description=(
+        "the most prompt tokens one request prefills in a step, so that short prompts are not "
+        "queued behind a long one; default a quarter of prefill_chunk_tokens (at least 1)"))
     speculation: SpeculationConfig = SpeculationConfig()
+
+    @model_validator(mode="after")
+    def _prefill_cap_fits_the_step(self) -> ReferenceEngineConfig:
+        cap = self.max_prefill_tokens_per_request
+        if cap is not None and cap > self.prefill_chunk_tokens:
+            raise ValueError(f"max_prefill_tokens_per_request={cap} must be <= "
+                             f"prefill_chunk_tokens={self.prefill_chunk_tokens}")
+        return self
 
 
 def check_pair(t: KimiConfig, d: DSparkConfig, gamma: int | None = None) -> None:
@@ -141,6 +152,7 @@ def build_engine(
         detokenize=detokenize,
         max_batch_size=config.max_batch_size,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
+        max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
         speculation=SpeculationSettings(spec.enabled, spec.gamma, spec.confidence_threshold),
         max_model_len=target_cfg.max_position_embeddings,
     )

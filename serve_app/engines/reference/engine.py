@@ -89,13 +89,15 @@ class EngineCore:
         detokenize: Detokenize | None = None,
         max_batch_size: int = 32,
         prefill_chunk_tokens: int = 512,
+        max_prefill_tokens_per_request: int | None = None,
         speculation: SpeculationSettings | None = None,
         max_model_len: int | None = None,
         residual_rule: ResidualRule = residual_distribution,
         observer: EngineObserver | None = None,
     ) -> None:
         """`residual_rule` is the rejection sampler's correction distribution; only tests
-        replace it (to show that a wrong rule is detected)."""
+        replace it (to show that a wrong rule is detected). `max_prefill_tokens_per_request`:
+        see Scheduler (None: a quarter of prefill_chunk_tokens)."""
         self.runner = runner
         self.residual_rule = residual_rule
         self.observer = observer
@@ -120,6 +122,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             runner.allocator.capacity_tokens, max_batch_size, prefill_chunk_tokens,
             headroom_tokens=self.gamma + 1, page_size=runner.allocator.page_size,
+            max_prefill_tokens_per_request=max_prefill_tokens_per_request,
         )
         self.sequences: dict[str, Sequence] = {}
         self.totals = EngineTotals()

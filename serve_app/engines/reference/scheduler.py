@@ -1,9 +1,13 @@
 """Continuous batching with chunked prefill and KV admission.
 
 Each step decodes every running request and spends at most `prefill_chunk_tokens` on prompts, so
-a long prompt is prefilled over several steps while the decodes keep moving. A request is
-admitted only when its worst case (prompt + max_tokens + one verify window) fits in the KV
-tokens not yet promised to others, so a running request never runs out of cache.
+a long prompt is prefilled over several steps while the decodes keep moving. No prompt takes more
+than `max_prefill_tokens_per_request` of a step: the oldest prefilling request goes first (it is
+never starved), then the others with the fewest prompt tokens left, so a short prompt that
+arrives behind a long one gets its first token in a step or two instead of after the whole long
+prefill. A request is admitted only when its worst case (prompt + max_tokens + one verify
+window) fits in the KV tokens not yet promised to others, so a running request never runs out
+of cache.
 """
 
 from __future__ import annotations
@@ -44,11 +48,21 @@ class Scheduler:
         prefill_chunk_tokens: int,
         headroom_tokens: int,
         page_size: int = 1,
+        max_prefill_tokens_per_request: int | None = None,
     ) -> None:
+        """`max_prefill_tokens_per_request`: a prompt's share of one step's prefill budget;
+        None = a quarter of `prefill_chunk_tokens` (at least 1)."""
+        cap = max_prefill_tokens_per_request
+        if cap is None:
+            cap = max(1, prefill_chunk_tokens // 4)
+        elif not 0 < cap <= prefill_chunk_tokens:
+            raise ValueError(f"max_prefill_tokens_per_request={cap} must be in "
+                             f"[1, prefill_chunk_tokens={prefill_chunk_tokens}]")
         self.capacity_tokens = capacity_tokens
         self.page_size = page_size
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_prefill_tokens_per_request = cap
         self.headroom_tokens = headroom_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: prefilling or decoding, in arrival order
@@ -93,15 +107,21 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        plan.decode = [s for s in self.running if s.status is Status.DECODING]
+        prefilling = [s for s in self.running if s.status is Status.PREFILLING]
+        # The oldest first, then shortest remaining prompt first (stable: ties keep arrival
+        # order). `running` is in admission order, and admission is FIFO.
+        order = prefilling[:1] + sorted(prefilling[1:],
+                                        key=lambda s: len(s.prompt_ids) - s.num_cached)
         budget = self.prefill_chunk_tokens
-        for seq in self.running:
-            if seq.status is Status.DECODING:
-                plan.decode.append(seq)
-            elif seq.status is Status.PREFILLING and budget > 0:
-                start = seq.num_cached
-                end = min(len(seq.prompt_ids), start + budget)
-                plan.prefill.append(PrefillChunk(seq, start, end))
-                budget -= end - start
+        for seq in order:
+            if budget <= 0:
+                break
+            start = seq.num_cached
+            end = min(len(seq.prompt_ids), start + self.max_prefill_tokens_per_request,
+                      start + budget)
+            plan.prefill.append(PrefillChunk(seq, start, end))
+            budget -= end - start
         return plan
 
     def remove(self, seq: Sequence) -> None:
