@@ -1,0 +1,102 @@
+"""Property-based fuzzing of the OpenAI HTTP API against a real Serve app (Ray, serve.run,
+HTTP): hostile bodies for both endpoints, raw garbage, wrong routes and methods.
+
+The properties (tests/fuzz_oracle.py): no 5xx, no hang, every error is OpenAI's error object
+with no internals in its message, every 200 is a well-formed completion or SSE stream, garbage
+is never accepted, and the server still serves afterwards. The requests
+(tests/fuzz_strategies.py) are the same ones `bench/fuzz_api.py` sends in larger numbers.
+
+Each test sends its named cases and then Hypothesis' examples, records every answer, and
+fails at the end with one line per distinct failure class (the smallest request seen for
+each) rather than at the first: on a broken server one run then lists every bug, and no
+shrinking is needed (each shrink step would be another request to a live server). The
+examples are derandomized, so CI sends the same requests every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fuzz_oracle import FuzzReport, local_server, plain_request
+from fuzz_strategies import (
+    COMPLETIONS,
+    FuzzRequest,
+    chat_requests,
+    completion_requests,
+    explicit_bodies,
+    explicit_raw,
+    explicit_routes,
+    raw_requests,
+)
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = {"chat": 150, "completion": 150, "raw": 100}  # named cases included
+# Set when a run found the server not coming back: the next tests fail at once instead of each
+# waiting out the recovery time again.
+_DOWN: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with local_server(tmp_path_factory.mktemp("fuzz")) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client() as c:
+        yield c
+
+
+def _fuzz(client: httpx.Client, base: str, named: list[FuzzRequest],
+          strategy: st.SearchStrategy[FuzzRequest], total: int) -> FuzzReport:
+    if _DOWN:
+        pytest.fail(f"the server is down since an earlier test: {_DOWN[0]}")
+    report = FuzzReport()
+    for request in named:
+        report.run(client, base, request)
+
+    @settings(max_examples=max(1, total - len(named)), deadline=None, derandomize=True,
+              database=None, phases=[Phase.generate], print_blob=False,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def generated(request: FuzzRequest) -> None:
+        report.run(client, base, request)
+
+    generated()
+    if report.dead:
+        _DOWN.append(report.dead)
+    print(report.summary())  # shown with -s, and in the failure message below
+    return report
+
+
+def _check(report: FuzzReport) -> None:
+    assert report.failures == 0 and not report.outages and not report.dead, report.summary()
+
+
+def test_chat_completions(server: str, client: httpx.Client) -> None:
+    _check(_fuzz(client, server, explicit_bodies("chat"), chat_requests(), EXAMPLES["chat"]))
+
+
+def test_completions(server: str, client: httpx.Client) -> None:
+    _check(_fuzz(client, server, explicit_bodies("completion"), completion_requests(),
+                 EXAMPLES["completion"]))
+
+
+def test_raw_bodies_routes_and_methods(server: str, client: httpx.Client) -> None:
+    _check(_fuzz(client, server, explicit_raw() + explicit_routes(), raw_requests(),
+                 EXAMPLES["raw"]))
+
+
+def test_the_server_still_serves_after_the_fuzzing(server: str, client: httpx.Client) -> None:
+    # Runs last (file order): whatever the fuzzing did, the server must serve right away.
+    health = client.get(server + "/health", timeout=60)
+    assert health.status_code == 200, health.text
+    resp = client.post(server + COMPLETIONS, json=plain_request(), timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] >= 1
