@@ -441,8 +441,11 @@ def test_prefill_order_oldest_first_then_fewest_remaining() -> None:
         seqs[name].status = seqs[name].status.DECODING
     assert plan() == [("old", 8, 16), ("twelve", 4, 12), ("big", 0, 4)]
     seqs["twelve"].status = seqs["twelve"].status.DECODING
-    assert plan() == [("old", 16, 24), ("big", 4, 12)]
-    assert [s.request_id for s in scheduler.schedule().decode] == ["mid", "twelve", "tiny"]
+    # Work-conserving: the 4 tokens the caps left over go to the oldest.
+    assert plan() == [("old", 16, 28), ("big", 4, 12)]
+    seqs["old"].status = seqs["old"].status.DECODING
+    assert plan() == [("big", 12, 32)]  # alone, a prompt gets the whole step
+    assert [s.request_id for s in scheduler.schedule().decode] == ["old", "mid", "twelve", "tiny"]
 
 
 def test_prefill_cap_settings() -> None:

@@ -40,8 +40,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "parallelism": {"tp": 1, "devices_per_node": 1},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},
         "ingress": {"default_max_tokens": 16, "max_tokens_limit": 1500},
+        # One client sends everything here: the per-client KV share would hold back what
+        # these tests count on the capacity to admit (tests/test_hardening.py tests it).
         "router": {"block_size": 16, "queue_size": QUEUE, "queue_timeout_s": 120,
-                   "long_threshold": 256},
+                   "long_threshold": 256, "client_max_kv_share": 1.0},
     })
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = _free_port()

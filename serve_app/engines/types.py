@@ -68,6 +68,9 @@ class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=lambda: SamplingParams())
+    # (namespace, actor name) of the ingress that sent it: the target aborts the request if
+    # that actor dies (nobody is left to read the tokens).
+    caller: tuple[str, str] | None = None
 
 
 class EngineUnavailable(RuntimeError):

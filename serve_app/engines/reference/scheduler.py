@@ -122,6 +122,15 @@ class Scheduler:
                       start + budget)
             plan.prefill.append(PrefillChunk(seq, start, end))
             budget -= end - start
+        # Work-conserving: budget the cap left unused (one long prompt alone, or short ones
+        # that finished) goes to the same requests in the same order, so the cap shares a
+        # step between prompts without slowing a prompt that has the step to itself.
+        for chunk in plan.prefill:
+            if budget <= 0:
+                break
+            extra = min(budget, len(chunk.seq.prompt_ids) - chunk.end)
+            chunk.end += extra
+            budget -= extra
         return plan
 
     def remove(self, seq: Sequence) -> None:
