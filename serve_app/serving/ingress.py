@@ -76,7 +76,10 @@ class OpenAIJSONResponse(JSONResponse):
                           separators=(",", ":")).encode("ascii")
 
 
-app = FastAPI(title="Kimi + DSpark (OpenAI-compatible)", default_response_class=OpenAIJSONResponse)
+# No trailing-slash redirects: a 307 with an empty body is not an answer an OpenAI client
+# understands; a wrong path is a 404 like any other.
+app = FastAPI(title="Kimi + DSpark (OpenAI-compatible)", default_response_class=OpenAIJSONResponse,
+              redirect_slashes=False)
 
 
 def _error_response(err: OpenAIError) -> OpenAIJSONResponse:
