@@ -229,7 +229,9 @@ class FuzzReport:
     hangs: int = 0
     outages: list[str] = field(default_factory=list)  # the request that took the server down
     classes: dict[tuple[str, str, str | None, str], FailureClass] = field(default_factory=dict)
-    dead: str | None = None  # why the run stopped: the server did not come back
+    stopped: str | None = None  # why the run stopped early
+    server_down: bool = False  # ... because the server did not come back
+    max_outages: int | None = None  # stop after this many (each costs a replica restart)
     skipped: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -251,7 +253,7 @@ class FuzzReport:
     def run(self, client: httpx.Client, base: str, request: FuzzRequest) -> Outcome | None:
         """Send, judge, record; after a server-side failure, probe, and if the server is down,
         count an outage and wait for it to come back (or stop the run)."""
-        if self.dead:
+        if self.stopped:
             self.skipped += 1
             return None
         outcome = send(client, base, request)
@@ -265,7 +267,10 @@ class FuzzReport:
                     time.sleep(2)
                     why = probe(client, base, self.model)
                 if why is not None:
-                    self.dead = f"not serving {RECOVERY_S:.0f} s after an outage: {why}"
+                    self.stopped = f"not serving {RECOVERY_S:.0f} s after an outage: {why}"
+                    self.server_down = True
+                elif self.max_outages is not None and len(self.outages) >= self.max_outages:
+                    self.stopped = f"{len(self.outages)} outages"
         return outcome
 
     @property
@@ -282,8 +287,8 @@ class FuzzReport:
                  f"{dict(sorted(self.statuses.items()))}; 5xx {self.five_xx}, hangs "
                  f"{self.hangs}, outages {len(self.outages)}, failures {self.failures} in "
                  f"{len(self.classes)} classes"]
-        if self.dead:
-            lines.append(f"STOPPED: {self.dead} ({self.skipped} requests not sent)")
+        if self.stopped:
+            lines.append(f"STOPPED: {self.stopped} ({self.skipped} requests not sent)")
         for text in self.outages:
             lines.append(f"  outage after: {text}")
         for (endpoint, _, _, _), cls in sorted(self.classes.items(),
@@ -306,7 +311,7 @@ class FuzzReport:
                  "requests": [o.request.describe(300) for o in c.examples],
                  "answer": c.smallest.response[:300]}
                 for k, c in self.classes.items()],
-            "stopped": self.dead, "wall_s": round(time.perf_counter() - self.started, 1),
+            "stopped": self.stopped, "wall_s": round(time.perf_counter() - self.started, 1),
         }
 
 

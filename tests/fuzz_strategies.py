@@ -246,12 +246,20 @@ _PROMPT = weighted(
 )
 
 
+# The fields that become SamplingParams: a body changing only these is one the schema may well
+# accept, so it reaches the engine (where 1e-38 and 2**64 do their damage).
+SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                   "stop", "stop_token_ids", "ignore_eos", "seed", "stream", "stream_options")
+
+
 @st.composite
 def _mutated(draw: st.DrawFn, base: dict[str, Any],
              fields: dict[str, st.SearchStrategy[Any]]) -> dict[str, Any]:
-    """`base` with up to four fields set (or required ones dropped) to drawn values."""
+    """`base` with up to four fields set (or required ones dropped) to drawn values; a third of
+    the time only sampling fields."""
     body = dict(base)
-    names = [*fields, "<drop>", "<unknown>"]
+    names = draw(st.sampled_from([[*fields, "<drop>", "<unknown>"], [*fields, "<drop>",
+                                  "<unknown>"], list(SAMPLING_FIELDS)]))
     for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
         if name == "<drop>":
             body.pop(draw(st.sampled_from(sorted(base))), None)
@@ -407,24 +415,12 @@ def any_request(model: str = MODEL) -> st.SearchStrategy[FuzzRequest]:
 def explicit_bodies(kind: str, model: str = MODEL) -> list[FuzzRequest]:
     """Every hostile number in the sampling fields, and the named string cases, alone in an
     otherwise valid body: the generated examples find combinations, these make sure each named
-    input is sent at least once whatever the generator draws."""
+    input is sent at least once whatever the generator draws. The ones that reach the sampler
+    come last: on a server they take down, a run that stops after a few outages has still sent
+    the others."""
     path = CHAT if kind == "chat" else COMPLETIONS
     base = _valid_body(path, model)
     bodies: list[dict[str, Any]] = []
-    for name, values in (("temperature", (1e-38, 5e-324, 1e-300, 2.0000001, Raw("NaN"),
-                                          Raw("1e400"))),
-                         ("top_p", (1e-38, 5e-324, Raw("NaN"))),
-                         ("top_k", (10**9, 10**30)),
-                         ("seed", (-(2**63), 2**64)),
-                         ("max_tokens", (10**30, Raw("1e400"))),
-                         ("presence_penalty", (Raw("Infinity"),)),
-                         ("stop_token_ids", ([10**30], [VOCAB])),
-                         ("stop", (["x"] * 1000, [""])),
-                         ("model", ("\ud800", "m" * 10_000))):
-        bodies += [{**base, name: v} for v in values]
-    bodies += [{**base, "stream_options": {"include_usage": True}},
-               {**base, "stream": True, "stream_options": {"include_usage": True}},
-               {**base, "temperature": 1e-38, "stream": True}]
     if kind == "chat":
         bodies += [{**base, "messages": [{"role": "user", "content": c}]}
                    for c in ("\ud800", "<|im_end|><|im_system|>", "<|eos|><|mask|>")]
@@ -435,4 +431,18 @@ def explicit_bodies(kind: str, model: str = MODEL) -> list[FuzzRequest]:
         bodies += [{**base, "prompt": p} for p in ("\ud800", "<|im_end|><|im_system|>",
                                                     [VOCAB], [10**30], [[5], [6]])]
         bodies += [{**base, "echo": True}, {**base, "suffix": "x"}]
+    bodies += [{**base, "stream_options": {"include_usage": True}},
+               {**base, "stream": True, "stream_options": {"include_usage": True}}]
+    for name, values in (("model", ("\ud800", "m" * 10_000)),
+                         ("stop", (["x"] * 1000, [""])),
+                         ("stop_token_ids", ([10**30], [VOCAB])),
+                         ("max_tokens", (10**30, Raw("1e400"))),
+                         ("presence_penalty", (Raw("Infinity"),)),
+                         ("seed", (-(2**63), 2**64)),
+                         ("top_k", (10**9, 10**30)),
+                         ("temperature", (2.0000001, Raw("NaN"), Raw("1e400"), 1e-38, 5e-324,
+                                          1e-300)),
+                         ("top_p", (Raw("NaN"), 1e-38, 5e-324))):
+        bodies += [{**base, name: v} for v in values]
+    bodies.append({**base, "temperature": 1e-38, "stream": True})
     return [json_request(kind, path, b) for b in bodies]
