@@ -8,7 +8,9 @@ The oracle, per response:
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}},
     and its message leaks no internals (tracebacks, paths, Python reprs of exceptions);
   - a 200 is a completion with choices and usage, or, streamed, SSE whose every `data:` line
-    is JSON or `[DONE]`, without an error event, ending with `data: [DONE]`;
+    is JSON or `[DONE]`, without an error event, ending with `data: [DONE]`; neither carries
+    finish_reason "error" (the engine's mark for a request it aborted: that must surface as an
+    error, not as a short successful answer);
   - inputs that are no request at all (garbage bytes, wrong routes) are never 2xx.
 After a 5xx, a hang or a dropped connection the server is probed with a plain request; if that
 fails too the server was taken down by the request (an outage), and the run waits for it to
@@ -103,6 +105,8 @@ def _sse_problems(body: bytes) -> list[tuple[str, str]]:
         if isinstance(event, dict) and "error" in event:
             found, error = _check_error_object(event)
             problems += [("stream-error", f"an error event: {error}"), *found]
+        elif _aborted(event):
+            problems.append(("stream-error", 'a chunk with finish_reason "error"'))
     if not data or data[-1] != "[DONE]":
         problems.append(("bad-sse", "the stream does not end with data: [DONE]"))
     return problems
@@ -117,7 +121,15 @@ def _completion_problems(body: bytes) -> list[tuple[str, str]]:
             and payload["choices"] and isinstance(payload.get("usage"), dict)
             and isinstance(payload["usage"].get("completion_tokens"), int)):
         return [("bad-200", "a 200 without choices and usage")]
+    if _aborted(payload):
+        return [("bad-200", 'a 200 with finish_reason "error"')]
     return []
+
+
+def _aborted(payload: Any) -> bool:
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    return isinstance(choices, list) and any(
+        isinstance(c, dict) and c.get("finish_reason") == "error" for c in choices)
 
 
 def judge(request: FuzzRequest, status: int, content_type: str, body: bytes,
