@@ -193,6 +193,9 @@ def test_sampling_params_mapping() -> None:
                                   "max_new_tokens": 5, "ignore_eos": True, "stop": ["\n\n"],
                                   "stop_token_ids": [7], "sampling_seed": 3}
     assert sampling_params(SamplingParams(top_k=20))["top_k"] == 20
+    # Hostile values map to what they mean, never to a float32 zero or subnormal.
+    tiny = sampling_params(SamplingParams(temperature=1e-38, top_p=1e-300))
+    assert tiny["temperature"] == 0.0 and tiny["top_k"] == 1 and tiny["top_p"] == 1e-6
 
 
 def _meta(finish: dict | None, completion: int, **spec: object) -> dict:

@@ -352,10 +352,16 @@ def rank_plan(nnodes: int, tp_size: int, pp_size: int = 1, engine_bundle: int = 
 
 def sampling_params(params: SamplingParams) -> dict[str, Any]:
     """SamplingParams -> SGLang's `sampling_params` dict."""
+    # The same meaning as the reference sampler for values SGLang's float32 kernels cannot
+    # represent usefully: a temperature below 1e-5 is greedy (SamplingParams.greedy), and a
+    # top_p too small to keep anything but the top token is top_k 1.
+    top_k = params.top_k if params.top_k > 0 else SGLANG_TOP_K_OFF
+    if params.top_p < 1e-6:
+        top_k = 1
     out: dict[str, Any] = {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else SGLANG_TOP_K_OFF,
+        "temperature": 0.0 if params.greedy else params.temperature,
+        "top_p": max(params.top_p, 1e-6),
+        "top_k": top_k,
         "max_new_tokens": params.max_tokens,
         "ignore_eos": params.ignore_eos,
     }

@@ -549,6 +549,9 @@ class OpenAIIngress:
             except OpenAIError as exc:
                 telemetry.finish(exc.status)
                 raise
+            except asyncio.CancelledError:  # the client left before the answer was ready
+                telemetry.finish(499)
+                raise
 
     def _client_of(self, request: Request) -> str:
         """Whose request this is, for the per-client limits: the API key it used, else the
