@@ -78,3 +78,15 @@ def test_trace_from_jsonl(tmp_path: Path, cost: CostModel) -> None:
     # The second question reuses the document the first one prefilled.
     assert outs[1].cached_tokens >= 199_936 - 256
     assert outs[1].replica == outs[0].replica
+
+
+def test_k2_fleet_is_sized_at_k2s_own_context() -> None:
+    """The cost model sizes a replica at the model's own context (its descriptor's
+    `max_context`), not at K3's 1M: a K2 fleet is sized at 131,072."""
+    from capacity import describe_model
+
+    k2 = FleetSpec(model="kimi-k2", draft=None, replicas=2)
+    cost = CostModel(k2)
+    assert describe_model("kimi-k2").max_context == 131_072
+    assert cost.context_length == 131_072 != 1_048_576
+    assert cost.kv_tokens > 131_072

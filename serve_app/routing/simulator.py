@@ -85,9 +85,11 @@ class CostModel:
         self.speculation = (Speculation(gamma=spec.gamma,
                                         acceptance_length=spec.acceptance_length)
                             if self.draft else None)
-        context = self.model.max_position_embeddings if hasattr(
-            self.model, "max_position_embeddings") else 1_048_576
-        report = memory_per_gpu(self.model, self.layout, Workload(context_length=int(context)),
+        # A replica is sized for the model's own context (the descriptor's `max_context`, from
+        # its config's max_position_embeddings); 1M only when the config does not say.
+        context = self.model.max_context or 1_048_576
+        self.context_length = context
+        report = memory_per_gpu(self.model, self.layout, Workload(context_length=context),
                                 self.gpu, self.draft, self.speculation)
         stage = report.worst_stage
         per_request = stage.per_request
@@ -95,7 +97,7 @@ class CostModel:
         # for, and the per-request constant (KDA states), straight from the memory model.
         growing = per_request.get("mla_kv", 0) + per_request.get("draft_kv", 0)
         verify = (spec.gamma + 1) if self.draft else 1
-        sized_tokens = math.ceil((int(context) + verify) / 64) * 64
+        sized_tokens = math.ceil((context + verify) / 64) * 64
         self.kv_bytes_per_token = growing / sized_tokens
         fixed = sum(v for k, v in per_request.items() if k not in ("mla_kv", "draft_kv"))
         free = stage.free_for_requests - fixed * spec.max_running
@@ -586,7 +588,7 @@ def run_policies(policies: Iterable[str], rates: Iterable[float], fleet: FleetSp
     for rate in rates:
         w = WorkloadSpec(**{**asdict(workload), "rate": rate})
         reqs = trace if trace is not None else generate_workload(
-            w, settings.block_size, max_model_len=min(1 << 20, cost.kv_tokens))
+            w, settings.block_size, max_model_len=min(cost.context_length, cost.kv_tokens))
         for name in policies:
             policy = make_policy(settings, name)
             outs, reps, makespan, peak = simulate(reqs, cost, policy, drain_s)
