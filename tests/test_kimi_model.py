@@ -260,6 +260,43 @@ def test_config_errors_name_every_field() -> None:
     assert "num_attention_heads" in str(err.value) and "n_routed_experts" in str(err.value)
 
 
+def test_transformers5_rope_parameters_are_read() -> None:
+    """transformers 5 saves `rope_parameters` (theta + YaRN fields) instead of `rope_theta` /
+    `rope_scaling`: it is read where the legacy fields are absent, a contradiction is an error."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.7}
+    v5 = {k: v for k, v in TINY.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_theta": 50_000.0, **yarn}
+    cfg = KimiConfig.from_dict(v5)
+    assert cfg.rope_theta == 50_000.0
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["factor"] == 4.0
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 16
+    assert cfg.rope_scaling["mscale_all_dim"] == 0.7
+    assert cfg.rope_attention_factor != 1.0 and cfg.softmax_scale == tiny_config().softmax_scale
+    torch.manual_seed(0)
+    new = KimiForCausalLM(cfg).rotary.inv_freq
+    old = KimiForCausalLM(tiny_config(rope_theta=10_000.0)).rotary.inv_freq
+    expect, _ = rope_inv_freq(cfg.qk_rope_head_dim, {**yarn, "rope_theta": 50_000.0})
+    assert torch.equal(new, expect) and not torch.allclose(new, old)
+    # The legacy fields, where present and in agreement, are fine; the same config round-trips.
+    assert KimiConfig.from_dict({**v5, "rope_theta": 50_000.0}) == cfg
+    assert KimiConfig.from_dict(cfg.to_dict()) == cfg
+    # A default-type rope_parameters is just a theta.
+    plain = KimiConfig.from_dict({**v5, "rope_parameters": {"rope_type": "default",
+                                                            "rope_theta": 50_000.0}})
+    assert plain.rope_theta == 50_000.0 and plain.rope_scaling is None
+    # Both present and disagreeing: one error naming both fields (and every other problem).
+    with pytest.raises(KimiConfigError) as err:
+        KimiConfig.from_dict({**v5, "rope_theta": 10_000.0})
+    assert "rope_theta" in str(err.value) and "rope_parameters.rope_theta" in str(err.value)
+    with pytest.raises(KimiConfigError) as err:
+        KimiConfig.from_dict({**v5, "rope_scaling": {**yarn, "factor": 8.0}, "hidden_size": 0})
+    msg = str(err.value)
+    assert "rope_scaling" in msg and "rope_parameters" in msg and "hidden_size" in msg
+    with pytest.raises(KimiConfigError, match="rope_parameters"):
+        KimiConfig.from_dict({**v5, "rope_scaling": None})
+
+
 def test_checkpoint_specs_match_module_names() -> None:
     for overrides in ({}, {"q_lora_rank": None, "n_shared_experts": 0, "moe_layer_freq": 2}):
         cfg = tiny_config(**overrides)

@@ -27,6 +27,67 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _rope_kind(scaling: Any) -> Any:
+    """A rope scaling dict's type ('deepseek_yarn' is YaRN), None for no scaling."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        return scaling
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default") and not set(scaling) - {"rope_type", "type"}:
+        return None
+    return "yarn" if kind == "deepseek_yarn" else kind
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, with 50000 and 50000.0 the same number."""
+    if all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b)):
+        return float(a) == float(b)
+    return a == b
+
+
+def _merge_rope_parameters(data: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """transformers 5 writes `rope_parameters` (`rope_theta` plus the scaling fields) instead
+    of `rope_theta` / `rope_scaling`. Fills the legacy fields from it where they are absent (in
+    `data`, in place); where both are present they must agree. Returns (the disagreements, the
+    legacy fields filled from rope_parameters)."""
+    if "rope_parameters" not in data:
+        return [], []
+    params = data.pop("rope_parameters")
+    if params is None:
+        return [], []
+    if not isinstance(params, dict):
+        return [f"rope_parameters: must be an object, got {params!r}"], []
+    problems: list[str] = []
+    filled: list[str] = []
+    if "rope_theta" in params:
+        if "rope_theta" not in data:
+            data["rope_theta"] = params["rope_theta"]
+            filled.append("rope_theta")
+        elif not _same(data["rope_theta"], params["rope_theta"]):
+            problems.append(f"rope_theta={data['rope_theta']!r} and rope_parameters.rope_theta="
+                            f"{params['rope_theta']!r} disagree")
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if _rope_kind(scaling) is None:
+        scaling = None
+    if "rope_scaling" not in data:
+        data["rope_scaling"] = scaling
+        filled.append("rope_scaling")
+        return problems, filled
+    legacy = data["rope_scaling"]
+    legacy_kind, kind = _rope_kind(legacy), _rope_kind(scaling)
+    if legacy_kind != kind:
+        problems.append(f"rope_scaling (type {legacy_kind!r}) and rope_parameters (type "
+                        f"{kind!r}) disagree")
+    elif isinstance(legacy, dict) and isinstance(scaling, dict):
+        differ = [f"{k} {legacy[k]!r} vs {scaling[k]!r}"
+                  for k in sorted(set(legacy) & set(scaling) - {"rope_type", "type"})
+                  if not _same(legacy[k], scaling[k])]
+        if differ:
+            problems.append("rope_scaling and rope_parameters disagree: " + ", ".join(differ))
+    return problems, filled
+
+
 class Fp8QuantConfig(BaseModel):
     """DeepSeek-style FP8 block quantization: `*.weight` in F8_E4M3 plus an F32
     `*.weight_scale_inv` of shape [ceil(out/bn), ceil(in/bk)] that multiplies each block back."""
@@ -236,7 +297,18 @@ class KimiConfig(BaseModel):
         # transformers v5 writes `dtype` instead of `torch_dtype`.
         if "torch_dtype" not in data and "dtype" in data:
             data["torch_dtype"] = data["dtype"]
-        return validate_fields(cls, data, source, "Kimi/DeepseekV3", KimiConfigError)
+        rope_problems, from_parameters = _merge_rope_parameters(data)
+        try:
+            config = validate_fields(cls, data, source, "Kimi/DeepseekV3", KimiConfigError)
+        except KimiConfigError as exc:
+            msg = str(exc)
+            for name in from_parameters:  # a value that came from rope_parameters is named so
+                msg = msg.replace(f"\n  - {name}:", f"\n  - rope_parameters ({name}):")
+            raise KimiConfigError("".join([msg, *(f"\n  - {p}" for p in rope_problems)])) from None
+        if rope_problems:
+            raise KimiConfigError(f"{source}: invalid Kimi/DeepseekV3 config:\n  - "
+                                  + "\n  - ".join(rope_problems))
+        return config
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> KimiConfig:
