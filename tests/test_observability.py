@@ -130,6 +130,17 @@ def _value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs/observability.md"
+
+
+def documented_metrics() -> list[str]:
+    """Every metric in docs/observability.md's table, as exported (a histogram by its
+    `_count` series)."""
+    rows = re.findall(r"^\| `(ray_kimi_\w+)` \| (\w+) \|", DOCS.read_text(), re.M)
+    assert len(rows) >= 17, "docs/observability.md's metrics table not found"
+    return [name + "_count" if kind == "histogram" else name for name, kind in rows]
+
+
 def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) -> None:
     base, port = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
@@ -141,13 +152,8 @@ def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) ->
         prompt_tokens += r.usage.prompt_tokens
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
-    names = ["ray_kimi_time_to_first_token_seconds_count", "ray_kimi_time_per_output_token_seconds_count",
-             "ray_kimi_e2e_request_latency_seconds_count", "ray_kimi_prompt_tokens_total",
-             "ray_kimi_generation_tokens_total", "ray_kimi_num_requests_total",
-             "ray_kimi_num_queue_reqs", "ray_kimi_num_running_reqs", "ray_kimi_queue_time_seconds_count",
-             "ray_kimi_kv_tokens_used", "ray_kimi_max_total_num_tokens", "ray_kimi_token_usage",
-             "ray_kimi_spec_accept_length_count", "ray_kimi_spec_accept_rate",
-             "ray_kimi_spec_verify_calls_total", "ray_kimi_spec_draft_tokens_total"]
+    names = documented_metrics()
+    assert "ray_kimi_router_decisions_total" in names
     deadline = time.time() + 60
     text = ""
     while time.time() < deadline:
@@ -170,6 +176,11 @@ def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) ->
     assert accept_count >= 3 and 1.0 <= accept_sum / accept_count <= 8.0
     assert 0.0 <= _value(text, "ray_kimi_spec_accept_rate") <= 1.0
     assert _value(text, "ray_kimi_max_total_num_tokens") == 4096
+    # One routing decision per admitted request, labelled by the kv_aware policy's reason.
+    reasons = set(re.findall(r'^ray_kimi_router_decisions_total\{[^}]*reason="([^"]+)"', text,
+                             re.M))
+    assert reasons and reasons <= {"affinity", "least_work", "batched"}
+    assert sum(_value(text, "ray_kimi_router_decisions_total", reason=r) for r in reasons) >= 3
 
 
 def test_json_logs_carry_request_and_trace_ids(server: Any) -> None:

@@ -260,3 +260,70 @@ def test_short_fifo_within_class() -> None:
         p.complete(rid)
     order += [r.request_id for r, _ in p.dispatch(5.0)]
     assert order == ["s0", "s1", "s2", "s3"]
+
+
+# --- decision reasons (the router_decisions metric's label) ------------------------------------
+
+
+def test_every_dispatch_carries_the_policys_reason() -> None:
+    p = policy({"a": 100_000, "b": 100_000})
+    d = doc("d", 800)
+    p.submit(req("q0", 810, 50, d), now=0.0)
+    (first, where), = p.dispatch(0.0)
+    assert first.reason == "least_work"  # nothing cached anywhere yet
+    p.prefill_done("q0")
+    p.submit(req("q1", 812, 50, d), now=1.0)
+    (second, again), = p.dispatch(1.0)
+    assert (second.reason, again) == ("affinity", where)
+    p.prefill_done("q1")
+    p.load[where].pending_prefill += 5000  # imbalanced: affinity yields
+    p.submit(req("q2", 814, 50, d), now=2.0)
+    (third, _), = p.dispatch(2.0)
+    assert third.reason == "least_work"
+    # Long requests on one document follow its prefill: the followers are "batched".
+    p = policy({"a": 100_000, "b": 100_000})
+    shared = doc("shared", 30_000)
+    for i in range(3):
+        p.submit(req(f"L{i}", 30_050 + i, 100, shared), now=0.0)
+    out = p.dispatch(0.0)
+    assert [r.reason for r, _ in out] == ["least_work", "batched", "batched"]
+    for name in ("round_robin", "power_of_two", "cache_aware"):
+        base = make_policy(settings(), name)
+        base.add_replica("a", 10_000)
+        base.submit(req("x", 100), now=0.0)
+        assert [r.reason for r, _ in base.dispatch(0.0)] == [name]
+
+
+def test_admission_stage_counts_one_decision_per_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from serve_app.serving import admission
+
+    class Counter:
+        def __init__(self) -> None:
+            self.calls: list[dict[str, str]] = []
+
+        def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+            assert value == 1.0 and tags is not None
+            self.calls.append(tags)
+
+    class Metrics:
+        router_decisions = Counter()
+
+    monkeypatch.setattr(admission, "app_metrics", lambda: Metrics)
+    stage = admission.AdmissionStage(settings())
+    stage.set_replica("a", 100_000)
+    stage.set_replica("b", 100_000)
+    prompt = list(range(810))
+
+    async def run() -> list[str]:
+        out = []
+        for i in range(3):
+            out.append(await stage.admit(f"q{i}", prompt, 50))
+            stage.prefill_done(f"q{i}")
+        return out
+
+    replicas = asyncio.run(run())
+    assert len(set(replicas)) == 1
+    assert Metrics.router_decisions.calls == [{"reason": "least_work"}, {"reason": "affinity"},
+                                              {"reason": "affinity"}]

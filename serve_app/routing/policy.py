@@ -103,6 +103,10 @@ class RouteRequest:
     # and whether that counts as a long prefill on it.
     prefill_tokens: int = 0
     long_prefill: bool = False
+    # Set by dispatch: why that replica (the `reason` label of the router_decisions metric):
+    # kv_aware's "affinity" (longest cached prefix), "least_work" or "batched" (followed a long
+    # prefill of the same document); a baseline's own name.
+    reason: str = ""
 
     @property
     def total_tokens(self) -> int:
@@ -233,8 +237,10 @@ class Policy(ABC):
     def _queues(self) -> list[deque[RouteRequest]]:
         return [self.queue]
 
-    def _route(self, req: RouteRequest, replica: str, matched_blocks: int = 0) -> None:
+    def _route(self, req: RouteRequest, replica: str, matched_blocks: int = 0,
+               reason: str | None = None) -> None:
         """Book a routing decision: ledger, load counters, prefix index."""
+        req.reason = reason or self.name
         cached = min(matched_blocks * self.s.block_size, req.prompt_tokens)
         req.prefill_tokens = req.prompt_tokens - cached
         if replica in self.ledger.replicas() and self.admission:
@@ -429,8 +435,8 @@ class KVRouterPolicy(Policy):
         limit = max(1, int(self.s.long_prefill_replica_fraction * len(self.load)))
         return busy < limit
 
-    def _place(self, req: RouteRequest, exclude: str | None) -> tuple[str, int] | None:
-        """(replica, matched blocks) for `req`, or None if no replica can take it now."""
+    def _place(self, req: RouteRequest, exclude: str | None) -> tuple[str, int, str] | None:
+        """(replica, matched blocks, reason) for `req`, or None if no replica can take it now."""
         matches = self.index.match(req.blocks)
         bs = self.s.block_size
         cands: list[str] = []
@@ -459,11 +465,11 @@ class KVRouterPolicy(Policy):
         best = max(cands, key=lambda r: (matches.get(r, 0), -self.load[r].pending_prefill))
         ratio = matches.get(best, 0) * bs / max(1, req.prompt_tokens)
         if not imbalanced and ratio >= self.s.cache_threshold:
-            choice = best
+            choice, reason = best, "affinity"
         else:
-            choice = min(cands, key=work)
+            choice, reason = min(cands, key=work), "least_work"
         req.long_prefill = long_on[choice]
-        return choice, matches.get(choice, 0)
+        return choice, matches.get(choice, 0), reason
 
     def _shares_prefix(self, a: RouteRequest, b: RouteRequest) -> bool:
         if not a.blocks or not b.blocks:
@@ -475,9 +481,9 @@ class KVRouterPolicy(Policy):
             n += 1
         return n * self.s.block_size >= self.s.cache_threshold * b.prompt_tokens
 
-    def _dispatch_one(self, req: RouteRequest, replica: str, matched: int,
+    def _dispatch_one(self, req: RouteRequest, replica: str, matched: int, reason: str,
                       out: list[tuple[RouteRequest, str]]) -> None:
-        self._route(req, replica, matched)
+        self._route(req, replica, matched, reason)
         out.append((req, replica))
         if not req.long_prefill:
             return
@@ -490,7 +496,7 @@ class KVRouterPolicy(Policy):
                 self.long_queue.remove(other)
                 other.long_prefill = False
                 m = self.index.match(other.blocks).get(replica, 0)
-                self._route(other, replica, m)
+                self._route(other, replica, m, "batched")
                 out.append((other, replica))
 
     def dispatch(self, now: float) -> list[tuple[RouteRequest, str]]:

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from typing import Any
 
+from serve_app.observability.metrics import app_metrics
 from serve_app.routing.policy import Policy, QueueTimeout, RouteRequest, RouterSettings, make_policy
 from serve_app.routing.prefix_index import block_hashes
 
@@ -137,8 +138,12 @@ class AdmissionStage:
             if fut is not None and not fut.done():
                 waited = time.monotonic() - req.arrival
                 fut.get_loop().call_soon_threadsafe(_set_exception, fut, QueueTimeout(waited))
-        for req, replica in self.policy.dispatch(time.monotonic()):
+        dispatched = self.policy.dispatch(time.monotonic())
+        metrics = app_metrics() if dispatched else None
+        for req, replica in dispatched:
             self.decisions.append((req.request_id, replica))
+            if metrics is not None:  # one decision per dispatched request, by the policy's reason
+                metrics.router_decisions.inc(tags={"reason": req.reason or self.policy.name})
             fut = self._waiters.pop(req.request_id, None)
             if fut is None:
                 self.policy.complete(req.request_id)  # its caller is gone
