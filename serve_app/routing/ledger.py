@@ -126,10 +126,3 @@ class CapacityLedger:
                 del r.refs[h]
                 r.block_tokens -= self.block_size
         return c.replica
-
-    def replica_of(self, request_id: str) -> str | None:
-        c = self._commits.get(request_id)
-        return c.replica if c else None
-
-    def in_flight(self, replica: str | None = None) -> int:
-        return sum(1 for c in self._commits.values() if replica is None or c.replica == replica)
