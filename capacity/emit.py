@@ -17,12 +17,15 @@ import yaml
 from capacity.config import Layout, Speculation
 from capacity.errors import CapacityError
 from capacity.model import ModelDescriptor
+from capacity.ray_env import sglang_ray_env
 
 SERVE_IMPORT_PATH = "serve_app.app:build_app"
 # The replica actor itself only coordinates; rank workers take the GPUs of its bundles.
 CPUS_PER_GPU = 8
 HEAD_CPUS = 8
 AUTH_MODES = ("token", "disabled")
+# Where `ray up` syncs the checkout it runs from (as deployments/generate.py's cluster files).
+PROJECT_DIR = "~/kimi-dspark-serve"
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,10 @@ def serve_config(
                 "route_prefix": "/",
                 "import_path": SERVE_IMPORT_PATH,
                 "runtime_env": {
-                    # SGLang's Ray backend manages CUDA_VISIBLE_DEVICES itself.
-                    "env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"},
+                    # SGLang's Ray backend selects its GPUs itself: Ray must not narrow the
+                    # visible devices (CUDA's, and HIP's on AMD), the variables the app's
+                    # SGLang start-up check requires (one table: capacity.ray_env).
+                    "env_vars": sglang_ray_env(layout.gpu),
                 },
                 "args": {
                     "models": models,
@@ -133,13 +138,16 @@ def cluster_config(
             "worker_ips": [f"WORKER_{i}_IP" for i in range(workers)],
         },
         "auth": {"ssh_user": "ubuntu", "ssh_private_key": "~/.ssh/id_ed25519"},
-        "file_mounts": {"~/.ray/auth_token": "~/.ray/auth_token"} if auth_mode == "token" else {},
+        # `ray up` runs from the repository root: the project is synced to every node.
+        "file_mounts": {PROJECT_DIR: ".",
+                        **({"~/.ray/auth_token": "~/.ray/auth_token"}
+                           if auth_mode == "token" else {})},
+        "rsync_exclude": [".venv", ".git", "**/__pycache__"],
         "setup_commands": [
-            f"pip install -U 'ray[serve]=={ray_version}'",
             f"echo 'export {env}' >> ~/.bashrc",
         ],
-        "head_setup_commands": [],
-        "worker_setup_commands": [],
+        "head_setup_commands": _project_setup(ray_version, with_sglang=False),
+        "worker_setup_commands": _project_setup(ray_version, with_sglang=True),
         "head_start_ray_commands": [
             "ray stop",
             # The head schedules nothing on GPUs: replicas' placement groups land on workers.
@@ -151,6 +159,20 @@ def cluster_config(
             f"{env} ray start --address=$RAY_HEAD_IP:6379 --num-gpus={layout.gpus_per_node}",
         ],
     }
+
+
+def _project_setup(ray_version: str, with_sglang: bool) -> list[str]:
+    """Install the project (the app the Serve file imports) from the synced checkout: with the
+    sglang extra on the GPU workers, CPU torch on the GPU-free head (as deployments/generate.py)."""
+    commands = ["python3 -m pip install -U pip",
+                f"python3 -m pip install 'ray[serve]=={ray_version}'"]
+    if not with_sglang:
+        # Keep pip from pulling a CUDA torch through the project's torch pin.
+        commands.append("python3 -m pip install torch --index-url "
+                        "https://download.pytorch.org/whl/cpu")
+    extra = "[sglang]" if with_sglang else ""
+    commands.append(f"cd {PROJECT_DIR} && python3 -m pip install -e '.{extra}'")
+    return commands
 
 
 def validate_serve_config(config: dict[str, Any]) -> None:

@@ -164,6 +164,40 @@ def test_emit_writes_valid_configs(tmp_path: Path):
     assert all("RAY_AUTH_MODE=token" in c for c in cluster["worker_start_ray_commands"][1:])
 
 
+@pytest.mark.parametrize(("gpu", "vendor_env"), [
+    ("MI300X", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
+                "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"}),
+    ("H200", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"}),
+])
+def test_emitted_files_start_a_replica(tmp_path: Path, gpu: str, vendor_env: set[str]):
+    """An emitted Serve file carries every variable the SGLang backend's start-up check requires
+    for its GPU vendor, and the emitted cluster installs the project (with the sglang extra on
+    the GPU workers), as deployments/generate.py's files do."""
+    from serve_app.config import AppConfig
+    from serve_app.engines.sglang import runtime_env_vars
+
+    result = invoke("emit", "--gpu", gpu, "--nodes", "2", "--draft", "kimi-k3-dspark",
+                    "--model-ref", "/models/Kimi-K3", "--out-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    stem = f"{gpu.lower()}-2x8"
+    serve = yaml.safe_load((tmp_path / f"serve-{stem}.yaml").read_text())
+    cluster = yaml.safe_load((tmp_path / f"cluster-{stem}.yaml").read_text())
+    app_cfg = serve["applications"][0]
+    config = AppConfig.model_validate(app_cfg["args"])
+    env = app_cfg["runtime_env"]["env_vars"]
+    required = runtime_env_vars(config)
+    assert set(required) == vendor_env
+    assert required.items() <= env.items()
+    # The project (the app the Serve file imports) on every node: with SGLang on the workers
+    # only, from the checkout that `ray up` syncs.
+    workers = " && ".join(cluster["worker_setup_commands"])
+    head = " && ".join(cluster["head_setup_commands"])
+    assert "pip install -e '.[sglang]'" in workers
+    assert "pip install -e '.'" in head and "sglang" not in head
+    assert "." in cluster["file_mounts"].values()
+    validate_cluster_config(cluster)
+
+
 def test_emit_validation_rejects_broken_configs():
     from capacity import CapacityError
 

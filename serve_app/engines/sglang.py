@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from capacity.ray_env import NOSET_CUDA_ENV as NOSET_CUDA_ENV
+from capacity.ray_env import NOSET_HIP_ENV as NOSET_HIP_ENV
+from capacity.ray_env import sglang_ray_env
 from serve_app.engines.types import (
     EngineUnavailable,
     GenerateRequest,
@@ -43,10 +46,8 @@ logger = logging.getLogger("serve_app.sglang")
 SGLANG_VERSION = "0.5.23"
 FLAGS_FILE = Path(__file__).with_name("sglang_flags_0_5_23.json")
 # SGLang's Ray engine reads the GPU Ray assigned to each scheduler actor and selects it itself;
-# Ray must leave every GPU visible (kimi-k3-serving.md, "Ray backend"). On AMD nodes Ray 2.60
-# narrows HIP_VISIBLE_DEVICES instead (ray/_private/accelerators/amd_gpu.py), so both are set.
-NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
-NOSET_HIP_ENV = "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"
+# Ray must leave every GPU visible: the per-vendor variables are one table in capacity.ray_env,
+# shared with `kimi-capacity emit` (NOSET_CUDA_ENV / NOSET_HIP_ENV re-exported from there).
 # `sglang.srt.sampling.sampling_params`: top_k -1 means the whole vocabulary.
 SGLANG_TOP_K_OFF = -1
 # 0.5.23 `_handle_dspark`: "DSpark speculative decoding only supports CUDA, NPU or XPU device."
@@ -128,11 +129,7 @@ def sglang_server_args(config: AppConfig) -> dict[str, Any]:
 def runtime_env_vars(config: AppConfig) -> dict[str, str]:
     """Environment the application's runtime_env must carry for this backend (inherited by
     the replica and, through it, by SGLang's scheduler actors)."""
-    env = {NOSET_CUDA_ENV: "1"}
-    gpu = config.placement.gpu_type or ""
-    if gpu.upper().startswith("MI"):
-        env[NOSET_HIP_ENV] = "1"
-    return env
+    return sglang_ray_env(config.placement.gpu_type)
 
 
 @functools.cache

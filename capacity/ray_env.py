@@ -1,0 +1,44 @@
+"""Environment variables a Ray Serve application's runtime_env must carry for SGLang's Ray
+backend, per GPU vendor: the one table that `kimi-capacity emit` writes into its Serve files and
+that the app's SGLang backend checks at start-up (`serve_app.engines.sglang.runtime_env_vars`).
+
+SGLang's Ray engine reads the GPU Ray assigned to each scheduler actor and selects it itself, so
+Ray must leave every GPU visible (kimi-k3-serving.md, "Ray backend"). On AMD nodes Ray 2.60
+narrows HIP_VISIBLE_DEVICES instead of CUDA_VISIBLE_DEVICES (ray/_private/accelerators/
+amd_gpu.py), so both are set there.
+"""
+
+from __future__ import annotations
+
+NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+NOSET_HIP_ENV = "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"
+
+# gpus.csv's `vendor` column -> the variables (each set to "1").
+NOSET_ENV_BY_VENDOR: dict[str, tuple[str, ...]] = {
+    "NVIDIA": (NOSET_CUDA_ENV,),
+    "AMD": (NOSET_CUDA_ENV, NOSET_HIP_ENV),
+}
+
+
+def gpu_vendor(gpu: str | None) -> str:
+    """The vendor of a GPU name: the planner's GPU table's `vendor` column; a name the table
+    does not list is AMD when it is an Instinct part (MI...), else NVIDIA, as is no name."""
+    if not gpu:
+        return "NVIDIA"
+    from capacity.tables import load_gpus
+
+    spec = load_gpus().get(gpu.upper())
+    if spec is not None:
+        return spec.vendor.upper()
+    return "AMD" if gpu.upper().startswith("MI") else "NVIDIA"
+
+
+def sglang_ray_env(gpu: str | None) -> dict[str, str]:
+    """The runtime_env env_vars SGLang's Ray backend needs on this GPU's nodes."""
+    vendor = gpu_vendor(gpu)
+    if vendor not in NOSET_ENV_BY_VENDOR:
+        from capacity.errors import CapacityError
+
+        raise CapacityError(f"GPU {gpu!r}: vendor {vendor!r} has no Ray environment entry; "
+                            f"known: {', '.join(NOSET_ENV_BY_VENDOR)}")
+    return dict.fromkeys(NOSET_ENV_BY_VENDOR[vendor], "1")
