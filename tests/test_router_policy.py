@@ -226,6 +226,13 @@ def test_long_requests_sharing_a_prefix_are_dispatched_together() -> None:
     # The document is committed once: 30,000 + three questions and answers.
     rep = out[0][1]
     assert p.ledger.committed(rep) < 30_000 + 3 * 500
+    # Only q0 is a long prefill there; the batched followers are not (and are not placed
+    # again after routing, which used to re-flag them and skew the prefill slots).
+    assert p.load[rep].long_prefills == 1
+    assert [r.long_prefill for r, _ in out] == [True, False, False]
+    for r, _ in out:
+        p.prefill_done(r.request_id)
+    assert all(load.long_prefills == 0 for load in p.load.values())
 
 
 def test_aging_reserves_a_replica_so_a_long_request_is_not_starved() -> None:

@@ -540,17 +540,18 @@ class KVRouterPolicy(Policy):
         # prefill) may pass a new document that waits for a prefill slot, but never onto the
         # replica reserved for the aged head.
         for req in list(self.long_queue)[:64]:
-            if not self.client_may_dispatch(req):
+            # A batch above may have taken it: placing it again would re-flag a request that
+            # is already routed.
+            if req not in self.long_queue or not self.client_may_dispatch(req):
                 continue
             exclude = None if req.request_id == self.reserved_for else self.reserved
             placed = self._place(req, exclude)
             if placed is None:
                 continue
-            if req in self.long_queue:  # a batch above may have taken it
-                self.long_queue.remove(req)
-                if self.reserved_for == req.request_id:
-                    self.reserved = self.reserved_for = None
-                self._dispatch_one(req, *placed, out)
+            self.long_queue.remove(req)
+            if self.reserved_for == req.request_id:
+                self.reserved = self.reserved_for = None
+            self._dispatch_one(req, *placed, out)
         return out
 
 
