@@ -16,7 +16,6 @@ from pydantic import ValidationError
 from sglang_helpers import GOLDEN, ROOT, app_config, serve_files
 
 from serve_app.app import ConfigError, validate
-from serve_app.engines.reference.sequence import SpecStats
 from serve_app.engines.sglang import (
     FLAGS_FILE,
     OutputTracker,
@@ -29,6 +28,7 @@ from serve_app.engines.sglang import (
     sglang_problems,
     sglang_server_args,
 )
+from serve_app.engines.spec_stats import SpecStats
 from serve_app.engines.types import SamplingParams
 
 PRODUCTION = "deployments/kimi_dspark.yaml"

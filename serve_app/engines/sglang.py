@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from capacity.ray_env import NOSET_CUDA_ENV as NOSET_CUDA_ENV
 from capacity.ray_env import NOSET_HIP_ENV as NOSET_HIP_ENV
 from capacity.ray_env import sglang_ray_env
+from serve_app.engines.spec_stats import EngineTotals, SpecStats, sglang_request_spec
 from serve_app.engines.types import (
     EngineUnavailable,
     GenerateRequest,
@@ -371,25 +372,6 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def spec_stats(meta: dict[str, Any], speculative: bool) -> dict[str, Any] | None:
-    """SGLang's per-request `meta_info` statistics under the names the reference backend uses.
-    SGLang leaves them out when no verify step ran (e.g. a 1-token answer)."""
-    if "spec_verify_ct" not in meta:
-        if not speculative:
-            return None
-        return {"spec_verify_ct": 0, "spec_accept_length": 1.0, "spec_accept_rate": 0.0,
-                "spec_correct_drafts_histogram": [], "spec_proposed_drafts": 0,
-                "spec_accepted_drafts": 0}
-    return {
-        "spec_verify_ct": int(meta["spec_verify_ct"]),
-        "spec_accept_length": float(meta.get("spec_accept_length", 1.0)),
-        "spec_accept_rate": float(meta.get("spec_accept_rate", 0.0)),
-        "spec_correct_drafts_histogram": list(meta.get("spec_correct_drafts_histogram") or []),
-        "spec_proposed_drafts": int(meta.get("spec_num_proposed_drafts", 0)),
-        "spec_accepted_drafts": int(meta.get("spec_num_correct_drafts", 0)),
-    }
-
-
 class RequestAborted(ValueError):
     """SGLang finished the request with an abort (too long, or refused by the scheduler)."""
 
@@ -430,34 +412,8 @@ class OutputTracker:
             finish_reason=kind,
             prompt_tokens=int(meta.get("prompt_tokens", self.prompt_tokens)),
             completion_tokens=int(meta.get("completion_tokens", len(self.token_ids))),
-            spec=spec_stats(meta, self.speculative) if finished else None,
+            spec=sglang_request_spec(meta, self.speculative) if finished else None,
         )
-
-
-@dataclass
-class _Totals:
-    requests_finished: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    spec_completion_tokens: int = 0
-    verify_ct: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    histogram: list[int] = field(default_factory=list)
-
-    def add(self, out: RequestOutput) -> None:
-        self.requests_finished += 1
-        self.prompt_tokens += out.prompt_tokens
-        self.completion_tokens += out.completion_tokens
-        if out.spec:
-            self.spec_completion_tokens += out.completion_tokens
-            self.verify_ct += out.spec["spec_verify_ct"]
-            self.proposed += out.spec["spec_proposed_drafts"]
-            self.accepted += out.spec["spec_accepted_drafts"]
-            for i, n in enumerate(out.spec["spec_correct_drafts_histogram"]):
-                while len(self.histogram) <= i:
-                    self.histogram.append(0)
-                self.histogram[i] += n
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -477,7 +433,7 @@ class SGLangEngine:
         self.kv_tokens_total = int(info["max_total_num_tokens"])
         self.max_req_input_len = int(info.get("max_req_input_len") or 0)
         self._active: dict[str, OutputTracker] = {}
-        self._totals = _Totals()
+        self._totals = EngineTotals()
         self._metric_tags = tags(replica=replica_name())
         metrics = app_metrics()
         if metrics is not None:
@@ -539,7 +495,8 @@ class SGLangEngine:
                 out = tracker.update(chunk)
                 finished = out.finished
                 if finished:
-                    self._totals.add(out)
+                    self._totals.add_finished(out.prompt_tokens, out.completion_tokens,
+                                              SpecStats.from_dict(out.spec) if out.spec else None)
                     # The same per-replica metrics as the reference engine, from meta_info.
                     record_finished_request(out.spec or {}, self._metric_tags)
                 yield out
@@ -585,15 +542,7 @@ class SGLangEngine:
             "backend": "sglang",
         }
         if self.speculative:
-            stats |= {
-                "spec_verify_ct": t.verify_ct,
-                "spec_accept_length": (t.spec_completion_tokens / t.verify_ct
-                                       if t.verify_ct else 1.0),
-                "spec_accept_rate": t.accepted / t.proposed if t.proposed else 0.0,
-                "spec_correct_drafts_histogram": list(t.histogram),
-                "spec_proposed_drafts": t.proposed,
-                "spec_accepted_drafts": t.accepted,
-            }
+            stats |= t.spec_dict()
         return stats
 
     def capacity(self) -> dict[str, int]:

@@ -137,4 +137,4 @@ class EngineTelemetry:
         m.token_usage.set(capacity["kv_tokens_used"] / capacity["kv_tokens_total"], tags=t)
         spec = core.totals.spec
         if spec.proposed_drafts:
-            m.spec_accept_rate.set(spec.accepted_drafts / spec.proposed_drafts, tags=t)
+            m.spec_accept_rate.set(spec.accept_rate, tags=t)

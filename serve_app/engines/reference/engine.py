@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +33,8 @@ from serve_app.engines.reference.sampling import (
     verify_drafts,
 )
 from serve_app.engines.reference.scheduler import Scheduler
-from serve_app.engines.reference.sequence import Detokenize, Sequence, SpecStats, Status
+from serve_app.engines.reference.sequence import Detokenize, Sequence, Status
+from serve_app.engines.spec_stats import EngineTotals
 from serve_app.engines.types import RequestOutput
 from serve_app.models.dspark import survival_draft_count
 
@@ -68,16 +69,6 @@ class SpeculationSettings:
     enabled: bool = True
     gamma: int | None = None  # drafts verified per step; default: the draft's block size
     confidence_threshold: float = 0.0  # verify drafts while cumulative survival >= this
-
-
-@dataclass
-class EngineTotals:
-    requests_finished: int = 0
-    requests_failed: int = 0  # aborted alone by a fault in their own processing
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    spec: SpecStats = field(default_factory=SpecStats)
-    spec_completion_tokens: int = 0
 
 
 class EngineCore:
@@ -374,12 +365,9 @@ class EngineCore:
         if seq.finished:
             if self.speculative:
                 out.spec = seq.stats.as_dict(len(seq.output_ids))
-                self.totals.spec.merge(seq.stats)
-                self.totals.spec_completion_tokens += len(seq.output_ids)
             self._notify("on_finished", seq, time.time_ns())
-            self.totals.requests_finished += 1
-            self.totals.prompt_tokens += len(seq.prompt_ids)
-            self.totals.completion_tokens += len(seq.output_ids)
+            self.totals.add_finished(len(seq.prompt_ids), len(seq.output_ids),
+                                     seq.stats if self.speculative else None)
             self.scheduler.remove(seq)
             self.runner.free(seq.request_id)
             self.sequences.pop(seq.request_id, None)
@@ -417,7 +405,7 @@ class EngineCore:
             "speculative": self.speculative,
         }
         if self.speculative:
-            stats |= t.spec.as_dict(t.spec_completion_tokens)
+            stats |= t.spec_dict()
         return stats
 
     def capacity(self) -> dict[str, int]:

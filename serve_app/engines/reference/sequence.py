@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serve_app.engines.reference.sampling import SamplingParams
+from serve_app.engines.spec_stats import SpecStats
 
 Detokenize = Callable[[list[int]], str]
 
@@ -18,46 +19,6 @@ class Status(enum.Enum):
     PREFILLING = "prefilling"  # KV reserved, prompt partly in the cache
     DECODING = "decoding"
     FINISHED = "finished"
-
-
-@dataclass
-class SpecStats:
-    """Per-request speculative statistics, named and defined as SGLang defines them."""
-
-    verify_ct: int = 0
-    proposed_drafts: int = 0
-    accepted_drafts: int = 0
-    # histogram[i] = verify steps that accepted exactly i drafts (bonus excluded)
-    correct_drafts_histogram: list[int] = field(default_factory=list)
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.verify_ct += 1
-        self.proposed_drafts += proposed
-        self.accepted_drafts += accepted
-        while len(self.correct_drafts_histogram) <= accepted:
-            self.correct_drafts_histogram.append(0)
-        self.correct_drafts_histogram[accepted] += 1
-
-    def merge(self, other: SpecStats) -> None:
-        self.verify_ct += other.verify_ct
-        self.proposed_drafts += other.proposed_drafts
-        self.accepted_drafts += other.accepted_drafts
-        for i, n in enumerate(other.correct_drafts_histogram):
-            while len(self.correct_drafts_histogram) <= i:
-                self.correct_drafts_histogram.append(0)
-            self.correct_drafts_histogram[i] += n
-
-    def as_dict(self, completion_tokens: int) -> dict[str, object]:
-        # SGLang: completion tokens (the prefill-sampled first one included) per verify step.
-        return {
-            "spec_verify_ct": self.verify_ct,
-            "spec_accept_length": completion_tokens / self.verify_ct if self.verify_ct else 1.0,
-            "spec_accept_rate": (self.accepted_drafts / self.proposed_drafts
-                                 if self.proposed_drafts else 0.0),
-            "spec_correct_drafts_histogram": list(self.correct_drafts_histogram),
-            "spec_proposed_drafts": self.proposed_drafts,
-            "spec_accepted_drafts": self.accepted_drafts,
-        }
 
 
 @dataclass
