@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for label, change in variants.items():
             r, _ = run_policies(["kv_aware"], [rate], fleet, workload,
-                                replace(settings, **change), slo, trace)
+                                RouterSettings(**settings.model_dump() | change), slo, trace)
             r[0]["policy"] = label
             rows.append(r[0])
         print(table(rows))
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rate {s['rate']:g}: kv_aware goodput {s['goodput_ratio']:.2f}x the best baseline "
               f"(goal >= 1.5x); short p99 TTFT {s['short_p99_ttft_ratio']:.3f}x (goal <= 0.5x)")
     result = {"fleet": asdict(fleet), "kv_tokens_per_replica": cost.kv_tokens,
-              "workload": asdict(workload), "slo": asdict(slo), "settings": asdict(settings),
+              "workload": asdict(workload), "slo": asdict(slo), "settings": settings.model_dump(),
               "rows": rows, "vs_best_baseline": summary}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))

@@ -108,11 +108,9 @@ def _router_options(config: AppConfig) -> dict[str, Any]:
     for Serve's own."""
     if config.router.policy == "ray_default":
         return {}
-    from dataclasses import asdict
-
     from ray.serve.config import RequestRouterConfig
 
-    settings = asdict(config.router.settings(config.engine.backend, context_length(config)))
+    settings = config.router.settings(config.engine.backend, context_length(config)).model_dump()
     return {"request_router_config": RequestRouterConfig(
         request_router_class="serve_app.serving.router:KVAwareRequestRouter",
         request_router_kwargs={"key": "TargetDeployment", "settings": settings})}

@@ -7,15 +7,13 @@ as `embedded:NAME` (a folder under `serve_app/assets/`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.engines.reference.builder import ReferenceEngineConfig
 from serve_app.observability.tracing import TracingConfig
-
-if TYPE_CHECKING:
-    from serve_app.routing.policy import RouterSettings
+from serve_app.routing.settings import RouterSettings
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -153,49 +151,23 @@ class SGLangSettings(_Strict):
                                               "SGLang ServerArgs field; checked against 0.5.23")
 
 
-class RouterConfig(_Strict):
-    """The long-context router (docs/router.md). Defaults come from the simulator runs in
-    bench/router_sim.py on K3 + DSpark, 2 x 8 H200 replicas."""
+class RouterConfig(RouterSettings):
+    """The long-context router (docs/router.md): every field, default and description is
+    `serve_app.routing.settings.RouterSettings`; two have a config-only `null` default, resolved
+    from the deployment by `settings`."""
 
-    policy: Literal["kv_aware", "cache_aware", "power_of_two", "round_robin", "ray_default"] = (
-        Field(default="kv_aware", description="kv_aware: this router; cache_aware/power_of_two/"
-              "round_robin: the baselines (no admission); ray_default: Serve's own routing"))
-    block_size: int = Field(default=256, gt=0, description="tokens per prefix-hash block")
-    long_threshold: int | None = Field(default=None, gt=0, description="prompt tokens from "
-                                       "which a request is in the long class; default: the "
-                                       "context length / 32 (32,768 at K3's 1,048,576)")
-    max_long_prefills_per_replica: int = Field(default=1, gt=0)
-    long_prefill_replica_fraction: float = Field(default=0.5, gt=0, le=1, description="share "
-                                                 "of replicas that may run a long prefill")
-    queue_size: int = Field(default=1024, gt=0, description="requests held waiting for KV; "
-                            "beyond it: 429")
-    queue_timeout_s: float = Field(default=900.0, gt=0, description="longest wait; then 503")
-    aging_s: float = Field(default=120.0, ge=0, description="a long request waiting this long "
-                           "goes before short ones")
-    cache_threshold: float = Field(default=0.5, ge=0, le=1)
-    balance_abs_tokens: int = Field(default=65_536, ge=0, description="pending-prefill spread "
-                                    "(tokens) beyond which load wins over affinity ...")
-    balance_rel: float = Field(default=1.5, ge=1, description="... if also max > rel x min")
-    index_max_entries: int = Field(default=2_000_000, gt=0, description="prefix index bound "
-                                   "((block, replica) pairs, about 150 B each)")
-    share_prefix: bool | None = Field(default=None, description="count prefix blocks shared by "
-                                      "in-flight requests once; default: true for sglang "
-                                      "(radix cache), false for reference (no prefix cache)")
-    retry_after_s: float = Field(default=2.0, gt=0)
-    client_max_requests: int = Field(default=256, gt=0, description="requests one client "
-                                     "(API key, else address) may have queued + in flight; "
-                                     "beyond it: 429")
-    client_max_kv_share: float = Field(default=0.5, gt=0, le=1, description="share of the "
-                                       "fleet's KV tokens one client's in-flight requests may "
-                                       "commit; its further requests wait (a client with none "
-                                       "in flight is always served)")
+    long_threshold: int | None = Field(  # type: ignore[assignment]
+        default=None, gt=0, description="prompt tokens from which a request is in the long "
+        "class; default: the context length / 32 (32,768 at K3's 1,048,576)")
+    share_prefix: bool | None = Field(  # type: ignore[assignment]
+        default=None, description="count prefix blocks shared by in-flight requests once; "
+        "default: true for sglang (radix cache), false for reference (no prefix cache)")
 
     def settings(self, backend: str, context_length: int) -> RouterSettings:
-        from serve_app.routing.policy import RouterSettings
-
+        """The settings the router runs with: the `null` defaults resolved (the one place)."""
         values = self.model_dump()
-        share = values.pop("share_prefix")
-        values["share_prefix"] = backend == "sglang" if share is None else share
+        if values["share_prefix"] is None:
+            values["share_prefix"] = backend == "sglang"
         if values["long_threshold"] is None:
             values["long_threshold"] = max(1, context_length // 32)
         if values["policy"] == "ray_default":

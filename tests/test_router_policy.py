@@ -334,3 +334,30 @@ def test_admission_stage_counts_one_decision_per_dispatch(monkeypatch: pytest.Mo
     assert len(set(replicas)) == 1
     assert Metrics.router_decisions.calls == [{"reason": "least_work"}, {"reason": "affinity"},
                                               {"reason": "affinity"}]
+
+
+def test_router_config_is_the_routing_model() -> None:
+    """One definition of the router's fields: the config tree's `router:` is RouterSettings,
+    only the two config-only `null` defaults widened, resolved in RouterConfig.settings."""
+    import re
+    from pathlib import Path
+
+    from serve_app.config import RouterConfig
+
+    assert issubclass(RouterConfig, RouterSettings)
+    assert set(RouterConfig.__annotations__) == {"long_threshold", "share_prefix"}
+    assert set(RouterConfig.model_fields) == set(RouterSettings.model_fields)
+    cfg = RouterConfig()
+    assert (cfg.long_threshold, cfg.share_prefix) == (None, None)
+    resolved = cfg.settings("sglang", 1 << 20)
+    assert type(resolved) is RouterSettings
+    assert resolved == RouterSettings(long_threshold=32_768, share_prefix=True)
+    assert cfg.settings("reference", 64).model_dump() == RouterSettings(
+        long_threshold=2, share_prefix=False).model_dump()
+    assert RouterConfig(policy="ray_default").settings("sglang", 1 << 20).policy == "kv_aware"
+    with pytest.raises(ValueError, match="ray_default"):
+        make_policy(RouterSettings(policy="ray_default"))
+    # The pure layer never imports the config tree.
+    for path in Path("serve_app/routing").glob("*.py"):
+        assert not re.search(r"^\s*(from|import) serve_app\.config", path.read_text(),
+                             re.MULTILINE), path

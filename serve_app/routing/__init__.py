@@ -1,5 +1,6 @@
 """Long-context routing policy: pure, backend-agnostic Python (no Ray imports).
 
+`settings` (RouterSettings: the router's fields, which the app's config tree uses as `router:`),
 `ledger` (KV tokens committed per replica), `prefix_index` (hash-chain block index -> replicas,
 memory-bounded LRU), `policy` (admission, affinity, long/short classes, aging, and the baseline
 policies). The Serve integration (`serve_app.serving.router`) and the simulator

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from serve_app.routing.ledger import CapacityLedger
 from serve_app.routing.prefix_index import PrefixIndex
+from serve_app.routing.settings import RouterSettings
 
 
 class RouterError(Exception):
@@ -59,35 +60,6 @@ class QueueTimeout(RouterError):
         self.waited_s = waited_s
         super().__init__(f"no replica had KV capacity for this request within {waited_s:.1f} s "
                          "(router queue timeout); the service is overloaded")
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    """Mirrors `serve_app.config.RouterConfig` (kept as a plain dataclass so this package has no
-    dependency on the app's config tree). Defaults: see docs/router.md for the simulator runs."""
-
-    policy: str = "kv_aware"
-    block_size: int = 256
-    long_threshold: int = 32_768
-    max_long_prefills_per_replica: int = 1
-    long_prefill_replica_fraction: float = 0.5
-    queue_size: int = 1024
-    queue_timeout_s: float = 900.0
-    aging_s: float = 120.0
-    cache_threshold: float = 0.5
-    balance_abs_tokens: int = 65_536
-    balance_rel: float = 1.5
-    index_max_entries: int = 2_000_000
-    share_prefix: bool = True
-    retry_after_s: float = 2.0
-    # Per client (API key or address; "" = no client, e.g. the simulator: unlimited).
-    client_max_requests: int = 256
-    client_max_kv_share: float = 1.0
-    # SGLang router (sgl-router cache_aware) published defaults, for the baseline.
-    sglang_cache_threshold: float = 0.5
-    sglang_balance_abs_threshold: int = 32
-    sglang_balance_rel_threshold: float = 1.0001
-    seed: int = 0
 
 
 @dataclass
@@ -562,6 +534,6 @@ POLICIES: dict[str, type[Policy]] = {
 
 def make_policy(settings: RouterSettings, name: str | None = None) -> Policy:
     key = name or settings.policy
-    if key not in POLICIES:
+    if key not in POLICIES:  # ray_default: Serve's own routing, no policy of this package
         raise ValueError(f"router.policy={key!r}; allowed: {', '.join(POLICIES)}")
     return POLICIES[key](settings)

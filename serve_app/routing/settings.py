@@ -1,0 +1,56 @@
+"""The router's settings: one definition of every field, its default and its meaning.
+
+The app's config tree uses this model as `router:` (`serve_app.config.RouterConfig` subclasses
+it, only widening `long_threshold` and `share_prefix` to a `null` default that it resolves from
+the deployment); the policies, the Serve admission stage and the simulator take it as is.
+Defaults: the simulator runs in docs/router.md (bench/router_sim.py on K3 + DSpark, 2 x 8 H200
+replicas). No import from the config tree: this package stays pure.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RouterSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: Literal["kv_aware", "cache_aware", "power_of_two", "round_robin", "ray_default"] = (
+        Field(default="kv_aware", description="kv_aware: this router; cache_aware/power_of_two/"
+              "round_robin: the baselines (no admission); ray_default: Serve's own routing "
+              "(the app does not use this package)"))
+    block_size: int = Field(default=256, gt=0, description="tokens per prefix-hash block")
+    long_threshold: int = Field(default=32_768, gt=0, description="prompt tokens from which a "
+                                "request is in the long class")
+    max_long_prefills_per_replica: int = Field(default=1, gt=0)
+    long_prefill_replica_fraction: float = Field(default=0.5, gt=0, le=1, description="share "
+                                                 "of replicas that may run a long prefill")
+    queue_size: int = Field(default=1024, gt=0, description="requests held waiting for KV; "
+                            "beyond it: 429")
+    queue_timeout_s: float = Field(default=900.0, gt=0, description="longest wait; then 503")
+    aging_s: float = Field(default=120.0, ge=0, description="a long request waiting this long "
+                           "goes before short ones")
+    cache_threshold: float = Field(default=0.5, ge=0, le=1)
+    balance_abs_tokens: int = Field(default=65_536, ge=0, description="pending-prefill spread "
+                                    "(tokens) beyond which load wins over affinity ...")
+    balance_rel: float = Field(default=1.5, ge=1, description="... if also max > rel x min")
+    index_max_entries: int = Field(default=2_000_000, gt=0, description="prefix index bound "
+                                   "((block, replica) pairs, about 150 B each)")
+    share_prefix: bool = Field(default=True, description="count prefix blocks shared by "
+                               "in-flight requests once (an engine with a prefix cache)")
+    retry_after_s: float = Field(default=2.0, gt=0)
+    # Per client (API key or address; "" = no client, e.g. the simulator: unlimited).
+    client_max_requests: int = Field(default=256, gt=0, description="requests one client "
+                                     "(API key, else address) may have queued + in flight; "
+                                     "beyond it: 429")
+    client_max_kv_share: float = Field(default=0.5, gt=0, le=1, description="share of the "
+                                       "fleet's KV tokens one client's in-flight requests may "
+                                       "commit; its further requests wait (a client with none "
+                                       "in flight is always served)")
+    # SGLang router (sgl-router cache_aware) published defaults, for the baseline.
+    sglang_cache_threshold: float = Field(default=0.5, ge=0, le=1)
+    sglang_balance_abs_threshold: int = Field(default=32, ge=0)
+    sglang_balance_rel_threshold: float = Field(default=1.0001, ge=1)
+    seed: int = Field(default=0, description="power_of_two's random choices")
