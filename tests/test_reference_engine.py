@@ -18,7 +18,7 @@ from serve_app.engines.reference.builder import (
     build_engine,
     build_runner,
 )
-from serve_app.engines.reference.engine import EngineCore, RequestOutput, SpeculationSettings
+from serve_app.engines.reference.engine import EngineCore, RequestOutput
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.engines.reference.sequence import Sequence
@@ -113,7 +113,8 @@ def engine_with(target: KimiForCausalLM, proposer: object | None, *, gamma: int 
     allocator = PagedAllocator(capacity, 16)
     runner = ModelRunner(target, proposer, allocator)  # type: ignore[arg-type]
     return EngineCore(runner, eos_token_ids=[target.config.eos_token_id],
-                      speculation=SpeculationSettings(proposer is not None, gamma), **kwargs)  # type: ignore[arg-type]
+                      speculation=SpeculationConfig(enabled=proposer is not None, gamma=gamma),
+                      **kwargs)  # type: ignore[arg-type]
 
 
 def engine_from(pair: tuple[Path, Path], draft: bool = True, **spec: object) -> EngineCore:

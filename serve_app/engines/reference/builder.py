@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.engines.reference.engine import EngineCore, SpeculationSettings
+from serve_app.engines.reference.engine import EngineCore, SpeculationConfig
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.proposer import DSparkProposer
 from serve_app.engines.reference.sequence import Detokenize
@@ -23,16 +23,6 @@ from serve_app.models.kimi_config import KimiConfig
 from serve_app.models.kv_cache import PagedAllocator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class SpeculationConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = True
-    gamma: int | None = Field(default=None, ge=1, description="drafts verified per step; "
-                              "default: the draft's block_size")
-    confidence_threshold: float = Field(default=0.0, ge=0.0, lt=1.0, description=(
-        "verify drafts while their cumulative acceptance estimate stays >= this; 0 = all"))
 
 
 class ReferenceEngineConfig(BaseModel):
@@ -145,7 +135,6 @@ def build_engine(
     target_cfg = runner.target.config
     eos = eos_token_ids if eos_token_ids is not None else (
         [target_cfg.eos_token_id] if getattr(target_cfg, "eos_token_id", None) is not None else [])
-    spec = config.speculation
     return EngineCore(
         runner,
         eos_token_ids=eos,
@@ -153,6 +142,6 @@ def build_engine(
         max_batch_size=config.max_batch_size,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
-        speculation=SpeculationSettings(spec.enabled, spec.gamma, spec.confidence_threshold),
+        speculation=config.speculation,
         max_model_len=target_cfg.max_position_embeddings,
     )

@@ -19,10 +19,10 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.sampling import (
@@ -64,11 +64,16 @@ class EngineObserver(Protocol):
         """After every step (queue lengths, KV use)."""
 
 
-@dataclass
-class SpeculationSettings:
+class SpeculationConfig(BaseModel):
+    """`engine.reference.speculation` in the app config, taken by EngineCore as is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     enabled: bool = True
-    gamma: int | None = None  # drafts verified per step; default: the draft's block size
-    confidence_threshold: float = 0.0  # verify drafts while cumulative survival >= this
+    gamma: int | None = Field(default=None, ge=1, description="drafts verified per step; "
+                              "default: the draft's block_size")
+    confidence_threshold: float = Field(default=0.0, ge=0.0, lt=1.0, description=(
+        "verify drafts while their cumulative acceptance estimate stays >= this; 0 = all"))
 
 
 class EngineCore:
@@ -81,7 +86,7 @@ class EngineCore:
         max_batch_size: int = 32,
         prefill_chunk_tokens: int = 512,
         max_prefill_tokens_per_request: int | None = None,
-        speculation: SpeculationSettings | None = None,
+        speculation: SpeculationConfig | None = None,
         max_model_len: int | None = None,
         residual_rule: ResidualRule = residual_distribution,
         observer: EngineObserver | None = None,
@@ -97,7 +102,7 @@ class EngineCore:
         self.max_model_len = max_model_len
         config = getattr(runner.target, "config", None)
         self.vocab_size: int | None = getattr(config, "vocab_size", None)
-        spec = speculation or SpeculationSettings()
+        spec = speculation or SpeculationConfig()
         proposer = runner.proposer
         self.speculative = spec.enabled and proposer is not None
         self.gamma = 0
