@@ -145,7 +145,7 @@ def test_emit_writes_valid_configs(tmp_path: Path):
     app_cfg = serve["applications"][0]
     assert app_cfg["import_path"] == "serve_app.app:build_app"
     assert app_cfg["args"]["parallelism"] == {
-        "tp": 16, "ep": 16, "attention_dp": 1, "pp": 1, "nodes": 2, "devices_per_node": 8,
+        "tp": 16, "ep": 16, "attention_dp": 1, "nodes": 2, "devices_per_node": 8,
     }
     # The args are the Serve app's own config tree: its model accepts them, and the placement
     # it derives is the plan's (one 8-GPU bundle per node, spread over the nodes).
@@ -153,7 +153,8 @@ def test_emit_writes_valid_configs(tmp_path: Path):
     from serve_app.engines.sglang import sglang_server_args
 
     app = AppConfig.model_validate(app_cfg["args"])
-    assert app.bundles() == [{"CPU": 64.0, "GPU": 8.0}] * 2
+    # One CPU per rank (capacity.emit.CPUS_PER_RANK, as the shipped files).
+    assert app.bundles() == [{"CPU": 8.0, "GPU": 8.0}] * 2
     assert app.strategy == "STRICT_SPREAD"
     assert (app.engine.sglang.planner_model, app.engine.sglang.planner_draft) == (
         "kimi-k3", "kimi-k3-dspark")
