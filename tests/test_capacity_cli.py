@@ -215,3 +215,66 @@ def test_emit_validation_rejects_broken_configs():
 def test_emit_refuses_layout_that_does_not_fit(tmp_path: Path):
     assert_user_error(invoke("emit", "--gpu", "H200", "--nodes", "1", "--out-dir",
                              str(tmp_path)), "does not fit")
+
+
+def _feasible_k3_dspark_fleets() -> list[tuple[str, int]]:
+    """(GPU, nodes) the planner finds feasible for K3 + DSpark at 128K with the plain layout
+    `kimi-capacity emit --gpu G --nodes N` writes (TP = EP = every GPU, no DP/PP, native
+    weights): the fewest nodes per GPU type."""
+    from capacity.cli import describe_model
+    from capacity.planner import plan
+    from capacity.tables import load_gpus, load_prices
+
+    result = plan(describe_model("kimi-k3"), load_gpus(), load_prices(), 128 * 1024,
+                  describe_model("kimi-k3-dspark"))
+    fewest: dict[str, int] = {}
+    for row in result.rows:
+        lay = row.layout
+        plain = (lay.attention_dp, lay.pipeline_stages, lay.weight_format) == (1, 1, None)
+        if plain and lay.attention_tp == lay.expert_parallel == lay.total_gpus:
+            fewest[lay.gpu] = min(lay.nodes, fewest.get(lay.gpu, lay.nodes))
+    return sorted(fewest.items())
+
+
+FEASIBLE_FLEETS = _feasible_k3_dspark_fleets()
+
+
+def test_feasible_fleets_include_the_shipped_layouts():
+    assert {("H200", 2), ("B300", 1), ("MI355X", 1), ("MI300X", 2)} <= set(FEASIBLE_FLEETS)
+
+
+@pytest.mark.parametrize(("gpu", "nodes"), FEASIBLE_FLEETS)
+def test_emitted_feasible_fleet_passes_the_apps_startup_checks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu: str, nodes: int):
+    """Every feasible (GPU x nodes) fleet for K3 + DSpark: the emitted Serve file is the app's
+    config tree (AppConfig), passes the app's start-up validation (serve_app.app.validate:
+    sglang_problems), and its runtime_env satisfies the environment check SGLangEngine.start
+    makes before launching (it then stops only for want of a placement group)."""
+    from serve_app.app import validate
+    from serve_app.config import AppConfig
+    from serve_app.engines.sglang import (
+        NOSET_CUDA_ENV,
+        NOSET_HIP_ENV,
+        SGLangEngine,
+        runtime_env_vars,
+    )
+    from serve_app.engines.types import EngineUnavailable
+
+    result = invoke("emit", "--gpu", gpu, "--nodes", str(nodes), "--draft", "kimi-k3-dspark",
+                    "--model-ref", "/models/Kimi-K3", "--out-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    serve_files = list(tmp_path.glob("serve-*.yaml"))
+    assert len(serve_files) == 1
+    app_cfg = yaml.safe_load(serve_files[0].read_text())["applications"][0]
+    validate_serve_config(yaml.safe_load(serve_files[0].read_text()))
+    config = AppConfig.model_validate(app_cfg["args"])
+    validate(config)
+    env = app_cfg["runtime_env"]["env_vars"]
+    assert runtime_env_vars(config).items() <= env.items()
+    # The replica's environment is the file's runtime_env: start() finds what it needs.
+    for name in (NOSET_CUDA_ENV, NOSET_HIP_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(EngineUnavailable, match="placement group"):
+        SGLangEngine.start(config)

@@ -81,3 +81,38 @@ def test_kuberay_rayservice_embeds_the_serve_file() -> None:
     (container,) = group["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert {"name": "RAY_AUTH_MODE", "value": "token"} in container["env"]
+
+
+@pytest.mark.parametrize("rel", serve_files())
+def test_the_emit_path_writes_the_shipped_files(tmp_path: Path, rel: str) -> None:
+    """capacity/emit.py is the one writer: the variant's description, written through
+    `kimi-capacity emit`'s writer (capacity.emit.write), gives the committed file byte for byte,
+    and so does its on-premise cluster file for the AMD layout; `kimi-capacity emit` for the
+    same GPUs and nodes writes the same Serve file apart from the planner's SGLang values."""
+    from typer.testing import CliRunner
+
+    from capacity import emit
+    from capacity.cli import app as capacity_cli
+
+    gen = generator()
+    variant = next(v for v in gen.VARIANTS if v.file == rel)
+    desc = gen.completed(variant.description)
+    cluster = emit.onprem_config("kimi-k3-amd", desc.nodes * desc.replicas)
+    result = emit.write(tmp_path / "gen", desc, cluster, variant.note, tool=gen.TOOL)
+    assert result.serve_path.read_bytes() == (ROOT / rel).read_bytes()
+    if desc.gpu == "MI300X":
+        onprem = ROOT / "cluster" / "onprem-amd.yaml"
+        what = gen.cluster_files()["cluster/onprem-amd.yaml"][0]
+        emitted = emit.render(result.cluster_config, what, gen.TOOL)
+        assert emitted.encode() == onprem.read_bytes()
+
+    out = tmp_path / "cli"
+    run = CliRunner().invoke(capacity_cli, [
+        "emit", "--gpu", desc.gpu, "--nodes", str(desc.nodes), "--model-ref", gen.TARGET,
+        "--draft", "kimi-k3-dspark", "--draft-ref", gen.DRAFT, "--out-dir", str(out)])
+    assert run.exit_code == 0, run.output
+    planned = yaml.safe_load((out / f"serve-{desc.stem}.yaml").read_text())
+    shipped = load_serve(rel)
+    for data in (planned, shipped):
+        data["applications"][0]["args"]["engine"].pop("sglang")
+    assert planned == shipped
