@@ -15,46 +15,11 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, ConfigError, context_length, model_configs
 from serve_app.engines.reference.builder import check_pair
-from serve_app.models.dspark_config import DSparkConfig
-from serve_app.models.kimi_config import KimiConfig
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.target import TargetReplica
 from serve_app.tokenizer import load_tokenizer
-
-
-class ConfigError(ValueError):
-    pass
-
-
-def _model_configs(config: AppConfig) -> tuple[KimiConfig, DSparkConfig | None]:
-    target_path = config.models.target_path()
-    if not (target_path / "config.json").exists():
-        raise ConfigError(f"models.target: no config.json in {target_path}")
-    target = KimiConfig.from_file(target_path)
-    draft_path = config.models.draft_path()
-    draft = None
-    if draft_path is not None:
-        if not (draft_path / "config.json").exists():
-            raise ConfigError(f"models.draft: no config.json in {draft_path}")
-        draft = DSparkConfig.from_file(draft_path)
-    return target, draft
-
-
-def context_length(config: AppConfig) -> int:
-    """The longest prompt + completion a request may ask for: one number for the ingress's
-    check, the body-size limit and the router's long/short threshold."""
-    if config.engine.max_model_len:
-        return config.engine.max_model_len
-    if config.engine.backend == "sglang":
-        # The checkpoints may be only on the GPU nodes; SGLang enforces the same number.
-        return config.engine.sglang.context_length
-    target, draft = _model_configs(config)
-    limit = target.max_position_embeddings
-    if draft is not None and config.engine.reference.speculation.enabled:
-        limit = min(limit, draft.max_position_embeddings)
-    return config.engine.max_model_len or limit
 
 
 def validate(config: AppConfig) -> None:
@@ -71,7 +36,7 @@ def validate(config: AppConfig) -> None:
     if config.engine.backend != "reference":
         raise ConfigError(f"engine.backend={config.engine.backend!r} is not available in this "
                           "build; allowed: 'reference', 'sglang'")
-    target, draft = _model_configs(config)
+    target, draft = model_configs(config)
     problems = []
     if draft is not None:
         try:

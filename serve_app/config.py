@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.engines.reference.builder import ReferenceEngineConfig
+from serve_app.models.dspark_config import DSparkConfig
+from serve_app.models.kimi_config import KimiConfig
 from serve_app.observability.tracing import TracingConfig
 from serve_app.routing.settings import RouterSettings
 
@@ -245,3 +247,40 @@ class AppConfig(_Strict):
         if pl.accelerator == "GPU":
             bundle["GPU"] = float(p.devices_per_node)
         return [dict(bundle) for _ in range(p.nodes)]
+
+
+# --- what the tree's model paths say (read from config.json files, no weights) ----------------
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def model_configs(config: AppConfig) -> tuple[KimiConfig, DSparkConfig | None]:
+    """The target's and the draft's config.json, each missing file named by its field."""
+    target_path = config.models.target_path()
+    if not (target_path / "config.json").exists():
+        raise ConfigError(f"models.target: no config.json in {target_path}")
+    target = KimiConfig.from_file(target_path)
+    draft_path = config.models.draft_path()
+    draft = None
+    if draft_path is not None:
+        if not (draft_path / "config.json").exists():
+            raise ConfigError(f"models.draft: no config.json in {draft_path}")
+        draft = DSparkConfig.from_file(draft_path)
+    return target, draft
+
+
+def context_length(config: AppConfig) -> int:
+    """The longest prompt + completion a request may ask for: one number for the ingress's
+    check, the body-size limit and the router's long/short threshold."""
+    if config.engine.max_model_len:
+        return config.engine.max_model_len
+    if config.engine.backend == "sglang":
+        # The checkpoints may be only on the GPU nodes; SGLang enforces the same number.
+        return config.engine.sglang.context_length
+    target, draft = model_configs(config)
+    limit = target.max_position_embeddings
+    if draft is not None and config.engine.reference.speculation.enabled:
+        limit = min(limit, draft.max_position_embeddings)
+    return limit

@@ -37,7 +37,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, context_length
 from serve_app.engines.types import (
     EngineUnavailable,
     GenerateRequest,
@@ -478,8 +478,6 @@ class OpenAIIngress:
         self.target = target
         self.tokenizer = load_tokenizer(self.config.models.tokenizer_path())
         self.model_name = self.config.models.served_model_name
-        from serve_app.app import context_length
-
         self.max_model_len = context_length(self.config)
         ing = self.config.ingress
         edge = configure_edge(_api_keys(self.config),
