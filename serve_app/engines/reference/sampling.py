@@ -90,10 +90,12 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return residual / total if total > 0 else p
 
 
-def _valid_draft_row(q_row: torch.Tensor) -> bool:
-    """A draft distribution the rejection rule can use: finite, non-negative, some mass."""
-    return bool(torch.isfinite(q_row).all()) and bool((q_row >= 0).all()) and float(
-        q_row.sum()) > 0
+def _valid_draft_rows(draft_probs: torch.Tensor) -> list[bool]:
+    """Per row of [k, V] draft distributions: can the rejection rule use it (finite,
+    non-negative, some mass)? One reduction and one host copy for all k rows, not three
+    per draft (each a device sync on CUDA)."""
+    q = draft_probs.float()
+    return (torch.isfinite(q).all(-1) & (q >= 0).all(-1) & (q.sum(-1) > 0)).tolist()
 
 
 ResidualRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -120,6 +122,8 @@ def verify_drafts(
     p = target_probs(target_logits, params)
     _check_distribution(p)
     vocab = p.shape[-1]
+    # One-hot proposals are always usable.
+    usable = _valid_draft_rows(draft_probs[:k]) if draft_probs is not None else [True] * k
     for j in range(k):
         d = int(drafts[j])
         if not 0 <= d < vocab:
@@ -128,7 +132,7 @@ def verify_drafts(
             return _reject(drafts, j, p[j], generator)
         q_row = (draft_probs[j].float() if draft_probs is not None
                  else torch.nn.functional.one_hot(torch.tensor(d), vocab).float())
-        if not _valid_draft_row(q_row):
+        if not usable[j]:
             return _reject(drafts, j, p[j], generator)  # a NaN/negative q: as above
         q_d, p_d = float(q_row[d]), float(p[j, d])
         u = float(torch.rand((), generator=generator))
