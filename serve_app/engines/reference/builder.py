@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from serve_app.engines.reference.engine import EngineCore, SpeculationConfig
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.proposer import DSparkProposer
+from serve_app.engines.reference.scheduler import prefill_cap
 from serve_app.engines.reference.sequence import Detokenize
 from serve_app.engines.reference.tensor_parallel import shard_dspark
 from serve_app.models.dspark import load_dspark
@@ -41,10 +42,7 @@ class ReferenceEngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _prefill_cap_fits_the_step(self) -> ReferenceEngineConfig:
-        cap = self.max_prefill_tokens_per_request
-        if cap is not None and cap > self.prefill_chunk_tokens:
-            raise ValueError(f"max_prefill_tokens_per_request={cap} must be <= "
-                             f"prefill_chunk_tokens={self.prefill_chunk_tokens}")
+        prefill_cap(self.prefill_chunk_tokens, self.max_prefill_tokens_per_request)
         return self
 
 

@@ -40,6 +40,20 @@ class StepPlan:
         return not self.prefill and not self.decode
 
 
+def prefill_cap(prefill_chunk_tokens: int, max_prefill_tokens_per_request: int | None) -> int:
+    """A prompt's share of one step's prefill budget: the setting, checked, or by default a
+    quarter of the budget (at least 1). The one check, for the config and the scheduler."""
+    cap = max_prefill_tokens_per_request
+    if cap is None:
+        return max(1, prefill_chunk_tokens // 4)
+    if cap < 1:
+        raise ValueError(f"max_prefill_tokens_per_request={cap} must be >= 1")
+    if cap > prefill_chunk_tokens:
+        raise ValueError(f"max_prefill_tokens_per_request={cap} must be <= "
+                         f"prefill_chunk_tokens={prefill_chunk_tokens}")
+    return cap
+
+
 class Scheduler:
     def __init__(
         self,
@@ -52,12 +66,7 @@ class Scheduler:
     ) -> None:
         """`max_prefill_tokens_per_request`: a prompt's share of one step's prefill budget;
         None = a quarter of `prefill_chunk_tokens` (at least 1)."""
-        cap = max_prefill_tokens_per_request
-        if cap is None:
-            cap = max(1, prefill_chunk_tokens // 4)
-        elif not 0 < cap <= prefill_chunk_tokens:
-            raise ValueError(f"max_prefill_tokens_per_request={cap} must be in "
-                             f"[1, prefill_chunk_tokens={prefill_chunk_tokens}]")
+        cap = prefill_cap(prefill_chunk_tokens, max_prefill_tokens_per_request)
         self.capacity_tokens = capacity_tokens
         self.page_size = page_size
         self.max_batch_size = max_batch_size
