@@ -76,53 +76,40 @@ class _Strictish(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
-# OpenAI fields this server does not implement, and the value(s) that mean "not used": any
-# other value is refused with a 400 naming the field.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False),  # meaningless without tools
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0),
-    "best_of": (None, 1),
-    "n": (None, 1),
-    "prediction": (None,),
-    "audio": (None,),
-    "modalities": (None, ["text"]),
-    "web_search_options": (None,),
-    "reasoning_effort": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-}
-_WHY = {
-    "tools": "tool calling is not supported by this server",
-    "tool_choice": "tool calling is not supported by this server",
-    "functions": "function calling is not supported by this server",
-    "function_call": "function calling is not supported by this server",
-    "parallel_tool_calls": "tool calling is not supported by this server",
-    "response_format": "only response_format {\"type\": \"text\"} is supported (no JSON mode "
-                       "or schemas)",
-    "logit_bias": "logit_bias is not supported by this server",
-    "logprobs": "logprobs are not supported by this server",
-    "top_logprobs": "logprobs are not supported by this server",
-    "presence_penalty": "presence_penalty is not supported by this server (only 0)",
-    "frequency_penalty": "frequency_penalty is not supported by this server (only 0)",
-    "repetition_penalty": "repetition_penalty is not supported by this server (only 1)",
-    "min_p": "min_p is not supported by this server (only 0)",
-    "min_tokens": "min_tokens is not supported by this server",
-    "best_of": "best_of > 1 is not supported by this server",
-    "n": "n > 1 is not supported by this server",
+# OpenAI fields this server does not implement: the values that mean "not used" (numbers
+# compare by value, so 0 also stands for 0.0), and why any other value is refused with a 400
+# naming the field.
+_TOOLS = "tool calling is not supported by this server"
+_LOGPROBS = "logprobs are not supported by this server"
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str | None]] = {
+    "tools": ((None, []), _TOOLS),
+    "tool_choice": ((None, "none"), _TOOLS),
+    "functions": ((None, []), "function calling is not supported by this server"),
+    "function_call": ((None, "none"), "function calling is not supported by this server"),
+    "parallel_tool_calls": ((None, True, False), _TOOLS),  # meaningless without tools
+    "response_format": ((None, {"type": "text"}), "only response_format {\"type\": \"text\"} "
+                        "is supported (no JSON mode or schemas)"),
+    "logit_bias": ((None, {}), None),
+    "logprobs": ((None, False, 0), _LOGPROBS),
+    "top_logprobs": ((None, 0), _LOGPROBS),
+    "presence_penalty": ((None, 0), "presence_penalty is not supported by this server (only 0)"),
+    "frequency_penalty": ((None, 0), "frequency_penalty is not supported by this server "
+                          "(only 0)"),
+    "repetition_penalty": ((None, 1), "repetition_penalty is not supported by this server "
+                           "(only 1)"),
+    "min_p": ((None, 0), "min_p is not supported by this server (only 0)"),
+    "min_tokens": ((None, 0), None),
+    "best_of": ((None, 1), "best_of > 1 is not supported by this server"),
+    "n": ((None, 1), "n > 1 is not supported by this server"),
+    "prediction": ((None,), None),
+    "audio": ((None,), None),
+    "modalities": ((None, ["text"]), None),
+    "web_search_options": ((None,), None),
+    "reasoning_effort": ((None,), None),
+    "guided_json": ((None,), None),
+    "guided_regex": ((None,), None),
+    "guided_choice": ((None,), None),
+    "guided_grammar": ((None,), None),
 }
 # Where OpenAI documents a range, an out-of-range value gets the range in its message.
 _RANGES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
@@ -139,8 +126,8 @@ def _equal(a: Any, b: Any) -> bool:
 def _refuse_unsupported(data: Any) -> Any:
     if not isinstance(data, dict):
         return data
-    for name, allowed in _UNSUPPORTED.items():
-        if name not in data or any(_equal(data[name], a) or data[name] is a for a in allowed):
+    for name, (allowed, why) in _UNSUPPORTED.items():
+        if name not in data or any(_equal(data[name], a) for a in allowed):
             continue
         value = data[name]
         if name in _RANGES and isinstance(value, int | float) and not isinstance(value, bool):
@@ -148,8 +135,8 @@ def _refuse_unsupported(data: Any) -> Any:
             if not lo <= value <= hi:
                 raise OpenAIError(400, f"{name}={quote(value)} is out of range [{lo}, {hi}]",
                                   param=name)
-        raise OpenAIError(400, _WHY.get(name, f"{name} is not supported by this server"),
-                          param=name, code="unsupported_parameter")
+        raise OpenAIError(400, why or f"{name} is not supported by this server", param=name,
+                          code="unsupported_parameter")
     if data.get("stream_options") is not None and data.get("stream") is not True:
         raise OpenAIError(400, "stream_options is only allowed when stream is true",
                           param="stream_options")
