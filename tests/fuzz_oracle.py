@@ -348,24 +348,10 @@ def local_server(folder: Path, model: str = MODEL) -> Iterator[str]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import ray
-    from ray import serve
-    from tiny_models import write_tiny_serving_pair
+    from tiny_models import served, write_tiny_serving_pair
 
-    from serve_app.app import build_app
     from serve_app.config import AppConfig
-    from serve_app.netutil import free_port
 
     paths = write_tiny_serving_pair(folder)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(AppConfig.model_validate(app_config(paths, model))), name="kimi",
-                  route_prefix="/")
+    with served(AppConfig.model_validate(app_config(paths, model))) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()

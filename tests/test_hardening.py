@@ -25,9 +25,8 @@ import openai
 import pytest
 import ray
 from ray import serve
-from tiny_models import write_tiny_serving_pair
+from tiny_models import served, write_tiny_serving_pair
 
-from serve_app.app import build_app
 from serve_app.config import AppConfig
 from serve_app.netutil import free_port
 from serve_app.tokenizer import load_tokenizer
@@ -47,11 +46,6 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(paths: dict[str, Path]) -> Any:
-    metrics_port = free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = AppConfig.model_validate({
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
                    "served_model_name": MODEL},
@@ -65,10 +59,9 @@ def server(paths: dict[str, Path]) -> Any:
                     "health_cache_s": 0.2, "health_timeout_s": 2.0, "max_body_bytes": 200_000},
         "router": {"block_size": 16, "client_max_kv_share": 0.5},
     })
-    serve.run(build_app(cfg), name="kimi", route_prefix="/")
-    yield {"base": f"http://127.0.0.1:{port}", "port": port, "metrics_port": metrics_port}
-    serve.shutdown()
-    ray.shutdown()
+    metrics_port = free_port()
+    with served(cfg, metrics_port) as port:
+        yield {"base": f"http://127.0.0.1:{port}", "port": port, "metrics_port": metrics_port}
 
 
 def auth(key: str = VICTIM) -> dict[str, str]:

@@ -15,10 +15,8 @@ import httpx
 import openai
 import pytest
 import ray
-from ray import serve
-from tiny_models import write_tiny_serving_pair
+from tiny_models import served, write_tiny_serving_pair
 
-from serve_app.app import build_app
 from serve_app.config import AppConfig
 from serve_app.netutil import free_port
 from serve_app.observability.tracing import TracingConfig, collector_actor, tracing_env
@@ -35,21 +33,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # before ray.init: every Ray process (the proxy too) inherits it
     metrics_port = free_port()
+    config = AppConfig.model_validate({
+        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
+                   "served_model_name": MODEL},
+        "engine": {"reference": {"kv_capacity_tokens": 4096}},
+        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
+    })
     try:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 _metrics_export_port=metrics_port)
-        http_port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        config = AppConfig.model_validate({
-            "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                       "served_model_name": MODEL},
-            "engine": {"reference": {"kv_capacity_tokens": 4096}},
-            "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
-        })
-        serve.run(build_app(config), name="kimi", route_prefix="/")
-        yield f"http://127.0.0.1:{http_port}", metrics_port
-        serve.shutdown()
-        ray.shutdown()
+        with served(config, metrics_port) as http_port:
+            yield f"http://127.0.0.1:{http_port}", metrics_port
     finally:
         for k, v in saved.items():
             if v is None:

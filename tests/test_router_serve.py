@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,11 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
-import ray
 from ray import serve
-from tiny_models import write_tiny_serving_pair
+from tiny_models import served, write_tiny_serving_pair
 
-from serve_app.app import build_app
 from serve_app.config import AppConfig
 
 pytestmark = pytest.mark.slow
@@ -22,12 +19,6 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-kimi-dspark"
 KV = 1024  # tokens per replica: two 420-token requests fit, a third does not
 QUEUE = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +36,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "router": {"block_size": 16, "queue_size": QUEUE, "queue_timeout_s": 120,
                    "long_threshold": 256, "client_max_kv_share": 1.0},
     })
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(cfg), name="kimi", route_prefix="/")
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=180) as client:
+    with served(cfg) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                           timeout=180) as client:
         yield client
-    serve.shutdown()
-    ray.shutdown()
 
 
 def _complete(client: httpx.Client, prompt: list[int], max_tokens: int,

@@ -12,13 +12,12 @@ import openai
 import pytest
 import ray
 from ray import serve
-from tiny_models import write_tiny_serving_pair
+from tiny_models import served, write_tiny_serving_pair
 
-from serve_app.app import ConfigError, build_app, validate
+from serve_app.app import ConfigError, validate
 from serve_app.config import AppConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.types import SamplingParams
-from serve_app.netutil import free_port
 from serve_app.tokenizer import load_tokenizer
 
 MODEL = "tiny-kimi-dspark"
@@ -46,14 +45,9 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(paths: dict[str, Path]) -> Any:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = AppConfig.model_validate(app_config(paths))
-    serve.run(build_app(cfg), name="kimi", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", cfg
-    serve.shutdown()
-    ray.shutdown()
+    with served(cfg) as port:
+        yield f"http://127.0.0.1:{port}", cfg
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +118,27 @@ def write_tiny_serving_pair(folder: Path, seed: int = 0) -> dict[str, Path]:
     save_kimi(target, folder / "target")
     save_dspark(draft, folder / "draft")
     return {"target": folder / "target", "draft": folder / "draft"}
+
+
+@contextmanager
+def served(config: Any, metrics_port: int | None = None) -> Iterator[int]:
+    """A local Ray cluster serving `config` (an AppConfig) as the app "kimi" at "/": yields
+    the HTTP port; Serve and Ray are shut down afterwards, whatever happened."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.netutil import free_port
+
+    extra = {"_metrics_export_port": metrics_port} if metrics_port is not None else {}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, **extra)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name="kimi", route_prefix="/")
+        yield port
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
