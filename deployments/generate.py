@@ -15,8 +15,9 @@ KubeRay (which take no overrides), the variants differ in a handful of values th
 to review side by side here, and each output is validated with the app's config tree before it
 is written. The files themselves are built by capacity/emit.py, the one writer that
 `kimi-capacity emit` uses too (start-up rules: NOSET variables, project install, CPUs per rank,
-GPU-free head, RAY_AUTH_MODE); this file only describes the variants. Values shared by every variant are the defaults of `SGLangSettings` in
-`serve_app/config.py` (context length, block size, mem_fraction_static, max_running_requests).
+GPU-free head, RAY_AUTH_MODE); this file only describes the variants. Values shared by every
+variant are the defaults of `SGLangSettings` in `serve_app/config.py` (context length, block
+size, mem_fraction_static, max_running_requests).
 """
 
 from __future__ import annotations
