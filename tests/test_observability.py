@@ -50,17 +50,28 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 os.environ[k] = v
 
 
+def _reaches(spans: list[dict[str, Any]], name: str, ancestor: str) -> bool:
+    """Does the chain of parents from the span called `name` reach span id `ancestor`?"""
+    by_id = {s["span_id"]: s for s in spans}
+    span = next((s for s in spans if s["name"] == name), None)
+    while span is not None:
+        if span["parent_span_id"] == ancestor:
+            return True
+        span = by_id.get(span["parent_span_id"])
+    return False
+
+
 def _spans_of(trace_id: str, names: set[str], timeout: float = 30.0,
-              child_of: str | None = None) -> list[dict[str, Any]]:
-    """The trace's spans once `names` are all in (and, with `child_of`, a span whose parent is
-    that span id: Serve's proxy exports its span in its own batch, often after the rest)."""
+              chain: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """The trace's spans once `names` are all in and, with `chain` = (span name, ancestor span
+    id), once that span's parents reach the ancestor: each process (the proxy, the replicas)
+    exports its spans in its own batches, so the links can arrive after the rest."""
     collector = collector_actor()
     deadline = time.time() + timeout
     spans: list[dict[str, Any]] = []
     while time.time() < deadline:
         spans = [s for s in ray.get(collector.get.remote()) if s["trace_id"] == trace_id]
-        if names <= {s["name"] for s in spans} and (
-                child_of is None or any(s["parent_span_id"] == child_of for s in spans)):
+        if names <= {s["name"] for s in spans} and (chain is None or _reaches(spans, *chain)):
             return spans
         time.sleep(0.5)
     return spans
@@ -77,7 +88,7 @@ def test_one_request_makes_the_expected_span_tree(server: Any) -> None:
     usage = resp.json()["usage"]
     wanted = {"ingress.request", "engine.request", "engine.queue", "engine.prefill_chunk",
               "engine.decode", "engine.verify"}
-    spans = _spans_of(trace_id, wanted, child_of=client_span)
+    spans = _spans_of(trace_id, wanted, chain=("ingress.request", client_span))
     names = {s["name"] for s in spans}
     assert wanted <= names, f"missing spans: {wanted - names}"
     by_id = {s["span_id"]: s for s in spans}
