@@ -54,7 +54,8 @@ from serve_app.training.evaluate import pair_engine  # noqa: E402
 def random_pair(folder: Path, seed: int = 0) -> tuple[Path, Path]:
     """A target and a draft with the embedded pair's shapes and random weights."""
     from serve_app.models.dspark import DSparkDraft, save_dspark
-    from serve_app.models.kimi import KimiForCausalLM, save_kimi
+    from serve_app.models.kimi import KimiForCausalLM
+    from serve_app.models.kimi_weights import save_kimi
     from serve_app.training.train_draft import init_draft, mini_draft_config
     from serve_app.training.train_target import init_weights, mini_target_config
 

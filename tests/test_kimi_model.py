@@ -15,17 +15,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from serve_app.engines.reference.builder import release_tensor_parallel
-from serve_app.models.checkpoint import CheckpointError, expected_from_module, read_index
-from serve_app.models.kimi import (
-    KimiForCausalLM,
-    KimiMoE,
-    checkpoint_specs,
+from serve_app.models.checkpoint import (
+    CheckpointError,
     dequantize_fp8_block,
-    load_kimi,
+    expected_from_module,
     quantize_fp8_block,
-    save_kimi,
+    read_index,
 )
+from serve_app.models.kimi import KimiForCausalLM, KimiMoE
 from serve_app.models.kimi_config import KimiConfig, KimiConfigError
+from serve_app.models.kimi_weights import checkpoint_specs, load_kimi, save_kimi
 from serve_app.models.kv_cache import KVCapacityError
 from serve_app.models.layers import rope_inv_freq
 from serve_app.netutil import free_port

@@ -23,7 +23,8 @@ from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.engines.reference.sequence import Sequence
 from serve_app.models.dspark import DraftOutput
-from serve_app.models.kimi import KimiForCausalLM, load_kimi
+from serve_app.models.kimi import KimiForCausalLM
+from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_cache import KVCapacityError, PagedAllocator
 from serve_app.netutil import free_port
 

@@ -7,7 +7,8 @@ import torch
 from tiny_models import write_tiny_pair
 
 from serve_app.models.dspark import DSparkDraft, block_attention_mask, load_dspark
-from serve_app.models.kimi import KimiForCausalLM, load_kimi
+from serve_app.models.kimi import KimiForCausalLM
+from serve_app.models.kimi_weights import load_kimi
 from serve_app.training.common import cosine_lr
 from serve_app.training.train_draft import draft_loss, expected_accept_length
 

@@ -11,8 +11,9 @@ import torch
 
 from serve_app.models.dspark import DSparkDraft, save_dspark
 from serve_app.models.dspark_config import DSparkConfig
-from serve_app.models.kimi import KimiForCausalLM, save_kimi
+from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_config import KimiConfig
+from serve_app.models.kimi_weights import save_kimi
 
 
 def tiny_target_config(vocab_size: int = 64, **overrides: Any) -> KimiConfig:

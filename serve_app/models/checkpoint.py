@@ -1,4 +1,5 @@
-"""Safetensors checkpoint folders: strict, memory-mapped loading and saving.
+"""Safetensors checkpoint folders: strict, memory-mapped loading and saving, and the FP8 block
+quantization that quantized checkpoints store.
 
 A checkpoint folder holds `model.safetensors`, or shards listed by `model.safetensors.index.json`.
 Headers are parsed here (not by the safetensors library) so that every problem in a folder -
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,6 +42,11 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 _ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in DTYPES.items()}
+# A config.json's `torch_dtype` / `dtype` names.
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_SCALE_SUFFIX = "_scale_inv"  # "weight" -> "weight_scale_inv"
 
 
 class CheckpointError(ValueError):
@@ -313,3 +320,48 @@ def save_tensors(
 def expected_from_module(module: torch.nn.Module) -> dict[str, TensorSpec]:
     """The tensors a module's state dict holds (meta-device modules work: no memory is used)."""
     return {k: TensorSpec(tuple(v.shape)) for k, v in module.state_dict().items()}
+
+
+# --- FP8 block quantization (DeepSeek V3 / Kimi K2 release format) ---------------------------
+
+
+def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The shape of the F32 scale_inv of a 2-D weight quantized in [bn, bk] blocks."""
+    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def quantize_fp8_block(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek block FP8: per [bn, bk] block, scale = amax / 448; returns (F8_E4M3 weight,
+    F32 scale_inv [ceil(out/bn), ceil(in/bk)]) with weight ~= fp8 * scale_inv per block."""
+    out_f, in_f = weight.shape
+    bn, bk = block
+    sr, sc = fp8_scale_shape(weight.shape, block)
+    w = F.pad(weight.float(), (0, sc * bk - in_f, 0, sr * bn - out_f))
+    blocks = w.view(sr, bn, sc, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / _FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(sr * bn, sc * bk)[:out_f, :in_f].contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    rows: slice = slice(None),
+    cols: slice = slice(None),
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """weight[rows, cols] dequantized; only the blocks that cover the region are read (a TP
+    shard of a memory-mapped tensor costs its own size, not the full tensor's)."""
+    bn, bk = block
+    r0, r1, _ = rows.indices(weight.shape[0])
+    c0, c1, _ = cols.indices(weight.shape[1])
+    br0, br1 = r0 // bn, -(-r1 // bn)
+    bc0, bc1 = c0 // bk, -(-c1 // bk)
+    sub = weight[br0 * bn : br1 * bn, bc0 * bk : bc1 * bk].to(device).float()
+    s = scale_inv[br0:br1, bc0:bc1].to(device).float()
+    s = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: sub.shape[0], : sub.shape[1]]
+    return (sub * s)[r0 - br0 * bn : r1 - br0 * bn, c0 - bc0 * bk : c1 - bc0 * bk].to(dtype)

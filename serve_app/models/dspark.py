@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serve_app.models.checkpoint import (
+    TORCH_DTYPES,
     TensorSpec,
     expected_from_module,
     load_tensors,
@@ -417,9 +418,6 @@ def survival_draft_count(confidence: torch.Tensor, threshold: float) -> torch.Te
 
 # --- checkpoints ----------------------------------------------------------------------------
 
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
 def expected_tensors(config: DSparkConfig) -> dict[str, TensorSpec]:
     """Names and shapes of a DSpark checkpoint, derived from the module on the meta device."""
     with torch.device("meta"):
@@ -434,7 +432,7 @@ def load_dspark(
     """Load a DSpark checkpoint folder strictly and memory-mapped (dtype defaults to the
     config's)."""
     config = DSparkConfig.from_file(path)
-    dtype = dtype or _TORCH_DTYPES[config.dtype]
+    dtype = dtype or TORCH_DTYPES[config.dtype]
     with torch.device("meta"):
         model = DSparkDraft(config)
     state = load_tensors(path, expected_from_module(model), dtype=dtype, device=device)

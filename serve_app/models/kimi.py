@@ -1,7 +1,7 @@
 """The target model: a Kimi K2 / DeepseekV3-architecture decoder in plain PyTorch.
 
 Parameter names are exactly Hugging Face DeepseekV3's, so a published checkpoint folder (BF16 or
-FP8 block-quantized) loads without conversion.
+FP8 block-quantized) loads without conversion (loading and saving: serve_app.models.kimi_weights).
 
 Attention is MLA in the weight-absorbed form: the cache holds, per token and layer, only the
 normalized compressed latent c (kv_lora_rank) and the rotated shared rope key k_pe. Each head's
@@ -23,25 +23,15 @@ Tensor parallelism (gpt-fast style: each rank builds modules of its own shard's 
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from serve_app.models.checkpoint import (
-    CheckpointError,
-    TensorSpec,
-    load_tensors,
-    read_index,
-    save_tensors,
-)
-from serve_app.models.kimi_config import Fp8QuantConfig, KimiConfig, KimiConfigError
+from serve_app.models.kimi_config import KimiConfig, KimiConfigError
 from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
 from serve_app.models.layers import GatedMLP, RMSNorm, rope_inv_freq
 
@@ -50,18 +40,8 @@ __all__ = [
     "KimiConfigError",
     "KimiForCausalLM",
     "KimiOutput",
-    "checkpoint_specs",
-    "dequantize_fp8_block",
-    "load_kimi",
-    "quantize_fp8_block",
-    "save_kimi",
+    "TPContext",
 ]
-
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
-_FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_SCALE_SUFFIX = "_scale_inv"  # "weight" -> "weight_scale_inv"
-
 
 @dataclass(frozen=True)
 class TPContext:
@@ -500,210 +480,3 @@ class KimiForCausalLM(nn.Module):
             context_index=context_index.to(dev),
             mask=mask,
         )
-
-
-# --- checkpoints -----------------------------------------------------------------------------
-
-
-def _param_shapes(config: KimiConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Full (unsharded) names and shapes of a checkpoint, in module order. Computed directly:
-    building K2's 70k expert modules even on the meta device takes seconds."""
-    c = config
-    h = c.hidden_size
-    yield "model.embed_tokens.weight", (c.vocab_size, h)
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        q_out = c.num_attention_heads * c.qk_head_dim
-        if c.q_lora_rank is None:
-            yield p + "self_attn.q_proj.weight", (q_out, h)
-        else:
-            yield p + "self_attn.q_a_proj.weight", (c.q_lora_rank, h)
-            yield p + "self_attn.q_a_layernorm.weight", (c.q_lora_rank,)
-            yield p + "self_attn.q_b_proj.weight", (q_out, c.q_lora_rank)
-        yield p + "self_attn.kv_a_proj_with_mqa.weight", (c.latent_dim, h)
-        yield p + "self_attn.kv_a_layernorm.weight", (c.kv_lora_rank,)
-        yield p + "self_attn.kv_b_proj.weight", (
-            c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
-            c.kv_lora_rank,
-        )
-        yield p + "self_attn.o_proj.weight", (h, c.num_attention_heads * c.v_head_dim)
-        mlps: list[tuple[str, int]]
-        if c.is_moe_layer(i):
-            yield p + "mlp.gate.weight", (c.n_routed_experts, h)
-            yield p + "mlp.gate.e_score_correction_bias", (c.n_routed_experts,)
-            mlps = [(f"mlp.experts.{e}.", c.moe_intermediate_size)
-                    for e in range(c.n_routed_experts)]
-            if c.n_shared_experts:
-                mlps.append(("mlp.shared_experts.", c.shared_intermediate_size))
-        else:
-            mlps = [("mlp.", c.intermediate_size)]
-        for name, inter in mlps:
-            yield p + name + "gate_proj.weight", (inter, h)
-            yield p + name + "up_proj.weight", (inter, h)
-            yield p + name + "down_proj.weight", (h, inter)
-        yield p + "input_layernorm.weight", (h,)
-        yield p + "post_attention_layernorm.weight", (h,)
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (c.vocab_size, h)
-
-
-def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
-    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
-
-
-def checkpoint_specs(config: KimiConfig) -> dict[str, TensorSpec]:
-    """Every tensor a checkpoint of this config must hold (FP8 weights with their scales when
-    the config says the checkpoint is quantized)."""
-    specs: dict[str, TensorSpec] = {}
-    q = config.quantization_config
-    for name, shape in _param_shapes(config):
-        if q is not None and config.is_fp8_weight(name):
-            specs[name] = TensorSpec(shape, frozenset({"F8_E4M3"}))
-            specs[name + _SCALE_SUFFIX] = TensorSpec(
-                _scale_shape(shape, q.weight_block_size), frozenset({"F32"})
-            )
-        else:
-            specs[name] = TensorSpec(shape)
-    return specs
-
-
-def quantize_fp8_block(
-    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek block FP8: per [bn, bk] block, scale = amax / 448; returns (F8_E4M3 weight,
-    F32 scale_inv [ceil(out/bn), ceil(in/bk)]) with weight ~= fp8 * scale_inv per block."""
-    out_f, in_f = weight.shape
-    bn, bk = block
-    sr, sc = _scale_shape(weight.shape, block)
-    w = F.pad(weight.float(), (0, sc * bk - in_f, 0, sr * bn - out_f))
-    blocks = w.view(sr, bn, sc, bk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / _FP8_MAX).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(sr * bn, sc * bk)[:out_f, :in_f].contiguous(), scale.contiguous()
-
-
-def dequantize_fp8_block(
-    weight: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: tuple[int, int],
-    rows: slice = slice(None),
-    cols: slice = slice(None),
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """weight[rows, cols] dequantized; only the blocks that cover the region are read (a TP
-    shard of a memory-mapped tensor costs its own size, not the full tensor's)."""
-    bn, bk = block
-    r0, r1, _ = rows.indices(weight.shape[0])
-    c0, c1, _ = cols.indices(weight.shape[1])
-    br0, br1 = r0 // bn, -(-r1 // bn)
-    bc0, bc1 = c0 // bk, -(-c1 // bk)
-    sub = weight[br0 * bn : br1 * bn, bc0 * bk : bc1 * bk].to(device).float()
-    s = scale_inv[br0:br1, bc0:bc1].to(device).float()
-    s = s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: sub.shape[0], : sub.shape[1]]
-    return (sub * s)[r0 - br0 * bn : r1 - br0 * bn, c0 - bc0 * bk : c1 - bc0 * bk].to(dtype)
-
-
-def _shard_region(name: str, shape: tuple[int, ...], tp: TPContext) -> tuple[slice, slice] | None:
-    """(rows, cols) of a full checkpoint tensor that this rank holds, or None if replicated.
-    Routed experts are never split (a rank holds its own experts whole)."""
-    if tp.size == 1 or ".mlp.experts." in name or len(shape) != 2:
-        return None
-    row_split = (
-        "self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
-    )
-    col_split = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight")
-    if name.endswith(row_split):
-        n = shape[0] // tp.size
-        return slice(tp.rank * n, (tp.rank + 1) * n), slice(None)
-    if name.endswith(col_split):
-        n = shape[1] // tp.size
-        return slice(None), slice(tp.rank * n, (tp.rank + 1) * n)
-    return None
-
-
-def _mtp_specs(folder: str | os.PathLike[str], config: KimiConfig) -> dict[str, TensorSpec]:
-    """DeepSeek V3 checkpoints append `num_nextn_predict_layers` MTP layers after the decoder;
-    they are accepted (whatever their shapes) and not loaded."""
-    if not config.num_nextn_predict_layers:
-        return {}
-    first = config.num_hidden_layers
-    extra = {f"model.layers.{first + i}." for i in range(config.num_nextn_predict_layers)}
-    return {
-        name: TensorSpec(info.shape, frozenset({info.dtype}))
-        for name, info in read_index(folder).items()
-        if any(name.startswith(p) for p in extra)
-    }
-
-
-def load_kimi(
-    folder: str | os.PathLike[str],
-    dtype: torch.dtype | None = None,
-    device: torch.device | str = "cpu",
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    group: dist.ProcessGroup | None = None,
-) -> KimiForCausalLM:
-    """Load a Hugging Face DeepseekV3 / Kimi K2 checkpoint folder strictly (every problem in one
-    CheckpointError), memory-mapped, keeping only this rank's shard; FP8 block-quantized weights
-    are dequantized to `dtype` (default: the config's torch_dtype)."""
-    config = KimiConfig.from_file(folder)
-    dtype = dtype or _TORCH_DTYPES[config.torch_dtype]
-    with torch.device("meta"):
-        model = KimiForCausalLM(config, tp_rank, tp_size, group)
-    expected = {**checkpoint_specs(config), **_mtp_specs(folder, config)}
-    # dtype=None and CPU: every tensor stays a zero-copy view of the mapped files until sliced.
-    views = load_tensors(folder, expected, prefixes=())
-    q: Fp8QuantConfig | None = config.quantization_config
-    state: dict[str, torch.Tensor] = {}
-    for name, param in model.state_dict().items():
-        src = views[name]
-        region = _shard_region(name, tuple(src.shape), model.tp)
-        rows, cols = region or (slice(None), slice(None))
-        # The router bias decides top-k among near-equal scores: keep it fp32 in any model dtype.
-        target = torch.float32 if name.endswith("e_score_correction_bias") else dtype
-        if q is not None and config.is_fp8_weight(name):
-            t = dequantize_fp8_block(
-                src, views[name + _SCALE_SUFFIX], q.weight_block_size, rows, cols, device, target
-            )
-        elif region:
-            # Slice the mapped view first, so only the shard's bytes are read and copied.
-            t = src[rows, cols].to(device=device, dtype=target).contiguous()
-        else:
-            t = src.to(device=device, dtype=target)
-        if tuple(t.shape) != tuple(param.shape):
-            raise CheckpointError(folder, [f"tensor {name!r}: shard {list(t.shape)} does not "
-                                           f"match the module's {list(param.shape)}"])
-        state[name] = t
-    model.load_state_dict(state, assign=True, strict=True)
-    return model.eval()
-
-
-def save_kimi(
-    model: KimiForCausalLM,
-    folder: str | os.PathLike[str],
-    fp8: bool = False,
-    block: tuple[int, int] = (128, 128),
-    max_shard_bytes: int | None = None,
-) -> None:
-    """Write config.json + safetensors in the Hugging Face layout; with fp8=True, every
-    quantizable weight is stored F8_E4M3 with an F32 `weight_scale_inv` (the K2 release format)."""
-    if model.tp.size != 1:
-        raise ValueError("save_kimi needs the full model (tp_size=1), not a TP shard")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    dtype = model.model.embed_tokens.weight.dtype
-    quant = Fp8QuantConfig(quant_method="fp8", weight_block_size=block) if fp8 else None
-    config = model.config.model_copy(
-        update={"quantization_config": quant, "torch_dtype": _DTYPE_NAMES[dtype]}
-    )
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        if fp8 and config.is_fp8_weight(name):
-            tensors[name], tensors[name + _SCALE_SUFFIX] = quantize_fp8_block(t, block)
-        else:
-            tensors[name] = t
-    (folder / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    save_tensors(folder, tensors, max_shard_bytes=max_shard_bytes)

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from serve_app.models.dspark import DSparkDraft, save_dspark
 from serve_app.models.dspark_config import DSparkConfig
-from serve_app.models.kimi import KimiForCausalLM, load_kimi
+from serve_app.models.kimi import KimiForCausalLM
+from serve_app.models.kimi_weights import load_kimi
 from serve_app.tokenizer import ChatTokenizer
 from serve_app.training.common import (
     Progress,

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serve_app.models.kimi import KimiForCausalLM, KimiMoE, load_kimi, save_kimi
+from serve_app.models.kimi import KimiForCausalLM, KimiMoE
 from serve_app.models.kimi_config import KimiConfig
+from serve_app.models.kimi_weights import load_kimi, save_kimi
 from serve_app.tokenizer import ChatTokenizer
 from serve_app.training.common import (
     Progress,

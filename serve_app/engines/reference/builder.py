@@ -19,8 +19,8 @@ from serve_app.engines.reference.sequence import Detokenize
 from serve_app.engines.reference.tensor_parallel import shard_dspark
 from serve_app.models.dspark import load_dspark
 from serve_app.models.dspark_config import DSparkConfig
-from serve_app.models.kimi import load_kimi
 from serve_app.models.kimi_config import KimiConfig
+from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_cache import PagedAllocator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
