@@ -3,9 +3,10 @@ tables. This package never imports `serve_app`; Ray is imported only inside `emi
 
 from capacity.config import Layout, Speculation, Workload
 from capacity.errors import CapacityError
+from capacity.families import describe_model
 from capacity.formats import KvDtype, WeightFormat
 from capacity.memory import MemoryReport, memory_per_gpu
-from capacity.model import ModelDescriptor, describe_model
+from capacity.model import ModelDescriptor
 from capacity.planner import PlanResult, PlanRow, plan
 from capacity.tables import GpuSpec, PriceRow, load_gpus, load_prices
 from capacity.timing import DEFAULT_CONSTANTS, TimeConstants, decode_rate, prefill_seconds

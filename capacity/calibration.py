@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 from capacity.config import Layout
+from capacity.families import describe_model
 from capacity.memory import max_running_requests
-from capacity.model import ModelDescriptor, describe_model
+from capacity.model import ModelDescriptor
 from capacity.tables import GpuSpec, load_gpus
 from capacity.timing import (
     DEFAULT_CONSTANTS,

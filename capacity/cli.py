@@ -18,9 +18,10 @@ from rich.table import Table
 from capacity.calibration import evaluate, fit
 from capacity.config import Layout, Speculation, Workload, validated
 from capacity.errors import CapacityError
+from capacity.families import describe_model
 from capacity.formats import KvDtype, WeightFormat, parse_kv_dtype, parse_weight_format
 from capacity.memory import max_running_requests, memory_per_gpu
-from capacity.model import Component, ModelDescriptor, describe_model
+from capacity.model import Component, ModelDescriptor
 from capacity.planner import DEFAULT_MAX_NODES, explain_infeasible, plan
 from capacity.tables import (
     GpuSpec,

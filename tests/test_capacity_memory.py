@@ -7,8 +7,8 @@ from datetime import date
 import pytest
 
 from capacity import CapacityError, GpuSpec, Layout, Speculation, Workload, memory_per_gpu
+from capacity.families import descriptor_from_config
 from capacity.memory import NCCL_BYTES, RUNTIME_OTHER_BYTES
-from capacity.model import descriptor_from_config
 
 TINY = {
     "hidden_size": 64, "vocab_size": 100, "num_hidden_layers": 4, "num_attention_heads": 4,
