@@ -19,14 +19,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serve_app.routing.policy import POLICIES, RouterSettings
-from serve_app.routing.simulator import (
+from router_simulator import (  # bench/router_simulator.py, beside this script
     SLO,
     FleetSpec,
     WorkloadSpec,
     load_trace,
     run_policies,
 )
+
+from serve_app.routing.policy import POLICIES, RouterSettings
 
 ORDER = ["round_robin", "power_of_two", "cache_aware", "kv_aware"]
 COLUMNS = [("policy", "policy", "{}"), ("rate", "req/s", "{:g}"),

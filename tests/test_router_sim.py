@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from serve_app.routing import RouterSettings, make_policy
-from serve_app.routing.simulator import (
+
+# The simulator lives beside its only other user, bench/router_sim.py; bench/ is a folder of
+# scripts, not a package, so it is put on the path here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from router_simulator import (
     SLO,
     CostModel,
     FleetSpec,
