@@ -178,6 +178,47 @@ def _layer_norms(prefix: str, h: int, extra_vectors: int = 0) -> list[TensorGrou
     ]
 
 
+def _moe_groups(
+    m: str, h: int, experts: int, routed: list[TensorGroup], shared_inter: int
+) -> list[TensorGroup]:
+    """A MoE block: the router (kept unquantized), the routed experts, the shared experts."""
+    groups = [
+        TensorGroup(f"{m}.gate", Component.ROUTER, experts, h, quantizable=False),
+        TensorGroup(f"{m}.gate.e_score_correction_bias", Component.ROUTER, experts,
+                    quantizable=False),
+        *routed,
+    ]
+    if shared_inter:
+        groups += _mlp_groups(f"{m}.shared_experts", Component.SHARED_EXPERTS, shared_inter, h)
+    return groups
+
+
+def _outer_groups(
+    c: Mapping[str, Any], model: str, lm_head: str, norm_vectors: int = 1
+) -> list[TensorGroup]:
+    """Embeddings, the final norm and (unless tied to the embeddings) the LM head."""
+    vocab, h = c["vocab_size"], c["hidden_size"]
+    groups = [
+        TensorGroup(f"{model}.embed_tokens", Component.EMBEDDINGS, vocab, h, quantizable=False),
+        TensorGroup(f"{model}.norm", Component.NORMS, h, count=norm_vectors, quantizable=False),
+    ]
+    if not c.get("tie_word_embeddings"):
+        groups.append(TensorGroup(lm_head, Component.LM_HEAD, vocab, h, quantizable=False))
+    return groups
+
+
+def _mla_shape(c: Mapping[str, Any]) -> MlaShape:
+    return MlaShape(c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"],
+                    c["qk_nope_head_dim"], c["v_head_dim"])
+
+
+def _weight_format(c: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The descriptor's native_format and ignore_patterns, from quantization_config."""
+    quant = c.get("quantization_config")
+    return {"native_format": _native_format(quant, source),
+            "ignore_patterns": _ignore_patterns(quant)}
+
+
 def _kimi_k3(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
     keys = [
         "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -248,19 +289,12 @@ def _kimi_k3(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
             g += _mlp_groups(f"{p}.mlp", Component.DENSE_MLP, c["intermediate_size"], h)
         else:
             m = f"{p}.block_sparse_moe"
-            g += [
-                TensorGroup(f"{m}.gate", Component.ROUTER, experts, h, quantizable=False),
-                TensorGroup(f"{m}.gate.e_score_correction_bias", Component.ROUTER, experts,
-                            quantizable=False),
+            g += _moe_groups(m, h, experts, [
                 TensorGroup(f"{m}.experts.w1", Component.ROUTED_EXPERTS, expert_inter, latent,
                             count=2 * experts),  # w1 (gate) and w3 (up)
                 TensorGroup(f"{m}.experts.w2", Component.ROUTED_EXPERTS, latent, expert_inter,
                             count=experts),
-            ]
-            if shared:
-                g += _mlp_groups(
-                    f"{m}.shared_experts", Component.SHARED_EXPERTS, expert_inter * shared, h
-                )
+            ], expert_inter * shared)
             if latent != h:
                 # The published MXFP4 checkpoint stores these projections unquantized.
                 g += [
@@ -274,32 +308,20 @@ def _kimi_k3(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
                                          quantizable=False))
         groups[kind] = tuple(g)
 
-    vocab = c["vocab_size"]
-    global_groups = [
-        TensorGroup("language_model.model.embed_tokens", Component.EMBEDDINGS, vocab, h,
-                    quantizable=False),
-        TensorGroup("language_model.model.norm", Component.NORMS, h, count=1 + (2 if res_vectors
-                    else 0), quantizable=False),
-    ]
-    if not c.get("tie_word_embeddings"):
-        global_groups.append(
-            TensorGroup("language_model.lm_head", Component.LM_HEAD, vocab, h, quantizable=False)
-        )
-    quant = c.get("quantization_config")
+    global_groups = _outer_groups(c, "language_model.model", "language_model.lm_head",
+                                  norm_vectors=1 + (2 if res_vectors else 0))
     return ModelDescriptor(
         name=name,
         family=Family.KIMI_K3,
         source=source,
         hidden_size=h,
-        vocab_size=vocab,
+        vocab_size=c["vocab_size"],
         max_context=c["max_position_embeddings"],
         layers=tuple(layers),
         layer_groups=groups,
         global_groups=tuple(global_groups),
-        native_format=_native_format(quant, source),
-        ignore_patterns=_ignore_patterns(quant),
-        mla=MlaShape(c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"],
-                     c["qk_nope_head_dim"], c["v_head_dim"]),
+        **_weight_format(c, source),
+        mla=_mla_shape(c),
         kda=kda,
         moe=MoeShape(experts, c["num_experts_per_token"], latent, expert_inter),
     )
@@ -331,45 +353,27 @@ def _deepseek_v3(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
         g = _layer_norms(p, h) + _mla_groups(p, c, output_gate=False)
         if is_moe:
             m = f"{p}.mlp"
-            g += [
-                TensorGroup(f"{m}.gate", Component.ROUTER, experts, h, quantizable=False),
-                TensorGroup(f"{m}.gate.e_score_correction_bias", Component.ROUTER, experts,
-                            quantizable=False),
+            g += _moe_groups(m, h, experts, [
                 TensorGroup(f"{m}.experts.gate_proj", Component.ROUTED_EXPERTS, expert_inter, h,
                             count=2 * experts),
                 TensorGroup(f"{m}.experts.down_proj", Component.ROUTED_EXPERTS, h, expert_inter,
                             count=experts),
-            ]
-            if shared:
-                g += _mlp_groups(
-                    f"{m}.shared_experts", Component.SHARED_EXPERTS, expert_inter * shared, h
-                )
+            ], expert_inter * shared)
         else:
             g += _mlp_groups(f"{p}.mlp", Component.DENSE_MLP, c["intermediate_size"], h)
         groups[kind] = tuple(g)
-    vocab = c["vocab_size"]
-    global_groups = [
-        TensorGroup("model.embed_tokens", Component.EMBEDDINGS, vocab, h, quantizable=False),
-        TensorGroup("model.norm", Component.NORMS, h, quantizable=False),
-    ]
-    if not c.get("tie_word_embeddings"):
-        global_groups.append(TensorGroup("lm_head", Component.LM_HEAD, vocab, h,
-                                         quantizable=False))
-    quant = c.get("quantization_config")
     return ModelDescriptor(
         name=name,
         family=Family.DEEPSEEK_V3,
         source=source,
         hidden_size=h,
-        vocab_size=vocab,
+        vocab_size=c["vocab_size"],
         max_context=c["max_position_embeddings"],
         layers=tuple(layers),
         layer_groups=groups,
-        global_groups=tuple(global_groups),
-        native_format=_native_format(quant, source),
-        ignore_patterns=_ignore_patterns(quant),
-        mla=MlaShape(c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"],
-                     c["qk_nope_head_dim"], c["v_head_dim"]),
+        global_groups=tuple(_outer_groups(c, "model", "lm_head")),
+        **_weight_format(c, source),
+        mla=_mla_shape(c),
         moe=MoeShape(experts, c["num_experts_per_tok"], h, expert_inter),
     )
 
@@ -425,7 +429,6 @@ def _dspark(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
                         quantizable=False),
             TensorGroup("confidence_head.proj.bias", Component.DRAFT_HEADS, 1, quantizable=False),
         ]
-    quant = c.get("quantization_config")
     return ModelDescriptor(
         name=name,
         family=Family.DSPARK_DRAFT,
@@ -436,8 +439,7 @@ def _dspark(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
         layers=(kind,) * c["num_hidden_layers"],
         layer_groups={kind: tuple(layer)},
         global_groups=tuple(global_groups),
-        native_format=_native_format(quant, source),
-        ignore_patterns=_ignore_patterns(quant),
+        **_weight_format(c, source),
         gqa=GqaShape(heads, kv_heads, hd),
         draft=DraftInfo(int(_dspark_setting(c, "block_size", c.get("block_size") or 7)), taps,
                         markov_rank),
