@@ -21,6 +21,7 @@ from serve_app.models.dspark import (
     survival_draft_count,
 )
 from serve_app.models.dspark_config import DSparkConfig
+from serve_app.models.kv_cache import PagedKVCache
 from serve_app.models.layers import apply_rotary, rope_inv_freq
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
@@ -264,6 +265,27 @@ def test_cached_drafting_equals_recompute_from_scratch() -> None:
     torch.testing.assert_close(solo.logits[0], both.logits[1], rtol=1e-5, atol=1e-5)
 
 
+def _output_heads(cfg: DSparkConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random stand-ins for the target's embedding table and LM head."""
+    return torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
+
+
+def _draft_with_cache(
+    seed: int, rids: list[str]
+) -> tuple[DSparkDraft, torch.Tensor, torch.Tensor, PagedKVCache]:
+    """make_draft(seed), the output heads, and a 64-token cache holding `rids` (no context)."""
+    draft = make_draft(seed=seed)
+    embed, lm_head = _output_heads(draft.config)
+    cache = draft.new_cache(64)
+    for r in rids:
+        cache.add(r)
+    return draft, embed, lm_head, cache
+
+
+def _taps(cfg: DSparkConfig, n: int) -> torch.Tensor:
+    return torch.randn(n, len(cfg.target_layer_ids) * cfg.target_hidden_size)
+
+
 def _markov(draft: DSparkDraft, anchor: int, tokens: torch.Tensor) -> torch.Tensor:
     prev = torch.cat([torch.tensor([anchor]), tokens[:-1]])
     mh = draft.markov_head
@@ -285,7 +307,7 @@ def test_truncate_then_append_matches_fresh_cache() -> None:
     fresh = draft.new_cache(128, page_size=4)
     fresh.add("x")
     draft.append_context(fresh, ["x"], [rows])
-    embed, lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
+    embed, lm_head = _output_heads(cfg)
     a = draft.draft(cache, ["x"], torch.tensor([1]), embed, lm_head)
     b = draft.draft(fresh, ["x"], torch.tensor([1]), embed, lm_head)
     torch.testing.assert_close(a.logits, b.logits)
@@ -296,12 +318,9 @@ def test_truncate_then_append_matches_fresh_cache() -> None:
 
 
 def test_markov_and_confidence_follow_the_formulas() -> None:
-    draft = make_draft(seed=11)
+    draft, embed, lm_head, cache = _draft_with_cache(11, ["q"])
     cfg = draft.config
-    embed, lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
-    cache = draft.new_cache(64)
-    cache.add("q")
-    taps = torch.randn(7, len(cfg.target_layer_ids) * cfg.target_hidden_size)
+    taps = _taps(cfg, 7)
     draft.append_context(cache, ["q"], [taps])
     out = draft.draft(cache, ["q"], torch.tensor([42]), embed, lm_head)
     base, hidden = reference_draft_logits(draft, taps, 42, embed, lm_head)
@@ -320,13 +339,9 @@ def test_markov_and_confidence_follow_the_formulas() -> None:
 
 
 def test_sampled_drafts_return_their_distribution() -> None:
-    draft = make_draft(seed=2)
+    draft, embed, lm_head, cache = _draft_with_cache(2, ["g", "s"])
     cfg = draft.config
-    embed, lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
-    cache = draft.new_cache(64)
-    for r in ("g", "s"):
-        cache.add(r)
-    taps = torch.randn(5, len(cfg.target_layer_ids) * cfg.target_hidden_size)
+    taps = _taps(cfg, 5)
     draft.append_context(cache, ["g", "s"], [taps, taps])
     temps = torch.tensor([0.0, 0.7])
     gen = torch.Generator().manual_seed(0)
@@ -344,12 +359,9 @@ def test_sampled_drafts_return_their_distribution() -> None:
 
 
 def test_all_greedy_batches_skip_the_draft_distributions() -> None:
-    draft = make_draft(seed=2)
+    draft, embed, lm_head, cache = _draft_with_cache(2, ["g"])
     cfg = draft.config
-    embed, lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
-    cache = draft.new_cache(64)
-    cache.add("g")
-    draft.append_context(cache, ["g"], [torch.randn(5, len(cfg.target_layer_ids) * cfg.target_hidden_size)])
+    draft.append_context(cache, ["g"], [_taps(cfg, 5)])
     out = draft.draft(cache, ["g"], torch.tensor([4]), embed, lm_head, 0.0)
     assert out.probs is None and out.tokens.shape == (1, cfg.block_size)
 
