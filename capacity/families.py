@@ -212,10 +212,11 @@ def _mla_shape(c: Mapping[str, Any]) -> MlaShape:
                     c["qk_nope_head_dim"], c["v_head_dim"])
 
 
-def _weight_format(c: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """The descriptor's native_format and ignore_patterns, from quantization_config."""
+def _common_fields(c: Mapping[str, Any], name: str, source: str) -> dict[str, Any]:
+    """The descriptor fields every family reads alike: identity, sizes, weight format."""
     quant = c.get("quantization_config")
-    return {"native_format": _native_format(quant, source),
+    return {"name": name, "source": source, "hidden_size": c["hidden_size"],
+            "vocab_size": c["vocab_size"], "native_format": _native_format(quant, source),
             "ignore_patterns": _ignore_patterns(quant)}
 
 
@@ -311,16 +312,12 @@ def _kimi_k3(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
     global_groups = _outer_groups(c, "language_model.model", "language_model.lm_head",
                                   norm_vectors=1 + (2 if res_vectors else 0))
     return ModelDescriptor(
-        name=name,
+        **_common_fields(c, name, source),
         family=Family.KIMI_K3,
-        source=source,
-        hidden_size=h,
-        vocab_size=c["vocab_size"],
         max_context=c["max_position_embeddings"],
         layers=tuple(layers),
         layer_groups=groups,
         global_groups=tuple(global_groups),
-        **_weight_format(c, source),
         mla=_mla_shape(c),
         kda=kda,
         moe=MoeShape(experts, c["num_experts_per_token"], latent, expert_inter),
@@ -363,16 +360,12 @@ def _deepseek_v3(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
             g += _mlp_groups(f"{p}.mlp", Component.DENSE_MLP, c["intermediate_size"], h)
         groups[kind] = tuple(g)
     return ModelDescriptor(
-        name=name,
+        **_common_fields(c, name, source),
         family=Family.DEEPSEEK_V3,
-        source=source,
-        hidden_size=h,
-        vocab_size=c["vocab_size"],
         max_context=c["max_position_embeddings"],
         layers=tuple(layers),
         layer_groups=groups,
         global_groups=tuple(_outer_groups(c, "model", "lm_head")),
-        **_weight_format(c, source),
         mla=_mla_shape(c),
         moe=MoeShape(experts, c["num_experts_per_tok"], h, expert_inter),
     )
@@ -430,16 +423,12 @@ def _dspark(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
             TensorGroup("confidence_head.proj.bias", Component.DRAFT_HEADS, 1, quantizable=False),
         ]
     return ModelDescriptor(
-        name=name,
+        **_common_fields(c, name, source),
         family=Family.DSPARK_DRAFT,
-        source=source,
-        hidden_size=h,
-        vocab_size=vocab,
         max_context=c.get("max_position_embeddings") or 0,
         layers=(kind,) * c["num_hidden_layers"],
         layer_groups={kind: tuple(layer)},
         global_groups=tuple(global_groups),
-        **_weight_format(c, source),
         gqa=GqaShape(heads, kv_heads, hd),
         draft=DraftInfo(int(_dspark_setting(c, "block_size", c.get("block_size") or 7)), taps,
                         markov_rank),
