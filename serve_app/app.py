@@ -27,7 +27,7 @@ def validate(config: AppConfig) -> None:
     if config.engine.backend == "sglang":
         # The checkpoints may live only on the GPU nodes: these checks read them when present
         # and the capacity planner's packaged descriptors otherwise (serve_app.engines.sglang).
-        from serve_app.engines.sglang import sglang_problems
+        from serve_app.engines.sglang.checks import sglang_problems
 
         problems = sglang_problems(config)
         if problems:

@@ -126,7 +126,7 @@ class SGLangSettings(_Strict):
     """SGLang 0.5.23 server arguments that are not derived from elsewhere in the tree.
 
     Model paths come from `models`, tp/ep/attention-DP/nnodes from `parallelism`; the one
-    mapping to SGLang's argument names is `serve_app.engines.sglang.sglang_server_args`.
+    mapping to SGLang's argument names is `serve_app.engines.sglang.args.sglang_server_args`.
     Defaults are the published K3 + DSpark recipe on 2 x 8 H200.
     """
 

@@ -150,7 +150,7 @@ def test_emit_writes_valid_configs(tmp_path: Path):
     # The args are the Serve app's own config tree: its model accepts them, and the placement
     # it derives is the plan's (one 8-GPU bundle per node, spread over the nodes).
     from serve_app.config import AppConfig
-    from serve_app.engines.sglang import sglang_server_args
+    from serve_app.engines.sglang.args import sglang_server_args
 
     app = AppConfig.model_validate(app_cfg["args"])
     # One CPU per rank (capacity.emit.CPUS_PER_RANK, as the shipped files).
@@ -175,7 +175,7 @@ def test_emitted_files_start_a_replica(tmp_path: Path, gpu: str, vendor_env: set
     for its GPU vendor, and the emitted cluster installs the project (with the sglang extra on
     the GPU workers), as deployments/generate.py's files do."""
     from serve_app.config import AppConfig
-    from serve_app.engines.sglang import runtime_env_vars
+    from serve_app.engines.sglang.args import runtime_env_vars
 
     result = invoke("emit", "--gpu", gpu, "--nodes", "2", "--draft", "kimi-k3-dspark",
                     "--model-ref", "/models/Kimi-K3", "--out-dir", str(tmp_path))
@@ -250,14 +250,11 @@ def test_emitted_feasible_fleet_passes_the_apps_startup_checks(
     config tree (AppConfig), passes the app's start-up validation (serve_app.app.validate:
     sglang_problems), and its runtime_env satisfies the environment check SGLangEngine.start
     makes before launching (it then stops only for want of a placement group)."""
+    from capacity.ray_env import NOSET_CUDA_ENV, NOSET_HIP_ENV
     from serve_app.app import validate
     from serve_app.config import AppConfig
-    from serve_app.engines.sglang import (
-        NOSET_CUDA_ENV,
-        NOSET_HIP_ENV,
-        SGLangEngine,
-        runtime_env_vars,
-    )
+    from serve_app.engines.sglang.args import runtime_env_vars
+    from serve_app.engines.sglang.engine import SGLangEngine
     from serve_app.engines.types import EngineUnavailable
 
     result = invoke("emit", "--gpu", gpu, "--nodes", str(nodes), "--draft", "kimi-k3-dspark",

@@ -9,7 +9,7 @@ run as soon as that code path does (the demo's `import openai` is one).
 Rules, for every `.py` file under `serve_app/` and `capacity/`:
   - stdlib modules and the project's own packages are skipped; relative imports are own;
   - a module of the optional `sglang` extra (`SGLANG_EXTRA_MODULES`) may be imported only in
-    `serve_app/engines/sglang.py` and there only inside a function body, the way
+    `serve_app/engines/sglang/engine.py` and there only inside a function body, the way
     `SGLangEngine.start` does: that module is imported on CPU machines without SGLang (config
     mapping, start-up checks), so a module-level import, even under `if TYPE_CHECKING:` which
     static tools would then require, is refused;
@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ("serve_app", "capacity")  # = [tool.setuptools.packages.find] include
-SGLANG_BACKEND = "serve_app/engines/sglang.py"
+SGLANG_BACKEND = "serve_app/engines/sglang/engine.py"
 # Modules the `sglang` extra brings that the code may import (lazily, on GPU nodes). They are
 # not installed here, so packages_distributions() cannot map them: this table does, and marks
 # them as the extra's. Add a row when the backend starts importing another of them.
@@ -237,7 +237,7 @@ def test_the_checker_reports_what_it_should() -> None:
     assert "at module level" in report(
         SGLANG_BACKEND, "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
         "    import sglang\n")[0]
-    assert "only in serve_app/engines/sglang.py" in report(
+    assert "only in serve_app/engines/sglang/engine.py" in report(
         "serve_app/serving/target.py", "def f():\n    import sgl_kernel\n")[0]
     # A class body runs at import time.
     assert "at module level" in report(SGLANG_BACKEND, "class A:\n    import sglang\n")[0]

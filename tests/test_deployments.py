@@ -13,8 +13,8 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 from sglang_helpers import ROOT, app_config, generator, load_serve, serve_files
 
+from capacity.ray_env import NOSET_CUDA_ENV, NOSET_HIP_ENV
 from serve_app.app import validate
-from serve_app.engines.sglang import NOSET_CUDA_ENV, NOSET_HIP_ENV
 
 CLUSTER_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cluster").glob("*.yaml"))
 

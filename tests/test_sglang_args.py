@@ -13,21 +13,13 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from sglang_helpers import GOLDEN, ROOT, app_config, serve_files
+from sglang_helpers import GOLDEN, ROOT, app_config, rank_plan, serve_files
 
 from serve_app.app import ConfigError, validate
-from serve_app.engines.sglang import (
-    FLAGS_FILE,
-    OutputTracker,
-    RequestAborted,
-    check_server_args,
-    rank_plan,
-    sampling_params,
-    server_args_cli,
-    sglang_fields,
-    sglang_problems,
-    sglang_server_args,
-)
+from serve_app.engines.sglang.args import sampling_params, server_args_cli, sglang_server_args
+from serve_app.engines.sglang.checks import check_server_args, sglang_problems
+from serve_app.engines.sglang.flags import FLAGS_FILE, sglang_fields
+from serve_app.engines.sglang.output import OutputTracker, RequestAborted
 from serve_app.engines.spec_stats import SpecStats
 from serve_app.engines.types import SamplingParams
 

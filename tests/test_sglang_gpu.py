@@ -37,7 +37,7 @@ def target() -> Any:
 
     from serve_app.app import validate
     from serve_app.config import AppConfig
-    from serve_app.engines.sglang import runtime_env_vars
+    from serve_app.engines.sglang.args import runtime_env_vars
     from serve_app.serving.target import TargetReplica
 
     tp = int(os.environ.get("KIMI_SGLANG_TP", torch.cuda.device_count()))

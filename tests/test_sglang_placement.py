@@ -19,9 +19,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from sglang_helpers import app_config
-
-from serve_app.engines.sglang import rank_plan
+from sglang_helpers import app_config, rank_plan
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +42,9 @@ class FakeScheduler:
 class ReplicaStandIn:
     """The target replica's process: what RayEngine does from inside it."""
 
-    def launch(self, nnodes: int, tp_size: int) -> dict[str, Any]:
+    def launch(self, nnodes: int, plans: list[list[tuple[int, int, int]]]) -> dict[str, Any]:
+        """`plans[b]`: (tp_rank, bundle, gpu_id) per rank when the engine sits on bundle b
+        (rank_plan, computed by the driver: tests/ is not importable on Ray's workers)."""
         pg = get_current_placement_group()  # RayEngine's `ray.util.get_current_placement_group()`
         assert pg is not None
         my_node = ray.get_runtime_context().get_node_id()
@@ -60,9 +60,8 @@ class ReplicaStandIn:
             for i in range(nnodes)])
         engine_bundle = bundle_nodes.index(my_node)
         actors = [FakeScheduler.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=slot.bundle_index)).remote(
-                slot.tp_rank, slot.gpu_id)
-            for slot in rank_plan(nnodes, tp_size, engine_bundle=engine_bundle)]
+            placement_group=pg, placement_group_bundle_index=bundle)).remote(tp_rank, gpu_id)
+            for tp_rank, bundle, gpu_id in plans[engine_bundle]]
         ranks = ray.get([a.where.remote() for a in actors], timeout=120)
         return {"engine_node": my_node, "engine_bundle": engine_bundle,
                 "bundle_nodes": bundle_nodes, "ranks": ranks}
@@ -94,8 +93,10 @@ def test_production_placement_on_two_fake_h200_nodes(cluster: Any) -> None:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=0,
                 placement_group_capture_child_tasks=True)).remote()
-        result = ray.get(replica.launch.remote(config.parallelism.nodes, config.parallelism.tp),
-                         timeout=180)
+        nodes, tp = config.parallelism.nodes, config.parallelism.tp
+        plans = [[(s.tp_rank, s.bundle_index, s.gpu_id)
+                  for s in rank_plan(nodes, tp, engine_bundle=b)] for b in range(nodes)]
+        result = ray.get(replica.launch.remote(nodes, plans), timeout=180)
     finally:
         remove_placement_group(pg)
 

@@ -151,7 +151,7 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
 def _start_sglang(config: AppConfig) -> tuple[Any, list[Any], list[dict[str, Any]]]:
     """SGLang's RayEngine in this replica's placement group: rank 0 on this node, one
     scheduler actor per GPU of the bundles. It owns its actors (no RankWorkers here)."""
-    from serve_app.engines.sglang import SGLangEngine
+    from serve_app.engines.sglang.engine import SGLangEngine
 
     engine = SGLangEngine.start(config)
     info = [_placement_info(0, config.parallelism.devices_per_node)]

@@ -1,0 +1,132 @@
+"""The one mapping from the config tree to SGLang 0.5.23: the keyword arguments of
+`sglang.srt.ray.engine.RayEngine` (= ServerArgs fields), their `sglang serve` spelling, the
+per-request `sampling_params` dict, and the environment the application's runtime_env must
+carry. Pure Python: importable without SGLang."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from capacity.ray_env import sglang_ray_env
+from serve_app.engines.sglang.flags import sglang_fields
+from serve_app.engines.types import SamplingParams
+
+if TYPE_CHECKING:
+    from serve_app.config import AppConfig
+
+# `sglang.srt.sampling.sampling_params`: top_k -1 means the whole vocabulary.
+SGLANG_TOP_K_OFF = -1
+# Keys that come from elsewhere in the config tree; `extra_server_args` may not override them,
+# or two places would hold one value.
+_MANAGED = frozenset({
+    "model_path", "tokenizer_path", "served_model_name", "trust_remote_code", "device",
+    "tp_size", "ep_size", "attn_dp_size", "nnodes", "pp_size", "context_length",
+    "mem_fraction_static", "kv_cache_dtype", "chunked_prefill_size", "max_running_requests",
+    "speculative_algorithm", "speculative_draft_model_path", "speculative_dspark_block_size",
+    "speculative_draft_attention_backend", "moe_runner_backend", "decode_attention_backend",
+    "enable_metrics", "incremental_streaming_output", "enable_dp_lm_head",
+})
+
+
+def _path_arg(value: str) -> str:
+    # `embedded:` assets resolve to a folder in this package; real checkpoints stay as written
+    # (they name paths on the GPU nodes, not on the machine that runs `serve run`).
+    if value.startswith("embedded:"):
+        from serve_app.config import resolve_path
+
+        return str(resolve_path(value))
+    return value
+
+
+def sglang_server_args(config: AppConfig) -> dict[str, Any]:
+    """The keyword arguments of `sglang.srt.ray.engine.RayEngine(**args)` (= ServerArgs fields),
+    built from the config tree. The single source of SGLang server arguments."""
+    s, p, m = config.engine.sglang, config.parallelism, config.models
+    args: dict[str, Any] = {
+        "model_path": _path_arg(m.target),
+        "tokenizer_path": _path_arg(m.tokenizer or m.target),
+        "served_model_name": m.served_model_name,
+        "trust_remote_code": s.trust_remote_code,
+        # Explicit, so the DSPARK device check cannot depend on platform auto-detection.
+        "device": "cuda",
+        "tp_size": p.tp,
+        "ep_size": p.ep,
+        # 0.5.23 spelling; --enable-dp-attention/--dp-size is deprecated in its favour.
+        "attn_dp_size": p.attention_dp,
+        "nnodes": p.nodes,
+        "context_length": s.context_length,
+        "mem_fraction_static": s.mem_fraction_static,
+        "kv_cache_dtype": s.kv_cache_dtype,
+        "chunked_prefill_size": s.chunked_prefill_size,
+        "max_running_requests": s.max_running_requests,
+    }
+    if p.attention_dp > 1:
+        # 0.5.23 refuses DSpark with attention DP unless the LM head is DP too.
+        args["enable_dp_lm_head"] = True
+    if s.speculative_algorithm is not None:
+        args["speculative_algorithm"] = s.speculative_algorithm
+        args["speculative_draft_model_path"] = _path_arg(m.draft) if m.draft else None
+        args["speculative_dspark_block_size"] = s.speculative_dspark_block_size
+        if s.speculative_draft_attention_backend is not None:
+            args["speculative_draft_attention_backend"] = s.speculative_draft_attention_backend
+    if s.moe_runner_backend is not None:
+        args["moe_runner_backend"] = s.moe_runner_backend
+    if s.decode_attention_backend is not None:
+        args["decode_attention_backend"] = s.decode_attention_backend
+    args["enable_metrics"] = s.enable_metrics
+    # Each streamed chunk is then a delta (ids and text), not the whole output so far.
+    args["incremental_streaming_output"] = True
+    clash = sorted(set(s.extra_server_args) & _MANAGED)
+    if clash:
+        raise ValueError(f"engine.sglang.extra_server_args may not set {', '.join(clash)}: "
+                         "they come from models/parallelism/engine.sglang fields")
+    args.update(s.extra_server_args)
+    return args
+
+
+def runtime_env_vars(config: AppConfig) -> dict[str, str]:
+    """Environment the application's runtime_env must carry for this backend (inherited by
+    the replica and, through it, by SGLang's scheduler actors)."""
+    return sglang_ray_env(config.placement.gpu_type)
+
+
+
+def server_args_cli(args: dict[str, Any]) -> list[str]:
+    """The same arguments as an `sglang serve` command line (for the runbook and logs)."""
+    fields = sglang_fields()
+    argv: list[str] = []
+    for name, value in args.items():
+        flag = fields[name]["flag"] or f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+
+def sampling_params(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams -> SGLang's `sampling_params` dict."""
+    # The same meaning as the reference sampler for values SGLang's float32 kernels cannot
+    # represent usefully: a temperature below 1e-5 is greedy (SamplingParams.greedy), and a
+    # top_p too small to keep anything but the top token is top_k 1.
+    top_k = params.top_k if params.top_k > 0 else SGLANG_TOP_K_OFF
+    if params.top_p < 1e-6:
+        top_k = 1
+    out: dict[str, Any] = {
+        "temperature": 0.0 if params.greedy else params.temperature,
+        "top_p": max(params.top_p, 1e-6),
+        "top_k": top_k,
+        "max_new_tokens": params.max_tokens,
+        "ignore_eos": params.ignore_eos,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+

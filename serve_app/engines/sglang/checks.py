@@ -1,0 +1,176 @@
+"""Start-up checks of a deployment for the SGLang backend, each problem naming its field:
+the config tree against the model and the GPUs (`sglang_problems`), the mapped server
+arguments against SGLang 0.5.23's own field definitions (`check_server_args`). Pure Python:
+importable without SGLang."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from serve_app.engines.sglang.args import sglang_server_args
+from serve_app.engines.sglang.flags import SGLANG_VERSION, draft_attention_backends, sglang_fields
+
+if TYPE_CHECKING:
+    from serve_app.config import AppConfig
+
+logger = logging.getLogger("serve_app.sglang")
+
+# 0.5.23 `_handle_dspark`: "DSpark speculative decoding only supports CUDA, NPU or XPU device."
+DSPARK_DEVICES = ("cuda", "npu", "xpu")
+# The planner's KV element types for SGLang's kv_cache_dtype values.
+_KV_DTYPE = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "fp8_e4m3": "fp8",
+             "fp8_e5m2": "fp8"}
+
+
+_SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (float, int), "bool": (bool,),
+                                         "str": (str,)}
+
+
+def _type_ok(type_src: str, value: Any) -> bool:
+    optional = type_src.startswith("Optional[") or type_src.endswith("| None")
+    base = type_src.removeprefix("Optional[").removesuffix("]") if type_src.startswith(
+        "Optional[") else type_src.removesuffix(" | None")
+    if value is None:
+        return optional
+    kinds = _SCALARS.get(base)
+    if kinds is None:  # lists, dicts, literals, records: not checked here
+        return True
+    if isinstance(value, bool) and bool not in kinds:
+        return False
+    return isinstance(value, kinds)
+
+
+def check_server_args(args: dict[str, Any]) -> list[str]:
+    """Each argument against SGLang 0.5.23's definition: the field exists, the value has its
+    type, and lies among its choices where it declares some."""
+    fields = sglang_fields()
+    problems = []
+    draft_backend = args.get("speculative_draft_attention_backend")
+    if draft_backend is not None and draft_backend not in draft_attention_backends():
+        # SGLang would not refuse it: it logs and falls back, so the file would lie.
+        problems.append(f"speculative_draft_attention_backend={draft_backend!r} is not one of "
+                        f"SGLang's draft backends {draft_attention_backends()}")
+    for name, value in args.items():
+        spec = fields.get(name)
+        if spec is None:
+            problems.append(f"{name!r} is not an SGLang {SGLANG_VERSION} server argument")
+            continue
+        if not _type_ok(spec["type"], value):
+            problems.append(f"{name}={value!r} does not match SGLang's type {spec['type']}")
+        elif spec["choices"] is not None and value is not None and value not in spec["choices"]:
+            problems.append(f"{name}={value!r} is not one of SGLang's choices {spec['choices']}")
+    return problems
+
+
+
+def _local_config(path: str | None) -> Path | None:
+    if path is None:
+        return None
+    from serve_app.config import resolve_path
+
+    candidate = resolve_path(path) / "config.json"
+    return candidate if candidate.is_file() else None
+
+
+def sglang_problems(config: AppConfig) -> list[str]:
+    """Cross-checks for backend 'sglang', each naming the field; empty when the deployment is
+    valid. Model facts come from the checkpoints' config.json when they are on this machine,
+    otherwise from the capacity planner's packaged descriptors (logged)."""
+    from pydantic import ValidationError
+
+    import capacity
+    from capacity.errors import CapacityError
+    from capacity.memory import check_layout
+
+    s, p, pl = config.engine.sglang, config.parallelism, config.placement
+    problems: list[str] = []
+    dspark = s.speculative_algorithm == "DSPARK"
+    if pl.accelerator != "GPU":
+        problems.append(
+            f"placement.accelerator={pl.accelerator!r}: the SGLang backend needs CUDA-class GPUs"
+            + (" (SGLang 0.5.23 refuses DSPARK off CUDA/NPU/XPU: 'DSpark speculative decoding "
+               "only supports CUDA, NPU or XPU device')" if dspark else ""))
+    if p.pp != 1:
+        problems.append(f"parallelism.pp={p.pp}: DSPARK needs pp_size 1 outside PD prefill")
+    if p.tp != p.nodes * p.devices_per_node:
+        problems.append(f"parallelism.tp={p.tp} must equal parallelism.nodes ({p.nodes}) x "
+                        f"parallelism.devices_per_node ({p.devices_per_node})")
+    if p.tp % p.ep:
+        problems.append(f"parallelism.ep={p.ep} must divide parallelism.tp={p.tp}")
+    if p.tp % p.attention_dp:
+        problems.append(f"parallelism.attention_dp={p.attention_dp} must divide "
+                        f"parallelism.tp={p.tp}")
+    if dspark and config.models.draft is None:
+        problems.append("engine.sglang.speculative_algorithm=DSPARK needs models.draft")
+
+    target_file = _local_config(config.models.target)
+    if target_file is not None:
+        model = capacity.describe_model(target_file)
+    else:
+        logger.info("models.target %s is not on this machine: checking against the packaged "
+                    "%r descriptor", config.models.target, s.planner_model)
+        model = capacity.describe_model(s.planner_model)
+    draft = None
+    if dspark:
+        draft_file = _local_config(config.models.draft)
+        if draft_file is not None:
+            draft = capacity.describe_model(draft_file)
+        elif s.planner_draft is not None:
+            logger.info("models.draft %s is not on this machine: block size checked against the "
+                        "packaged %r descriptor", config.models.draft, s.planner_draft)
+            draft = capacity.describe_model(s.planner_draft)
+        else:
+            logger.info("models.draft is not on this machine and engine.sglang.planner_draft is "
+                        "null: block-size check skipped")
+        if draft is not None and draft.draft is not None and (
+                draft.draft.block_size != s.speculative_dspark_block_size):
+            problems.append(
+                f"engine.sglang.speculative_dspark_block_size={s.speculative_dspark_block_size} "
+                f"does not match the draft's block_size={draft.draft.block_size} ({draft.source})")
+    if model.max_context and s.context_length > model.max_context:
+        problems.append(f"engine.sglang.context_length={s.context_length:,} exceeds "
+                        f"{model.name}'s maximum {model.max_context:,} ({model.source})")
+
+    gpus = capacity.load_gpus()
+    if pl.gpu_type is None:
+        problems.append("placement.gpu_type is required for the SGLang backend (the weights are "
+                        f"checked against it); one of {', '.join(gpus)}")
+    elif pl.gpu_type not in gpus:
+        problems.append(f"placement.gpu_type={pl.gpu_type!r} unknown; one of {', '.join(gpus)}")
+    elif not problems:
+        gpu = gpus[pl.gpu_type]
+        if p.devices_per_node > gpu.gpus_per_node:
+            problems.append(f"parallelism.devices_per_node={p.devices_per_node} exceeds the "
+                            f"{gpu.gpus_per_node} GPUs of a {gpu.gpu} node")
+        try:
+            layout = capacity.Layout(
+                gpu=gpu.gpu, gpus_per_node=p.devices_per_node, nodes=p.nodes,
+                attention_tp=p.tp // p.attention_dp, attention_dp=p.attention_dp,
+                expert_parallel=p.ep, kv_dtype=_KV_DTYPE[s.kv_cache_dtype],
+                mem_fraction=s.mem_fraction_static)
+            check_layout(model, layout)
+            short = capacity.Workload(context_length=min(s.context_length, 8192),
+                                      prefill_chunk_tokens=max(1, s.chunked_prefill_size))
+            report = capacity.memory_per_gpu(model, layout, short, gpu, draft=draft)
+            if not report.fits:
+                problems.append(f"{model.name} on {layout.label()}: " + "; ".join(report.reasons))
+            else:
+                full = capacity.memory_per_gpu(
+                    model, layout, short.model_copy(update={"context_length": s.context_length}),
+                    gpu, draft=draft)
+                if not full.fits:
+                    # SGLang starts and serves; only a request near the full context waits for
+                    # (or is refused) KV it can never get. Worth a line, not a refusal.
+                    logger.warning("%s on %s: %s", model.name, layout.label(),
+                                   "; ".join(full.reasons))
+        except (CapacityError, ValidationError) as exc:
+            problems.append(f"layout: {exc}")
+    try:
+        problems += [f"engine.sglang: {x}" for x in check_server_args(sglang_server_args(config))]
+    except ValueError as exc:
+        problems.append(str(exc))
+    return problems
+
+
