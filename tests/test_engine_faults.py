@@ -202,31 +202,43 @@ def test_the_engine_serves_hostile_params(pair: tuple[Path, Path]) -> None:
 # --- requests refused up front -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("prompt", "params", "field"), [
-    ([1, 64, 2], GREEDY, "prompt"),
-    ([1, -1], GREEDY, "prompt"),
-    ([1, 2.5], GREEDY, "prompt"),
-    ([1, True], GREEDY, "prompt"),
-    ([1], SamplingParams(seed=2**64), "seed"),
-    ([1], SamplingParams(seed=-(2**63) - 1), "seed"),
-    ([1], SamplingParams(seed=1.5), "seed"),  # type: ignore[arg-type]
-    ([1], SamplingParams(temperature=math.nan), "temperature"),
-    ([1], SamplingParams(temperature=math.inf), "temperature"),
-    ([1], SamplingParams(top_k=2.5), "top_k"),  # type: ignore[arg-type]
-    ([1], SamplingParams(max_tokens=2.5), "max_tokens"),  # type: ignore[arg-type]
-    ([1], SamplingParams(stop_token_ids=("x",)), "stop_token_ids"),  # type: ignore[arg-type]
+@pytest.mark.parametrize(("prompt", "field"), [
+    ([1, 64, 2], "prompt"),
+    ([1, -1], "prompt"),
+    ([1, 2.5], "prompt"),
+    ([1, True], "prompt"),
 ])
-def test_add_request_refuses_bad_fields_by_name(pair: tuple[Path, Path], prompt: list[Any],
-                                                params: SamplingParams, field: str) -> None:
+def test_add_request_refuses_bad_prompts_by_name(pair: tuple[Path, Path], prompt: list[Any],
+                                                 field: str) -> None:
     engine = engine_from(pair, speculative=False)
     with pytest.raises(ValueError, match=rf"^{field}\b|\b{field}="):
-        engine.add_request(prompt, params)
+        engine.add_request(prompt, GREEDY)
     assert not engine.sequences and not engine.scheduler.waiting
     # The extremes of the seed range are fine.
     for seed in (-(2**63), 2**64 - 1):
         engine.add_request([1], SamplingParams(seed=seed, max_tokens=2))
     while engine.has_work:
         engine.step()
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop_token_ids": ("x",)}, "stop_token_ids"),
+    ({"stop": ("",)}, "stop"),
+])
+def test_sampling_params_refuse_bad_fields_by_name(fields: dict[str, Any], field: str) -> None:
+    """SamplingParams checks its own fields, once, for both engine backends."""
+    with pytest.raises(ValueError, match=rf"^{field}\b|\b{field}="):
+        SamplingParams(**fields)
 
 
 # --- one request's failure is its own ----------------------------------------------------------
@@ -494,12 +506,12 @@ async def test_an_add_request_crash_refuses_only_that_request(
 
     core.add_request = add_request  # type: ignore[method-assign]
     engine = async_engine(core)
-    ok, boom, bad_seed = await gather(
+    ok, boom, bad_prompt = await gather(
         collect(engine, "ok", [5, 6, 7]), collect(engine, "boom", [1]),
-        collect(engine, "bad-seed", [1], SamplingParams(seed=2**70)))
+        collect(engine, "bad-prompt", [10**9]))
     assert isinstance(boom, RequestFailed) and "could not accept" in str(boom)
     assert_client_safe(str(boom))
-    assert isinstance(bad_seed, ValueError) and "seed=" in str(bad_seed)
+    assert isinstance(bad_prompt, ValueError) and "prompt" in str(bad_prompt)
     assert len(ok) == GREEDY.max_tokens
     assert engine.problem() is None and engine._thread.is_alive()
 

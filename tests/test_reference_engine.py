@@ -498,7 +498,7 @@ def test_engine_without_draft_and_bad_requests(pair: tuple[Path, Path]) -> None:
         engine.add_request([], GREEDY)
     with pytest.raises(ValueError, match="exceeds the model's context length 2048"):
         engine.add_request([1] * 2040, GREEDY)
-    with pytest.raises(ValueError, match="max_tokens=0 must be > 0"):
+    with pytest.raises(ValueError, match="max_tokens=0 must be an int > 0"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         engine.add_request([1], SamplingParams(stop=("x",)))

@@ -5,9 +5,21 @@ The ingress and the router see only these: token ids in, committed-token events 
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+# What a torch.Generator accepts as a seed (manual_seed takes [-2^63, 2^64 - 1]).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+def is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -24,17 +36,24 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        """The one check of a request's sampling fields, for every backend: types and
+        finiteness too (NaN < 0 is False, a bool is an int), each problem naming its field."""
         problems = []
-        if self.temperature < 0:
-            problems.append(f"temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
+        if not (_is_number(self.temperature) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            problems.append(f"temperature={self.temperature} must be a finite number >= 0")
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             problems.append(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            problems.append(f"top_k={self.top_k} must be >= 0 (0 turns it off)")
-        if self.max_tokens <= 0:
-            problems.append(f"max_tokens={self.max_tokens} must be > 0")
-        if any(not s for s in self.stop):
-            problems.append("stop strings must be non-empty")
+        if not is_int(self.top_k) or self.top_k < 0:
+            problems.append(f"top_k={self.top_k} must be an int >= 0 (0 turns it off)")
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
+            problems.append(f"max_tokens={self.max_tokens} must be an int > 0")
+        if self.seed is not None and not (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            problems.append(f"seed={self.seed} must be an int in [{SEED_MIN}, {SEED_MAX}]")
+        if any(not isinstance(x, str) or not x for x in self.stop):
+            problems.append("stop strings must be non-empty strings")
+        if any(not is_int(t) for t in self.stop_token_ids):
+            problems.append("stop_token_ids must be ints")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -71,6 +90,9 @@ class GenerateRequest:
     # (namespace, actor name) of the ingress that sent it: the target aborts the request if
     # that actor dies (nobody is left to read the tokens).
     caller: tuple[str, str] | None = None
+    # The target replica the router's admission stage chose (its Serve unique id), which the
+    # deployment's ChosenReplicaRouter reads; None = any replica (Serve's own routing).
+    replica: str | None = None
 
 
 class EngineUnavailable(RuntimeError):
@@ -96,6 +118,10 @@ class Engine(Protocol):
 
     async def health(self, timeout_s: float) -> None:
         """Run a real 1-token generation through every rank; raise if it fails or times out."""
+
+    def problem(self) -> str | None:
+        """Why the engine cannot serve right now (loop dead, a step past the watchdog, a
+        recorded failure), or None. Cheap: no generation."""
 
     def stats(self) -> dict[str, Any]: ...
 

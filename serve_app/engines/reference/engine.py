@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -35,13 +34,12 @@ from serve_app.engines.reference.sampling import (
 from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, Status
 from serve_app.engines.spec_stats import EngineTotals
-from serve_app.engines.types import RequestOutput
+from serve_app.engines.types import RequestOutput, is_int
 from serve_app.models.dspark import survival_draft_count
 
 logger = logging.getLogger(__name__)
 
 # What torch.Generator.manual_seed accepts (negative seeds wrap around modulo 2**64).
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class EngineObserver(Protocol):
@@ -151,12 +149,12 @@ class EngineCore:
         return rid
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """What SamplingParams does not check itself (types, finiteness, the vocabulary and
-        the generator's seed range): each error names the field."""
+        """The prompt against this engine's vocabulary (SamplingParams checks its own
+        fields): each error names the field."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if not all(map(_is_int, prompt_ids)):
-            i = next(i for i, t in enumerate(prompt_ids) if not _is_int(t))
+        if not all(map(is_int, prompt_ids)):
+            i = next(i for i, t in enumerate(prompt_ids) if not is_int(t))
             raise ValueError(f"prompt: token {i} is {type(prompt_ids[i]).__name__}, not an int")
         vocab = self.vocab_size
         if min(prompt_ids) < 0 or (vocab is not None and max(prompt_ids) >= vocab):
@@ -164,25 +162,8 @@ class EngineCore:
                         if t < 0 or (vocab is not None and t >= vocab))
             raise ValueError(f"prompt: token id {t} at position {i} is outside the "
                              f"vocabulary [0, {vocab})")
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, SamplingParams):  # which checks its own fields
             raise ValueError(f"params must be SamplingParams, not {type(params).__name__}")
-        # SamplingParams lets NaN and inf through (nan < 0 is False).
-        if not (isinstance(params.temperature, int | float)
-                and math.isfinite(params.temperature) and params.temperature >= 0):
-            raise ValueError(f"temperature={params.temperature} must be a finite number >= 0")
-        if not (isinstance(params.top_p, int | float) and 0 < params.top_p <= 1):
-            raise ValueError(f"top_p={params.top_p} must be in (0, 1]")
-        if not _is_int(params.top_k) or params.top_k < 0:
-            raise ValueError(f"top_k={params.top_k} must be an int >= 0")
-        if not _is_int(params.max_tokens) or params.max_tokens <= 0:
-            raise ValueError(f"max_tokens={params.max_tokens} must be an int > 0")
-        if params.seed is not None and not (
-                _is_int(params.seed) and SEED_MIN <= params.seed <= SEED_MAX):
-            raise ValueError(f"seed={params.seed} must be an int in [{SEED_MIN}, {SEED_MAX}]")
-        if any(not _is_int(t) for t in params.stop_token_ids):
-            raise ValueError("stop_token_ids must be ints")
-        if any(not isinstance(x, str) or not x for x in params.stop):
-            raise ValueError("stop must be non-empty strings")
         if params.stop and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
 
@@ -421,7 +402,3 @@ class EngineCore:
             "kv_tokens_free": alloc.free_tokens,
             "kv_tokens_reserved": self.scheduler.reserved_tokens,
         }
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
