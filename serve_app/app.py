@@ -15,7 +15,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from serve_app.config import AppConfig, ConfigError, context_length, model_configs
+from serve_app.config import AppConfig, ConfigError, model_configs
 from serve_app.engines.reference.builder import check_pair
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.target import TargetReplica
@@ -33,9 +33,6 @@ def validate(config: AppConfig) -> None:
         if problems:
             raise ConfigError("invalid deployment config:\n  - " + "\n  - ".join(problems))
         return
-    if config.engine.backend != "reference":
-        raise ConfigError(f"engine.backend={config.engine.backend!r} is not available in this "
-                          "build; allowed: 'reference', 'sglang'")
     target, draft = model_configs(config)
     problems = []
     if draft is not None:
@@ -49,14 +46,15 @@ def validate(config: AppConfig) -> None:
     if config.engine.max_model_len and config.engine.max_model_len > limit:
         problems.append(f"engine.max_model_len={config.engine.max_model_len} exceeds the models' "
                         f"maximum context ({limit})")
+    # Each model says which sizes tensor parallelism must divide (the same check its shard
+    # code runs): failing here names it before any replica loads a weight.
     tp = config.parallelism.tp
-    for name, value in (("num_attention_heads", target.num_attention_heads),
-                        ("n_routed_experts", target.n_routed_experts)):
-        if value % tp:
-            problems.append(f"parallelism.tp={tp} must divide the target's {name}={value}")
-    if draft is not None and draft.num_attention_heads % tp:
-        problems.append(f"parallelism.tp={tp} must divide the draft's "
-                        f"num_attention_heads={draft.num_attention_heads}")
+    for field, model in (("models.target", target), ("models.draft", draft)):
+        if model is not None:
+            try:
+                model.validate_tp(tp)
+            except ValueError as exc:
+                problems.append(f"parallelism.tp={tp} cannot shard {field}: {exc}")
     try:
         tokenizer = load_tokenizer(config.models.tokenizer_path())
         if tokenizer.vocab_size > target.vocab_size:
@@ -69,16 +67,15 @@ def validate(config: AppConfig) -> None:
 
 
 def _router_options(config: AppConfig) -> dict[str, Any]:
-    """The target deployment's request router (serve_app.serving.router), unless the config asks
-    for Serve's own."""
+    """The target deployment's request router (serve_app.routing.serve_router: it sends each
+    request where the ingress's admission stage chose), unless the config asks for Serve's
+    own."""
     if config.router.policy == "ray_default":
         return {}
     from ray.serve.config import RequestRouterConfig
 
-    settings = config.router.settings(config.engine.backend, context_length(config)).model_dump()
     return {"request_router_config": RequestRouterConfig(
-        request_router_class="serve_app.serving.router:KVAwareRequestRouter",
-        request_router_kwargs={"key": "TargetDeployment", "settings": settings})}
+        request_router_class="serve_app.routing.serve_router:ChosenReplicaRouter")}
 
 
 def build_app(config: AppConfig) -> Application:

@@ -304,7 +304,7 @@ def test_every_dispatch_carries_the_policys_reason() -> None:
 def test_admission_stage_counts_one_decision_per_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
-    from serve_app.serving import admission
+    from serve_app.routing import admission
 
     class Counter:
         def __init__(self) -> None:
@@ -318,9 +318,10 @@ def test_admission_stage_counts_one_decision_per_dispatch(monkeypatch: pytest.Mo
         router_decisions = Counter()
 
     monkeypatch.setattr(admission, "app_metrics", lambda: Metrics)
-    stage = admission.AdmissionStage(settings())
-    stage.set_replica("a", 100_000)
-    stage.set_replica("b", 100_000)
+    async def two_replicas() -> admission.ReplicaList:
+        return {"a": 100_000, "b": 100_000}, True
+
+    stage = admission.AdmissionStage(settings(), two_replicas)
     prompt = list(range(810))
 
     async def run() -> list[str]:
@@ -361,3 +362,31 @@ def test_router_config_is_the_routing_model() -> None:
     for path in Path("serve_app/routing").glob("*.py"):
         assert not re.search(r"^\s*(from|import) serve_app\.config", path.read_text(),
                              re.MULTILINE), path
+
+
+def test_admission_stage_syncs_replicas_and_releases_the_ones_that_left() -> None:
+    """The stage's replica list comes from the ingress's broadcast: a replica missing from a
+    complete answer has left (its reservations are released); one missing from an incomplete
+    answer (it failed to reply once) is kept with its reservations."""
+    import asyncio
+
+    from serve_app.routing import admission
+
+    answers: list[admission.ReplicaList] = [({"a": 10_000, "b": 10_000}, True)]
+
+    async def listed() -> admission.ReplicaList:
+        return answers[-1]
+
+    stage = admission.AdmissionStage(settings(), listed, refresh_s=3600)
+
+    async def run() -> None:
+        where = await stage.admit("q0", list(range(900)), 100)
+        other = "b" if where == "a" else "a"
+        assert stage.policy.ledger.committed(where) == 1000
+        stage.sync({other: 10_000}, complete=False)
+        assert stage.policy.ledger.committed(where) == 1000  # kept: it may still be serving
+        stage.sync({other: 10_000}, complete=True)
+        assert where not in stage.capacity and where not in stage.policy.ledger.replicas()
+        assert stage.snapshot()["replicas"].keys() == {other}
+
+    asyncio.run(run())

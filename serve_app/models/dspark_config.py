@@ -111,6 +111,23 @@ class DSparkConfig(BaseModel):
             raise ValueError("; ".join(problems))
         return self
 
+    def validate_tp(self, tp_size: int) -> None:
+        """Every size tensor parallelism splits must split evenly (when there are more ranks
+        than KV heads, each rank keeps one KV head, so one of the two must divide the other);
+        all problems at once."""
+        problems = []
+        if self.num_attention_heads % tp_size:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible "
+                            f"by tp_size={tp_size}")
+        if self.num_key_value_heads % tp_size and tp_size % self.num_key_value_heads:
+            problems.append(f"num_key_value_heads={self.num_key_value_heads} and "
+                            f"tp_size={tp_size}: one must divide the other")
+        if self.intermediate_size % tp_size:
+            problems.append(f"intermediate_size={self.intermediate_size} is not divisible by "
+                            f"tp_size={tp_size}")
+        if problems:
+            raise DSparkConfigError("tensor parallelism: " + "; ".join(problems))
+
     # --- parsing ---------------------------------------------------------------------------
 
     @classmethod

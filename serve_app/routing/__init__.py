@@ -1,10 +1,12 @@
-"""Long-context routing policy: pure, backend-agnostic Python (no Ray imports).
+"""The long-context router, one package (docs/router.md).
 
-`settings` (RouterSettings: the router's fields, which the app's config tree uses as `router:`),
-`ledger` (KV tokens committed per replica), `prefix_index` (hash-chain block index -> replicas,
-memory-bounded LRU), `policy` (admission, affinity, long/short classes, aging, and the baseline
-policies). The Serve integration (`serve_app.serving.router`) and the simulator
-(`serve_app.routing.simulator`) drive the same classes.
+Pure Python, no Ray: `settings` (RouterSettings: the router's
+fields, which the app's config tree uses as `router:`), `ledger` (KV tokens committed per
+replica), `prefix_index` (hash-chain block index -> replicas, memory-bounded LRU), `policy`
+(admission, affinity, long/short classes, aging, and the baseline policies), `admission` (the
+lifecycle the ingress drives: reserve, dispatch, release). Ray: `serve_router` (the target
+deployment's RequestRouter, which sends a request to the replica it carries). The simulator
+(bench/router_simulator.py) drives the same policy classes.
 """
 
 from serve_app.routing.ledger import CapacityLedger

@@ -234,9 +234,6 @@ class Policy(ABC):
         # arrives during the first one's minutes-long prefill must find it.
         self.index.insert(req.blocks, replica)
 
-    def replica_of(self, request_id: str) -> str | None:
-        return self._where.get(request_id)
-
     def prefill_done(self, request_id: str) -> None:
         replica = self._where.get(request_id)
         if replica is None:

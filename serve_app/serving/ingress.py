@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
@@ -48,6 +49,7 @@ from serve_app.models.kv_cache import KVCapacityError
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.metrics import app_metrics
 from serve_app.observability.tracing import tracer
+from serve_app.routing.admission import AdmissionStage, ReplicaList
 from serve_app.routing.policy import ClientLimit, QueueFull, RequestTooLarge, RouterError
 from serve_app.serving.protocol import (
     ChatCompletionRequest,
@@ -354,7 +356,7 @@ class Lease:
     await, or, for a streaming response the server never started sending (the client left
     first), the finalizer when the response is dropped."""
 
-    def __init__(self, request_id: str, router: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, router: AdmissionStage | None, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.router = router
         self.loop = loop
@@ -497,12 +499,23 @@ class OpenAIIngress:
         logger.info("ingress ready: %d API keys, body limit %d bytes, context %d tokens",
                     len(edge.key_digests), edge.max_body_bytes, self.max_model_len)
         # The long-context router (docs/router.md): None = Serve's own routing.
-        self.router = None
+        self.router: AdmissionStage | None = None
         if self.config.router.policy != "ray_default":
-            from serve_app.serving.admission import stage_for
+            self.router = AdmissionStage(
+                self.config.router.settings(self.config.engine.backend, self.max_model_len),
+                self._replicas)
 
-            self.router = stage_for("TargetDeployment", self.config.router.settings(
-                self.config.engine.backend, self.max_model_len))
+    async def _replicas(self) -> ReplicaList:
+        """Every running target replica's id and KV capacity, for the router (Serve's
+        broadcast reaches each replica the handle's router knows)."""
+        try:
+            answers = await self.target.broadcast("routing_info").results_async(
+                timeout_s=self.config.ingress.health_timeout_s, return_exceptions=True)
+        except DeploymentUnavailableError:
+            return {}, True
+        replicas = {a["replica"]: int(a["kv_tokens_total"]) for a in answers
+                    if isinstance(a, dict)}
+        return replicas, len(replicas) == len(answers)
 
     # --- routes ---------------------------------------------------------------------------------
 
@@ -625,13 +638,17 @@ class OpenAIIngress:
         telemetry.span.set_attribute("request_id", rid)
         telemetry.span.set_attribute("max_tokens", max_tokens)
         telemetry.span.set_attribute("stream", body.stream)
+        replica = None
         if self.router is not None:
-            await self._admit(rid, prompt_ids, max_tokens, client)
+            try:
+                replica = await self.router.admit(rid, prompt_ids, max_tokens, client)
+            except RouterError as exc:
+                raise _router_error(exc, self.retry_after_s) from None
         lease: Lease | None = Lease(rid, self.router, asyncio.get_running_loop())
         try:
             assert lease is not None
             stream = self.target.options(stream=True).generate.remote(
-                GenerateRequest(rid, prompt_ids, params, caller=self.caller))
+                GenerateRequest(rid, prompt_ids, params, caller=self.caller, replica=replica))
             lease.stream = stream
             # Wait for the first event before answering, so a refused request gets its 4xx.
             try:
@@ -654,21 +671,6 @@ class OpenAIIngress:
         finally:
             if lease is not None:
                 lease.close()
-
-    async def _admit(self, rid: str, prompt_ids: list[int], max_tokens: int,
-                     client: str) -> None:
-        assert self.router is not None
-        if not self.router.ready:
-            # The handle's router (and with it the replicas' KV capacities) exists only after
-            # this process's first call on the handle: make one that needs no routing decision.
-            try:
-                await self.target.capacity.remote()
-            except Exception as exc:
-                raise error_for(exc, self.retry_after_s, rid) from None
-        try:
-            await self.router.admit(rid, prompt_ids, max_tokens, client)
-        except RouterError as exc:
-            raise _router_error(exc, self.retry_after_s) from None
 
     async def _collect(self, body: _Request, rid: str, chat: bool, first: RequestOutput,
                        lease: Lease) -> dict[str, Any]:

@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
+from ray import serve
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serve_app.config import AppConfig
-from serve_app.engines.types import EngineUnavailable, GenerateRequest, RequestOutput
+from serve_app.engines.types import Engine, EngineUnavailable, GenerateRequest, RequestOutput
 from serve_app.netutil import free_port
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.metrics import replica_name
@@ -104,7 +105,7 @@ class RankWorker:
 
 
 def _start_reference(config: AppConfig, raw: dict[str, Any]
-                     ) -> tuple[Any, list[Any], list[dict[str, Any]]]:
+                     ) -> tuple[Engine, list[Any], list[dict[str, Any]]]:
     """Rank 0 here, ranks 1..N-1 as RankWorker actors in the replica's placement group.
     Returns (engine, rank workers, placement of every rank)."""
     par = config.parallelism
@@ -148,7 +149,7 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
     return engine, workers, info
 
 
-def _start_sglang(config: AppConfig) -> tuple[Any, list[Any], list[dict[str, Any]]]:
+def _start_sglang(config: AppConfig) -> tuple[Engine, list[Any], list[dict[str, Any]]]:
     """SGLang's RayEngine in this replica's placement group: rank 0 on this node, one
     scheduler actor per GPU of the bundles. It owns its actors (no RankWorkers here)."""
     from serve_app.engines.sglang.engine import SGLangEngine
@@ -166,6 +167,7 @@ class TargetReplica:
         self.config = AppConfig.model_validate(config)
         install_trace_ids()
         started = time.perf_counter()
+        self.engine: Engine
         if self.config.engine.backend == "sglang":
             self.engine, self.workers, self.info = _start_sglang(self.config)
         else:
@@ -265,10 +267,12 @@ class TargetReplica:
     def capacity(self) -> dict[str, int]:
         return self.engine.capacity()
 
-    def record_routing_stats(self) -> dict[str, int]:
-        """Serve's routing-stats hook; the router reads kv_tokens_total from it when a replica
-        appears (serve_app.serving.router)."""
-        return self.engine.capacity()
+    def routing_info(self) -> dict[str, Any]:
+        """Who this replica is (Serve's unique id, as the request router sees it) and its KV
+        capacity: the router's admission stage asks every replica for it
+        (serve_app.routing.admission)."""
+        return {"replica": serve.get_replica_context().replica_id.unique_id,
+                **self.engine.capacity()}
 
     def placement(self) -> list[dict[str, Any]]:
         return self.info

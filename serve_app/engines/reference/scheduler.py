@@ -35,10 +35,6 @@ class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
 
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
-
 
 def prefill_cap(prefill_chunk_tokens: int, max_prefill_tokens_per_request: int | None) -> int:
     """A prompt's share of one step's prefill budget: the setting, checked, or by default a

@@ -1,5 +1,5 @@
 """Tensor parallelism for the DSpark draft, gpt-fast style: shard the linears, all-reduce after
-the row-parallel ones. (The target shards itself at load time: see models/kimi.py.)
+the row-parallel ones. (The target shards itself at load time: see models/kimi_weights.py.)
 
 Attention heads are split across ranks; when there are more ranks than KV heads (K3's draft has
 16 KV heads, a TP32 group would have more ranks) each rank keeps the one KV head its query heads
@@ -33,19 +33,6 @@ def _all_reduce_output(module: nn.Module, group: dist.ProcessGroup | None) -> No
     module.register_forward_hook(hook)
 
 
-def check_draft_tp(num_heads: int, num_kv_heads: int, intermediate: int, tp_size: int) -> None:
-    problems = []
-    if num_heads % tp_size:
-        problems.append(f"num_attention_heads={num_heads} is not divisible by tp_size={tp_size}")
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
-        problems.append(f"num_key_value_heads={num_kv_heads} and tp_size={tp_size}: one must "
-                        "divide the other")
-    if intermediate % tp_size:
-        problems.append(f"intermediate_size={intermediate} is not divisible by tp_size={tp_size}")
-    if problems:
-        raise ValueError("draft cannot be sharded: " + "; ".join(problems))
-
-
 def shard_dspark(
     draft: DSparkDraft, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None = None
 ) -> DSparkDraft:
@@ -53,8 +40,7 @@ def shard_dspark(
     if tp_size == 1:
         return draft
     cfg = draft.config
-    check_draft_tp(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size,
-                   tp_size)
+    cfg.validate_tp(tp_size)
     hd = cfg.head_dim
     heads = cfg.num_attention_heads // tp_size
     if cfg.num_key_value_heads >= tp_size:

@@ -1,20 +1,31 @@
-"""The admission stage of the router (no Ray imports): the ingress waits here for a replica,
-and the target deployment's `KVAwareRequestRouter` (serve_app.serving.router) feeds it replica
-capacities and routing-hook events.
+"""The router's lifecycle in the ingress process (no Ray imports): reserve, dispatch, release.
 
-It lives in its own module on purpose: Serve cloudpickles a custom RequestRouter's module BY
-VALUE into each handle's process, so a registry defined next to the router class would be a
-private copy there; this module is imported normally, so the ingress and the router share one
-stage per process.
+- **reserve**: `admit` submits a request to the policy and waits (bounded queue, queue timeout)
+  until the policy assigns it a replica; the replica's ledger is committed at that moment, so a
+  burst can never overcommit a replica. Refusals raise (RequestTooLarge 400, QueueFull /
+  ClientLimit 429, QueueTimeout 503).
+- **dispatch**: the caller writes the returned replica id into the request
+  (`GenerateRequest.replica`); the target deployment's `ChosenReplicaRouter`
+  (serve_app.routing.serve_router) sends it there. The choice travels with the request, so the
+  Serve router keeps no state and nothing is shared through a process-global.
+- **release**: the caller's lease calls `release` exactly once on every path (completion,
+  error, cancellation at any await).
+
+Which replicas exist and how many KV tokens each holds come from `list_replicas`, a coroutine
+the ingress supplies (it asks every target replica through Serve's broadcast); the stage syncs
+with it every `refresh_s` while it is in use, and a replica that has left releases its
+requests' reservations at the next sync.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve_app.observability.metrics import app_metrics
@@ -23,70 +34,89 @@ from serve_app.routing.prefix_index import block_hashes
 
 logger = logging.getLogger("serve_app.router")
 
-_STAGES: dict[str, AdmissionStage] = {}
-_STAGES_LOCK = threading.Lock()
-
-
-def stage_for(key: str, settings: RouterSettings) -> AdmissionStage:
-    """The process's stage for one target deployment (the ingress and the handle's router are
-    in the same process and must share it)."""
-    with _STAGES_LOCK:
-        if key not in _STAGES:
-            _STAGES[key] = AdmissionStage(settings)
-        return _STAGES[key]
+# Replica id -> kv_tokens_total, and whether every replica answered (only a complete answer
+# may remove a replica: one that failed to answer once may still be serving).
+ReplicaList = tuple[dict[str, int], bool]
 
 
 class AdmissionStage:
-    """Thread-safe wrapper of a `Policy`: Serve may run the handle's router on its own loop."""
+    """A `Policy` driven from the ingress's event loop. The lock is reentrant because a
+    request's lease may be released from a finalizer while this thread already holds it."""
 
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings,
+                 list_replicas: Callable[[], Awaitable[ReplicaList]],
+                 refresh_s: float = 1.0) -> None:
         self.settings = settings
         self.policy: Policy = make_policy(settings)
-        # Reentrant: a request's lease may be released from a finalizer that runs while this
-        # thread already holds the lock.
+        self._list_replicas = list_replicas
+        self.refresh_s = refresh_s
         self._lock = threading.RLock()
         self._waiters: dict[str, asyncio.Future[str]] = {}
         self.decisions: deque[tuple[str, str]] = deque(maxlen=1000)  # (request id, replica)
         self.capacity: dict[str, int] = {}
+        self._synced = asyncio.Event()
+        self._refresher: asyncio.Task[None] | None = None
 
-    @property
-    def ready(self) -> bool:
-        return bool(self.capacity)
+    # --- replicas --------------------------------------------------------------------------
 
-    # --- replicas (from the RequestRouter) ------------------------------------------------------
-
-    def set_replica(self, replica: str, kv_tokens_total: int) -> None:
+    def sync(self, replicas: dict[str, int], complete: bool = True) -> None:
+        """Make the policy's replicas these (id -> kv_tokens_total). Replicas missing from a
+        complete list have left: their in-flight reservations are released."""
         with self._lock:
-            self.capacity[replica] = kv_tokens_total
-            self.policy.add_replica(replica, kv_tokens_total)
+            for replica, total in replicas.items():
+                if self.capacity.get(replica) != total:
+                    self.capacity[replica] = total
+                    self.policy.add_replica(replica, total)
+            if complete:
+                for replica in [r for r in self.capacity if r not in replicas]:
+                    del self.capacity[replica]
+                    lost = self.policy.remove_replica(replica)
+                    logger.warning("replica %s left; %d in-flight requests released", replica,
+                                   len(lost))
             self._pump()
 
-    def remove_replicas(self, keep: set[str]) -> None:
-        with self._lock:
-            for replica in [r for r in self.capacity if r not in keep]:
-                del self.capacity[replica]
-                lost = self.policy.remove_replica(replica)
-                logger.warning("replica %s left; %d in-flight requests released", replica,
-                               len(lost))
-            self._pump()
+    async def _refresh(self) -> None:
+        try:
+            replicas, complete = await self._list_replicas()
+        except Exception as exc:  # no replica reachable right now: keep what we know
+            logger.info("replica list not available: %s", type(exc).__name__)
+        else:
+            self.sync(replicas, complete)
+        self._synced.set()
 
-    # --- requests (from the ingress) ------------------------------------------------------------
+    async def _refresh_forever(self) -> None:
+        while True:
+            await self._refresh()
+            await asyncio.sleep(self.refresh_s)
+
+    async def _started(self) -> None:
+        """Start syncing on the first request (the stage is built before Serve runs the
+        ingress's loop), and wait for the first answer so that it is routed at once."""
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+        if not self._synced.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._synced.wait(), self.settings.queue_timeout_s)
+
+    # --- requests --------------------------------------------------------------------------
 
     async def admit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
                     client: str = "") -> str:
         """The replica for this request, once one can hold it. Raises RequestTooLarge (400),
         QueueFull / ClientLimit (429) or QueueTimeout (503). From the moment this returns, the
         caller owns the reservation and must `release` it exactly once, on every path."""
+        started = time.monotonic()
+        await self._started()
         blocks = block_hashes(prompt_ids, self.settings.block_size)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        started = time.monotonic()
         with self._lock:
             self.policy.submit(RouteRequest(request_id, len(prompt_ids), max_tokens, blocks,
-                                            client), time.monotonic())
+                                            client), started)
             self._waiters[request_id] = fut
             self._pump()
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.settings.queue_timeout_s)
+            left = self.settings.queue_timeout_s - (time.monotonic() - started)
+            return await asyncio.wait_for(asyncio.shield(fut), max(left, 0.0))
         except (TimeoutError, asyncio.CancelledError) as exc:
             with self._lock:
                 self._waiters.pop(request_id, None)
@@ -97,10 +127,6 @@ class AdmissionStage:
             if isinstance(exc, TimeoutError):
                 raise QueueTimeout(time.monotonic() - started) from None
             raise
-
-    def assigned(self, request_id: str) -> str | None:
-        with self._lock:
-            return self.policy.replica_of(request_id)
 
     def prefill_done(self, request_id: str) -> None:
         with self._lock:
