@@ -521,14 +521,18 @@ def emit_cmd(
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
                                   mem_fraction)
     tokens = parse_tokens(context)
+    spec_gpu = gpu_spec(gpu_specs, gpu)
     report = memory_per_gpu(target, layout, validated(Workload, context_length=tokens),
-                            gpu_spec(gpu_specs, gpu), draft_model, spec)
-    if not report.fits:
+                            spec_gpu, draft_model, spec)
+    if not report.fits and not report.reasons[0].startswith("one "):
         raise CapacityError(f"{layout.label()} does not fit: {'; '.join(report.reasons)}")
-    running = min(report.max_concurrent, max_running_requests(draft_model))
-    result = emit(out_dir, target, model_ref or target.name, layout, tokens, running, replicas,
+    # The planner sizes max_running_requests and the KDA state pool, and refuses a layout on
+    # which one request of the advertised context does not fit (capacity.emit.describe_layout).
+    result = emit(out_dir, target, model_ref or target.name, layout, tokens, spec_gpu, replicas,
                   draft_model, draft_ref or (draft_model.name if draft_model else None), spec,
                   auth_mode, planner_refs=(model, draft))
+    running = result.serve_config["applications"][0]["args"]["engine"]["sglang"][
+        "max_running_requests"]
     out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "
               f"(cluster launcher schema: valid); max_running_requests {running}")
 

@@ -335,3 +335,112 @@ def memory_per_gpu(
         max_concurrent=per_rank * layout.attention_dp if not reasons else 0,
         reasons=tuple(reasons),
     )
+
+
+# --- what SGLang 0.5.23's pools hold for a deployment -----------------------------------------
+
+# SGLang's hybrid linear-attention pool (mem_cache/kv_cache_configurator.py, 0.5.23): KDA/mamba
+# states live in a pool of fixed-size slots beside the MLA KV pool. Each running request takes
+# MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3 slots, plus get_mamba_tracking_slots() = 2
+# ping-pong slots with --mamba-radix-cache-strategy extra_buffer under the overlap scheduler
+# (what `auto` resolves to for KimiK3ForConditionalGeneration: _MAMBA_EXTRA_BUFFER_ARCHS).
+MAMBA_SLOTS_PER_RUNNING_REQUEST = 3 + 2
+# Speculative verify scratch (intermediate_ssm): (running + 1) x speculative_num_draft_tokens
+# states; DSPARK's draft tokens are gamma + 1 (speculative_hook: "must equal gamma + 1").
+# Each pool also keeps one padding slot.
+
+
+@dataclass(frozen=True)
+class RunningFit:
+    """One deployment as SGLang sizes its pools, on the busiest GPU of a replica: the static
+    pool left after weights holds the KDA states of every running request (radix-cache slots
+    and verify scratch, fixed in size) and the MLA (+ draft) KV of the requests' tokens."""
+
+    context_length: int
+    kv_dtype: str
+    free_bytes: int  # static pool after weights, per GPU
+    full_request_kv_bytes: int  # MLA + draft KV of one full-context request, per GPU
+    state_bytes_per_request: int  # KDA states one running request holds, per GPU
+    state_padding_bytes: int  # the pools' padding slots, per GPU
+    max_running_requests: int  # per replica (0: not even one full-context request fits)
+    full_context_requests: int  # full-context requests whose KV fits beside those states
+    attention_dp: int
+
+    @property
+    def fits(self) -> bool:
+        return self.full_context_requests >= 1
+
+    @property
+    def one_request_bytes(self) -> int:
+        """Per GPU, what one full-context request needs: its KV and its states."""
+        return self.full_request_kv_bytes + self.state_bytes_per_request + self.state_padding_bytes
+
+    @property
+    def mamba_cache_slots(self) -> int:
+        """SGLang's --max-mamba-cache-size for the replica (split by attention DP there)."""
+        return self.max_running_requests * MAMBA_SLOTS_PER_RUNNING_REQUEST
+
+
+def running_fit(
+    model: ModelDescriptor,
+    layout: Layout,
+    gpu: GpuSpec,
+    context_length: int,
+    draft: ModelDescriptor | None = None,
+    speculation: Speculation | None = None,
+    running_cap: int | None = None,
+    running: int | None = None,
+) -> RunningFit:
+    """How many requests a deployment may run at once and how many of them may be at full
+    context: the most running requests (up to SGLang's cap, `max_running_requests(draft)`) whose
+    KDA states still leave the KV of one full-context request, and how many full-context
+    requests' KV then fit. `max_running_requests` 0 means one full-context request does not fit
+    even alone. With `running` given (a deployment's setting), that many run: how many of them
+    may be at full context."""
+    if draft is not None and speculation is None:
+        speculation = Speculation.for_draft(draft)
+    report = memory_per_gpu(model, layout, Workload(context_length=context_length), gpu, draft,
+                            speculation)
+    draft_tokens = speculation.gamma + 1 if speculation else 0
+    cap = running_cap if running_cap is not None else max_running_requests(draft)
+    per_rank_cap = max(1, cap // layout.attention_dp)
+    ok = True
+    shapes: list[tuple[StageMemory, int, int, int]] = []  # (stage, kv, state, padding)
+    for stage in report.stages:
+        slot = stage.per_request.get("kda_state", 0)  # one state slot (Workload default: 1)
+        kv = sum(v for k, v in stage.per_request.items() if k.endswith("_kv"))
+        shapes.append((stage, kv, slot * (MAMBA_SLOTS_PER_RUNNING_REQUEST + draft_tokens),
+                       slot * (1 + draft_tokens)))
+        # Activations and the runtime must fit outside the static pool.
+        ok = ok and sum(stage.outside_pool.values()) <= report.capacity_bytes - stage.budget
+
+    def room(stage: StageMemory, state: int, padding: int, requests: int) -> int:
+        return stage.free_for_requests - padding - requests * state
+
+    if running is not None:
+        per_rank = max(1, running // layout.attention_dp)
+    else:
+        # The most running requests every stage holds beside one full-context request's KV.
+        per_rank = per_rank_cap
+        for stage, kv, state, padding in shapes:
+            spare = room(stage, 0, padding, 0) - kv
+            per_rank = 0 if spare < 0 else min(per_rank, spare // state if state else per_rank)
+    if not ok:
+        per_rank = 0
+
+    def full_requests(shape: tuple[StageMemory, int, int, int]) -> int:
+        stage, kv, state, padding = shape
+        if per_rank == 0 or kv == 0:
+            return 0
+        return max(0, room(stage, state, padding, per_rank) // kv)
+
+    stage, kv, state, padding = worst = min(
+        shapes, key=lambda x: (full_requests(x), x[0].free_for_requests - x[1]))
+    return RunningFit(
+        context_length=context_length, kv_dtype=layout.kv_dtype.value,
+        free_bytes=stage.free_for_requests, full_request_kv_bytes=kv,
+        state_bytes_per_request=state, state_padding_bytes=padding,
+        max_running_requests=per_rank * layout.attention_dp,
+        full_context_requests=full_requests(worst) * layout.attention_dp,
+        attention_dp=layout.attention_dp,
+    )

@@ -4,7 +4,7 @@
     python deployments/generate.py --check  # exit 1 if any file differs from what it would write
 
 Outputs (all generated; edit this file, not them):
-- deployments/kimi_dspark.yaml             K3 + DSpark, 2 x 8 H200, TP16/EP16 (published recipe)
+- deployments/kimi_dspark.yaml             K3 + DSpark, 2 x 8 H200, TP16/EP16, FP8 KV (published recipe)
 - deployments/variants/kimi_dspark_*.yaml  8 x B300, 8 x MI355X (TP8); 2 x 8 MI300X (TP16)
 - cluster/aws-p5-h100.yaml, cluster/aws-p5e-h200.yaml, cluster/gcp-a3-h100.yaml,
   cluster/onprem-amd.yaml                  Ray cluster-launcher configs (GPU-free head)
@@ -13,16 +13,17 @@ Outputs (all generated; edit this file, not them):
 Why generated rather than `--override`s: a Serve file must be complete for `serve deploy` and
 KubeRay (which take no overrides), the variants differ in a handful of values that are easiest
 to review side by side here, and each output is validated with the app's config tree before it
-is written. The files themselves are built by capacity/emit.py, the one writer that
-`kimi-capacity emit` uses too (start-up rules: NOSET variables, project install, CPUs per rank,
-GPU-free head, RAY_AUTH_MODE); this file only describes the variants. Values shared by every
-variant are the defaults of `SGLangSettings` in `serve_app/config.py` (context length, block
-size, mem_fraction_static, max_running_requests).
+is written. Every file is built by capacity/emit.py, the one writer that `kimi-capacity emit`
+uses too: a variant here is the same description (GPU, nodes, KV dtype, context) that the
+command in its file's header takes, and both write the same bytes. The planner derives every
+SGLang value (max_running_requests and the KDA state pool from its memory model, the KV dtype
+refused when one full-context request does not fit, the kernel choices per GPU); the start-up
+rules (NOSET variables, project install, CPUs per rank, GPU-free head, RAY_AUTH_MODE) are
+capacity's too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from capacity import emit  # noqa: E402
 from capacity.emit import ServeDescription  # noqa: E402
+from capacity.families import describe_model  # noqa: E402
+from capacity.formats import KvDtype  # noqa: E402
+from capacity.tables import load_gpus  # noqa: E402
 from serve_app.config import AppConfig  # noqa: E402
 
 TOOL = "deployments/generate.py"
@@ -41,54 +45,51 @@ TOOL = "deployments/generate.py"
 # reads the tokenizer from here, wherever Serve places it.
 TARGET = "/models/Kimi-K3"
 DRAFT = "/models/Kimi-K3-DSpark"
+MODEL, DRAFT_MODEL = "kimi-k3", "kimi-k3-dspark"
+CONTEXT = 1_048_576  # K3's full context: every shipped file serves it
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One production layout: where its Serve file goes, what it is, and its description (GPUs,
-    nodes, and the SGLang settings that differ per GPU)."""
+    """One production layout: where its Serve file goes and what the planner is given (GPU,
+    nodes, KV dtype); K3 + DSpark with TP = EP = every GPU at the full context."""
 
     file: str
-    note: str
-    description: ServeDescription
+    gpu: str
+    nodes: int
+    kv: KvDtype = KvDtype.BF16
 
-
-def k3_dspark(gpu: str, nodes: int, gpus_per_node: int, sglang: dict[str, Any]
-              ) -> ServeDescription:
-    """K3 + DSpark with TP = EP = every GPU."""
-    return ServeDescription(gpu=gpu, nodes=nodes, gpus_per_node=gpus_per_node, target=TARGET,
-                            draft=DRAFT, sglang=sglang)
+    @property
+    def description(self) -> ServeDescription:
+        gpu = load_gpus()[self.gpu]
+        return emit.describe_layout(
+            describe_model(MODEL), TARGET, emit.plain_layout(gpu, self.nodes, self.kv),
+            CONTEXT, gpu, draft=describe_model(DRAFT_MODEL), draft_ref=DRAFT,
+            planner_refs=(MODEL, DRAFT_MODEL))
 
 
 VARIANTS = (
-    # Published K3 recipe on H200 (kimi-k3-serving.md): --tp 16 --ep-size 16
-    # --moe-runner-backend marlin --decode-attention-backend flashmla --mem-fraction-static 0.85.
-    # The DSpark draft is dense GQA; on Hopper SGLang would resolve its backend to the prefill
-    # backend (fa3); named here so the file says what runs.
-    Variant("deployments/kimi_dspark.yaml",
-            "K3 + DSpark on 2 x 8 H200, TP16 / EP16 (published H200 recipe)",
-            k3_dspark("H200", 2, 8, {"moe_runner_backend": "marlin",
-                                     "decode_attention_backend": "flashmla",
-                                     "speculative_draft_attention_backend": "fa3"})),
-    # Validated layout; SGLang's K3 hook picks trtllm_mha for the DSPARK draft on SM100.
-    Variant("deployments/variants/kimi_dspark_b300.yaml", "K3 + DSpark on 8 x B300, TP8 / EP8",
-            k3_dspark("B300", 1, 8, {"speculative_draft_attention_backend": "trtllm_mha"})),
-    # FlashInfer is CUDA-only: SGLang falls back to triton for the draft on ROCm.
-    Variant("deployments/variants/kimi_dspark_mi355x.yaml",
-            "K3 + DSpark on 8 x MI355X, TP8 / EP8",
-            k3_dspark("MI355X", 1, 8, {"speculative_draft_attention_backend": "triton"})),
-    Variant("deployments/variants/kimi_dspark_mi300x.yaml",
-            "K3 + DSpark on 2 x 8 MI300X, TP16 / EP16 (192 GB GPUs: 8 cannot hold the weights)",
-            k3_dspark("MI300X", 2, 8, {"speculative_draft_attention_backend": "triton"})),
+    # Published K3 recipe hardware (kimi-k3-serving.md). FP8 KV: with BF16 one 1M-token request
+    # does not fit beside the weights (the file's header has the numbers).
+    Variant("deployments/kimi_dspark.yaml", "H200", 2, KvDtype.FP8),
+    Variant("deployments/variants/kimi_dspark_b300.yaml", "B300", 1),
+    Variant("deployments/variants/kimi_dspark_mi355x.yaml", "MI355X", 1),
+    # 192 GB GPUs: 8 cannot hold the weights.
+    Variant("deployments/variants/kimi_dspark_mi300x.yaml", "MI300X", 2),
 )
 PRODUCTION = VARIANTS[0]
 
 
-def completed(desc: ServeDescription) -> ServeDescription:
-    """The description validated with the app's config tree, its sglang section written out in
-    full (every SGLangSettings value) so the file shows every server value."""
+def checked(desc: ServeDescription) -> ServeDescription:
+    """The description, validated with the app's config tree: its engine.sglang section is
+    every SGLangSettings value in the app's order (capacity writes it without importing the
+    app), so the file shows every server value."""
     config = AppConfig.model_validate(emit.app_args(desc))
-    return dataclasses.replace(desc, sglang=config.engine.sglang.model_dump(mode="json"))
+    app_section = config.engine.sglang.model_dump(mode="json")
+    if list(app_section.items()) != list(desc.sglang.items()):
+        raise SystemExit(f"capacity.emit's engine.sglang section for {desc.stem} is not the "
+                         f"app's SGLangSettings: {desc.sglang} != {app_section}")
+    return desc
 
 
 def cluster_files() -> dict[str, tuple[str, dict[str, Any]]]:
@@ -110,8 +111,7 @@ def render() -> dict[str, str]:
     """Every generated file: path relative to the repository root -> exact text."""
     out: dict[str, str] = {}
     for variant in VARIANTS:
-        out[variant.file] = emit.render(emit.serve_file_config(completed(variant.description)),
-                                        variant.note, TOOL)
+        out[variant.file] = emit.render_serve(checked(variant.description))
     for path, (what, config) in cluster_files().items():
         out[path] = emit.render(config, what, TOOL)
     out["cluster/kuberay/rayservice.yaml"] = emit.render(

@@ -134,8 +134,24 @@ class SGLangSettings(_Strict):
     mem_fraction_static: float = Field(default=0.85, gt=0, lt=1)
     kv_cache_dtype: Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "auto"
     chunked_prefill_size: int = Field(default=8192, description="-1 disables chunked prefill")
-    # Always emitted: with DSPARK, SGLang silently sets 48 when this is left unset.
+    # Always emitted: with DSPARK, SGLang silently sets 48 when this is left unset. The planner
+    # sizes it (capacity.memory.running_fit): every running request holds fixed-size KDA states
+    # (radix-cache slots + one per verified draft position), which leave the KV pool room for
+    # one full-context request.
     max_running_requests: int = Field(default=48, gt=0)
+    # KDA state slots (SGLang's mamba pool). Unset, SGLang 0.5.23 gives the states
+    # mamba_full_memory_ratio / (1 + ratio) (0.9 / 1.9: about half) of the memory left after
+    # the weights, and the MLA KV only the rest; the planner sets it to what the running
+    # requests need (max_running_requests x 5 slots with extra_buffer).
+    max_mamba_cache_size: int | None = Field(default=None, gt=0)
+    # dtype of the KDA recurrent state. K3's config.json names none, so SGLang reads float32;
+    # the planner's state size is float32 too: explicit, so the file says what it sized.
+    mamba_ssm_dtype: Literal["float32", "bfloat16", "float16"] | None = "float32"
+    # Prefix (radix) caching of hybrid models: `auto` resolves to extra_buffer for K3 under the
+    # overlap scheduler (2 ping-pong state slots per request, counted by the planner);
+    # no_buffer would turn the overlap scheduler off and needs page_size 1.
+    mamba_radix_cache_strategy: Literal["auto", "no_buffer", "extra_buffer",
+                                        "extra_buffer_lazy"] = "extra_buffer"
     speculative_algorithm: Literal["DSPARK"] | None = "DSPARK"
     speculative_dspark_block_size: int = Field(default=7, gt=0, description="gamma: drafts "
                                                "per verify step (window gamma + 1)")

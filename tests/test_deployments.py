@@ -84,11 +84,13 @@ def test_kuberay_rayservice_embeds_the_serve_file() -> None:
 
 
 @pytest.mark.parametrize("rel", serve_files())
-def test_the_emit_path_writes_the_shipped_files(tmp_path: Path, rel: str) -> None:
-    """capacity/emit.py is the one writer: the variant's description, written through
-    `kimi-capacity emit`'s writer (capacity.emit.write), gives the committed file byte for byte,
-    and so does its on-premise cluster file for the AMD layout; `kimi-capacity emit` for the
-    same GPUs and nodes writes the same Serve file apart from the planner's SGLang values."""
+def test_kimi_capacity_emit_writes_the_shipped_files(tmp_path: Path, rel: str) -> None:
+    """capacity/emit.py is the one writer: the command in the committed file's header
+    (`kimi-capacity emit ...`, the same description as the variant's) writes that file byte for
+    byte, as capacity.emit.write does for the variant's description; the AMD on-premise cluster
+    file is the emit writer's cluster file for the MI300X layout."""
+    import shlex
+
     from typer.testing import CliRunner
 
     from capacity import emit
@@ -96,23 +98,55 @@ def test_the_emit_path_writes_the_shipped_files(tmp_path: Path, rel: str) -> Non
 
     gen = generator()
     variant = next(v for v in gen.VARIANTS if v.file == rel)
-    desc = gen.completed(variant.description)
-    cluster = emit.onprem_config("kimi-k3-amd", desc.nodes * desc.replicas)
-    result = emit.write(tmp_path / "gen", desc, cluster, variant.note, tool=gen.TOOL)
-    assert result.serve_path.read_bytes() == (ROOT / rel).read_bytes()
-    if desc.gpu == "MI300X":
-        onprem = ROOT / "cluster" / "onprem-amd.yaml"
-        what = gen.cluster_files()["cluster/onprem-amd.yaml"][0]
-        emitted = emit.render(result.cluster_config, what, gen.TOOL)
-        assert emitted.encode() == onprem.read_bytes()
-
+    shipped = (ROOT / rel).read_bytes()
+    command = shipped.decode().splitlines()[1].removeprefix("#   ")
+    argv = shlex.split(command)
+    assert argv[:2] == ["kimi-capacity", "emit"]
+    assert ["--gpu", variant.gpu] == argv[2:4] and f"--kv {variant.kv.value}" in command
     out = tmp_path / "cli"
-    run = CliRunner().invoke(capacity_cli, [
-        "emit", "--gpu", desc.gpu, "--nodes", str(desc.nodes), "--model-ref", gen.TARGET,
-        "--draft", "kimi-k3-dspark", "--draft-ref", gen.DRAFT, "--out-dir", str(out)])
+    run = CliRunner().invoke(capacity_cli, [*argv[1:], "--out-dir", str(out)])
     assert run.exit_code == 0, run.output
-    planned = yaml.safe_load((out / f"serve-{desc.stem}.yaml").read_text())
-    shipped = load_serve(rel)
-    for data in (planned, shipped):
-        data["applications"][0]["args"]["engine"].pop("sglang")
-    assert planned == shipped
+    desc = variant.description
+    assert (out / f"serve-{desc.stem}.yaml").read_bytes() == shipped
+
+    cluster = emit.onprem_config("kimi-k3-amd", desc.nodes * desc.replicas)
+    result = emit.write(tmp_path / "gen", desc, cluster, "", tool=gen.TOOL)
+    assert result.serve_path.read_bytes() == shipped
+    if desc.gpu == "MI300X":
+        what = gen.cluster_files()["cluster/onprem-amd.yaml"][0]
+        assert emit.render(result.cluster_config, what, gen.TOOL).encode() == (
+            ROOT / "cluster" / "onprem-amd.yaml").read_bytes()
+
+
+def test_capacity_writes_the_apps_whole_sglang_section() -> None:
+    """capacity cannot import serve_app: its engine.sglang table is the app's SGLangSettings,
+    every field in the app's order with the app's defaults."""
+    from capacity.emit import SGLANG_SECTION
+    from serve_app.config import SGLangSettings
+
+    assert list(SGLANG_SECTION.items()) == list(SGLangSettings().model_dump(mode="json").items())
+
+
+@pytest.mark.parametrize("rel", serve_files())
+def test_every_shipped_file_serves_its_context(rel: str) -> None:
+    """The advertised context fits: at least one full-context request beside the KDA states
+    of max_running_requests running requests (the planner's memory model, as the app's
+    start-up check applies it); the flagship says why it stores FP8 KV."""
+    from capacity import describe_model, load_gpus
+    from capacity.memory import running_fit
+    from serve_app.engines.sglang.checks import planner_layout
+
+    config = app_config(rel)
+    s = config.engine.sglang
+    gpu = load_gpus()[config.placement.gpu_type]
+    fit = running_fit(describe_model(s.planner_model), planner_layout(config), gpu,
+                      s.context_length, describe_model(s.planner_draft),
+                      running=s.max_running_requests)
+    assert s.context_length == 1_048_576 and fit.full_context_requests >= 1
+    assert s.max_mamba_cache_size == s.max_running_requests * 5
+    header = (ROOT / rel).read_text().split("\nproxy_location")[0]
+    assert f"max_running_requests {s.max_running_requests} " in header
+    if rel == "deployments/kimi_dspark.yaml":
+        assert s.kv_cache_dtype == "fp8_e4m3"
+        assert "FP8 KV: BF16 KV would need 31.0 GB/GPU for one 1,048,576-token request, " \
+               "21.0 GB free" in header

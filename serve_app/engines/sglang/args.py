@@ -22,6 +22,7 @@ _MANAGED = frozenset({
     "model_path", "tokenizer_path", "served_model_name", "trust_remote_code", "device",
     "tp_size", "ep_size", "attn_dp_size", "nnodes", "pp_size", "context_length",
     "mem_fraction_static", "kv_cache_dtype", "chunked_prefill_size", "max_running_requests",
+    "max_mamba_cache_size", "mamba_ssm_dtype", "mamba_radix_cache_strategy",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_dspark_block_size",
     "speculative_draft_attention_backend", "moe_runner_backend", "decode_attention_backend",
     "enable_metrics", "incremental_streaming_output", "enable_dp_lm_head",
@@ -59,7 +60,13 @@ def sglang_server_args(config: AppConfig) -> dict[str, Any]:
         "kv_cache_dtype": s.kv_cache_dtype,
         "chunked_prefill_size": s.chunked_prefill_size,
         "max_running_requests": s.max_running_requests,
+        # K3's KDA layers: the state pool's size and dtype and its radix-cache strategy.
+        "mamba_radix_cache_strategy": s.mamba_radix_cache_strategy,
     }
+    if s.max_mamba_cache_size is not None:
+        args["max_mamba_cache_size"] = s.max_mamba_cache_size
+    if s.mamba_ssm_dtype is not None:
+        args["mamba_ssm_dtype"] = s.mamba_ssm_dtype
     if p.attention_dp > 1:
         # 0.5.23 refuses DSpark with attention DP unless the LM head is DP too.
         args["enable_dp_lm_head"] = True

@@ -74,6 +74,54 @@ def _local_config(path: str | None) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
+def planner_layout(config: AppConfig) -> Any:
+    """The capacity planner's Layout of a deployment (raises pydantic's ValidationError when
+    the config's layout is not one the planner knows)."""
+    import capacity
+
+    p, s = config.parallelism, config.engine.sglang
+    gpu = capacity.load_gpus()[config.placement.gpu_type or ""]
+    return capacity.Layout(
+        gpu=gpu.gpu, gpus_per_node=p.devices_per_node, nodes=p.nodes,
+        attention_tp=p.tp // p.attention_dp, attention_dp=p.attention_dp,
+        expert_parallel=p.ep, kv_dtype=_KV_DTYPE[s.kv_cache_dtype],
+        mem_fraction=s.mem_fraction_static)
+
+
+def _full_context_problems(model: Any, layout: Any, gpu: Any, draft: Any, s: Any) -> list[str]:
+    """The advertised context must be servable: the KV of one full-context request beside the
+    KDA states of max_running_requests running requests (SGLang's pools, as the capacity
+    planner sizes them), and a state pool that does not cap the running requests lower."""
+    from capacity.memory import MAMBA_SLOTS_PER_RUNNING_REQUEST, running_fit
+
+    problems = []
+    fit = running_fit(model, layout, gpu, s.context_length, draft,
+                      running=s.max_running_requests)
+    if not fit.fits:
+        states = fit.state_bytes_per_request * max(1, s.max_running_requests
+                                                   // layout.attention_dp)
+        problems.append(
+            f"engine.sglang.context_length={s.context_length:,} is not servable on "
+            f"{layout.label()} with kv_cache_dtype={s.kv_cache_dtype!r} and "
+            f"max_running_requests={s.max_running_requests}: one full-context request's KV needs "
+            f"{fit.full_request_kv_bytes / 1e9:.1f} GB per GPU beside {states / 1e9:.1f} GB of "
+            f"KDA state, {fit.free_bytes / 1e9:.1f} GB are free after weights (use "
+            "kimi-capacity emit: it sizes max_running_requests, or FP8 KV, or a larger layout)")
+    needed = s.max_running_requests * MAMBA_SLOTS_PER_RUNNING_REQUEST
+    if s.max_mamba_cache_size is None:
+        # SGLang then gives the KDA states about half the memory after the weights.
+        logger.warning("engine.sglang.max_mamba_cache_size is unset: SGLang sizes the KDA state "
+                       "pool by mamba_full_memory_ratio, taking KV memory the planner counted")
+    elif (s.mamba_radix_cache_strategy in ("auto", "extra_buffer")
+          and s.max_mamba_cache_size < needed):
+        problems.append(
+            f"engine.sglang.max_mamba_cache_size={s.max_mamba_cache_size} holds the states of "
+            f"only {s.max_mamba_cache_size // MAMBA_SLOTS_PER_RUNNING_REQUEST} running requests "
+            f"({MAMBA_SLOTS_PER_RUNNING_REQUEST} slots each with extra_buffer); "
+            f"max_running_requests={s.max_running_requests} needs {needed}")
+    return problems
+
+
 def sglang_problems(config: AppConfig) -> list[str]:
     """Cross-checks for backend 'sglang', each naming the field; empty when the deployment is
     valid. Model facts come from the checkpoints' config.json when they are on this machine,
@@ -145,11 +193,7 @@ def sglang_problems(config: AppConfig) -> list[str]:
             problems.append(f"parallelism.devices_per_node={p.devices_per_node} exceeds the "
                             f"{gpu.gpus_per_node} GPUs of a {gpu.gpu} node")
         try:
-            layout = capacity.Layout(
-                gpu=gpu.gpu, gpus_per_node=p.devices_per_node, nodes=p.nodes,
-                attention_tp=p.tp // p.attention_dp, attention_dp=p.attention_dp,
-                expert_parallel=p.ep, kv_dtype=_KV_DTYPE[s.kv_cache_dtype],
-                mem_fraction=s.mem_fraction_static)
+            layout = planner_layout(config)
             check_layout(model, layout)
             short = capacity.Workload(context_length=min(s.context_length, 8192),
                                       prefill_chunk_tokens=max(1, s.chunked_prefill_size))
@@ -157,14 +201,7 @@ def sglang_problems(config: AppConfig) -> list[str]:
             if not report.fits:
                 problems.append(f"{model.name} on {layout.label()}: " + "; ".join(report.reasons))
             else:
-                full = capacity.memory_per_gpu(
-                    model, layout, short.model_copy(update={"context_length": s.context_length}),
-                    gpu, draft=draft)
-                if not full.fits:
-                    # SGLang starts and serves; only a request near the full context waits for
-                    # (or is refused) KV it can never get. Worth a line, not a refusal.
-                    logger.warning("%s on %s: %s", model.name, layout.label(),
-                                   "; ".join(full.reasons))
+                problems += _full_context_problems(model, layout, gpu, draft, s)
         except (CapacityError, ValidationError) as exc:
             problems.append(f"layout: {exc}")
     try:
