@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -217,61 +218,71 @@ def test_emit_refuses_layout_that_does_not_fit(tmp_path: Path):
                              str(tmp_path)), "does not fit")
 
 
-def _feasible_k3_dspark_fleets() -> list[tuple[str, int]]:
-    """(GPU, nodes) the planner finds feasible for K3 + DSpark at 128K with the plain layout
-    `kimi-capacity emit --gpu G --nodes N` writes (TP = EP = every GPU, no DP/PP, native
-    weights): the fewest nodes per GPU type."""
-    from capacity.cli import describe_model
-    from capacity.planner import plan
-    from capacity.tables import load_gpus, load_prices
-
-    result = plan(describe_model("kimi-k3"), load_gpus(), load_prices(), 128 * 1024,
-                  describe_model("kimi-k3-dspark"))
-    fewest: dict[str, int] = {}
-    for row in result.rows:
-        lay = row.layout
-        plain = (lay.attention_dp, lay.pipeline_stages, lay.weight_format) == (1, 1, None)
-        if plain and lay.attention_tp == lay.expert_parallel == lay.total_gpus:
-            fewest[lay.gpu] = min(lay.nodes, fewest.get(lay.gpu, lay.nodes))
-    return sorted(fewest.items())
+# Every GPU vendor the shipped files name (NVIDIA H100/H200/B300, AMD MI300X/MI355X) on 1, 2
+# and 4 nodes, at K3's full context; what the planner emits, with BF16 KV where one
+# full-context request fits and FP8 otherwise. The rest it must refuse.
+FLEET_GPUS = ("H100", "H200", "B300", "MI300X", "MI355X")
+FLEET_NODES = (1, 2, 4)
+EMITTED_FLEETS = {
+    ("H100", 4): "fp8", ("H200", 2): "fp8", ("H200", 4): "bf16", ("B300", 1): "bf16",
+    ("B300", 2): "bf16", ("B300", 4): "bf16", ("MI300X", 2): "bf16", ("MI300X", 4): "bf16",
+    ("MI355X", 1): "bf16", ("MI355X", 2): "bf16", ("MI355X", 4): "bf16",
+}
 
 
-FEASIBLE_FLEETS = _feasible_k3_dspark_fleets()
+def _emit(tmp_path: Path, gpu: str, nodes: int, kv: str) -> Any:
+    return invoke("emit", "--gpu", gpu, "--nodes", str(nodes), "--kv", kv, "--context", "1M",
+                  "--draft", "kimi-k3-dspark", "--model-ref", "/models/Kimi-K3",
+                  "--draft-ref", "/models/Kimi-K3-DSpark", "--out-dir", str(tmp_path))
 
 
-def test_feasible_fleets_include_the_shipped_layouts():
-    assert {("H200", 2), ("B300", 1), ("MI355X", 1), ("MI300X", 2)} <= set(FEASIBLE_FLEETS)
-
-
-@pytest.mark.parametrize(("gpu", "nodes"), FEASIBLE_FLEETS)
-def test_emitted_feasible_fleet_passes_the_apps_startup_checks(
+@pytest.mark.parametrize("gpu", FLEET_GPUS)
+@pytest.mark.parametrize("nodes", FLEET_NODES)
+def test_every_emitted_fleet_passes_the_apps_startup_checks(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu: str, nodes: int):
-    """Every feasible (GPU x nodes) fleet for K3 + DSpark: the emitted Serve file is the app's
-    config tree (AppConfig), passes the app's start-up validation (serve_app.app.validate:
-    sglang_problems), and its runtime_env satisfies the environment check SGLangEngine.start
-    makes before launching (it then stops only for want of a placement group)."""
+    """Each (GPU x nodes) fleet for K3 + DSpark at the full 1M context: the planner emits it
+    (BF16 KV, else FP8) or refuses it with a reason; an emitted Serve file is the app's config
+    tree and passes the very checks SGLangEngine.start makes before launching SGLang
+    (checks.startup_problems: the model/GPU/context checks, the server arguments against
+    SGLang 0.5.23's flag table, the runtime_env NOSET variables), after which start() stops
+    only for want of a placement group."""
     from capacity.ray_env import NOSET_CUDA_ENV, NOSET_HIP_ENV
-    from serve_app.app import validate
     from serve_app.config import AppConfig
-    from serve_app.engines.sglang.args import runtime_env_vars
+    from serve_app.engines.sglang.checks import startup_problems
     from serve_app.engines.sglang.engine import SGLangEngine
     from serve_app.engines.types import EngineUnavailable
 
-    result = invoke("emit", "--gpu", gpu, "--nodes", str(nodes), "--draft", "kimi-k3-dspark",
-                    "--model-ref", "/models/Kimi-K3", "--out-dir", str(tmp_path))
-    assert result.exit_code == 0, result.output
-    serve_files = list(tmp_path.glob("serve-*.yaml"))
-    assert len(serve_files) == 1
-    app_cfg = yaml.safe_load(serve_files[0].read_text())["applications"][0]
-    validate_serve_config(yaml.safe_load(serve_files[0].read_text()))
+    tried = {}
+    for kv in ("bf16", "fp8"):
+        result = _emit(tmp_path / kv, gpu, nodes, kv)
+        tried[kv] = result
+        if result.exit_code == 0:
+            break
+    expected = EMITTED_FLEETS.get((gpu, nodes))
+    if expected is None:
+        for result in tried.values():
+            assert result.exit_code == 2, result.output
+            assert "does not fit" in result.output or "cannot serve one" in result.output
+        return
+    assert kv == expected and tried[kv].exit_code == 0, tried[kv].output
+    (serve_file,) = (tmp_path / kv).glob("serve-*.yaml")
+    data = yaml.safe_load(serve_file.read_text())
+    validate_serve_config(data)
+    app_cfg = data["applications"][0]
     config = AppConfig.model_validate(app_cfg["args"])
-    validate(config)
+    assert config.engine.sglang.context_length == 1_048_576
     env = app_cfg["runtime_env"]["env_vars"]
-    assert runtime_env_vars(config).items() <= env.items()
-    # The replica's environment is the file's runtime_env: start() finds what it needs.
+    assert startup_problems(config, env) == []
+    # Without the file's runtime_env the same check refuses, naming the variables.
+    missing = "\n".join(startup_problems(config, {}))
+    assert NOSET_CUDA_ENV in missing and (NOSET_HIP_ENV in missing) == gpu.startswith("MI")
+    # The replica's environment is the file's runtime_env: start() runs the same checks.
     for name in (NOSET_CUDA_ENV, NOSET_HIP_ENV):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(EngineUnavailable, match="placement group"):
+        SGLangEngine.start(config)
+    monkeypatch.delenv(NOSET_CUDA_ENV)
+    with pytest.raises(EngineUnavailable, match="start-up checks failed"):
         SGLangEngine.start(config)

@@ -141,3 +141,30 @@ def test_pipeline_stages_split_layers(tiny):
     assert "embeddings" in first.weights and "embeddings" not in last.weights
     assert "lm_head" in last.weights and "lm_head" not in first.weights
     assert first.per_request["mla_kv"] == 0 and last.per_request["mla_kv"] > 0
+
+
+def test_running_fit_counts_sglangs_kda_state_pools() -> None:
+    """K3 + DSpark on 2 x 8 H200 at 1M: BF16 KV leaves no room for one request; FP8 KV holds
+    one full-context request beside the states of 15 running requests, each holding 5
+    radix-cache slots + 8 verify states (gamma 7 + 1)."""
+    from capacity import describe_model, load_gpus
+    from capacity.formats import KvDtype
+    from capacity.memory import MAMBA_SLOTS_PER_RUNNING_REQUEST, running_fit
+
+    k3, draft, h200 = describe_model("kimi-k3"), describe_model("kimi-k3-dspark"), load_gpus()["H200"]
+    lay = Layout(gpu="H200", gpus_per_node=8, nodes=2, attention_tp=16, expert_parallel=16)
+    bf16 = running_fit(k3, lay, h200, 1_048_576, draft)
+    assert (bf16.max_running_requests, bf16.full_context_requests, bf16.fits) == (0, 0, False)
+    assert round(bf16.one_request_bytes / 1e9, 1) == 31.0 and round(bf16.free_bytes / 1e9) == 21
+    fp8 = running_fit(k3, lay.model_copy(update={"kv_dtype": KvDtype.FP8}), h200, 1_048_576,
+                      draft)
+    assert (fp8.max_running_requests, fp8.full_context_requests) == (15, 1)
+    slot = memory_per_gpu(k3, lay, Workload(context_length=1_048_576), h200, draft
+                          ).stages[0].per_request["kda_state"]
+    assert fp8.state_bytes_per_request == slot * (MAMBA_SLOTS_PER_RUNNING_REQUEST + 8)
+    assert fp8.mamba_cache_slots == 75
+    # A fixed running count: how many of them may be at full context.
+    assert running_fit(k3, lay.model_copy(update={"kv_dtype": KvDtype.FP8}), h200, 1_048_576,
+                       draft, running=48).full_context_requests == 0
+    # Short contexts: the cap (48 with DSPARK) binds.
+    assert running_fit(k3, lay, h200, 8192, draft).max_running_requests == 48

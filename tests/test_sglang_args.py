@@ -90,6 +90,13 @@ def test_flag_definitions_have_the_meanings_relied_on() -> None:
     assert f["max_running_requests"]["default"] is None  # hence always set
     assert "flashmla" in f["decode_attention_backend"]["choices"]
     assert "marlin" in f["moe_runner_backend"]["choices"]
+    # K3's hybrid settings (arg_groups/fields/exec_.py ExecMamba, schedule.py Schedule).
+    assert f["mamba_ssm_dtype"]["flag"] == "--mamba-ssm-dtype"
+    assert f["mamba_ssm_dtype"]["choices"] == ["float32", "bfloat16", "float16"]
+    assert f["mamba_radix_cache_strategy"]["choices"] == ["auto", "no_buffer", "extra_buffer",
+                                                          "extra_buffer_lazy"]
+    assert f["max_mamba_cache_size"]["type"] == "Optional[int]"
+    assert "fp8_e4m3" in f["kv_cache_dtype"]["choices"]
 
 
 # --- refusals -----------------------------------------------------------------------------------
@@ -144,6 +151,21 @@ def test_k3_on_8_mi300x_is_refused_but_16_fit() -> None:
     problems = "\n".join(sglang_problems(app_config(
         rel, parallelism={"tp": 8, "ep": 8, "nodes": 1})))
     assert "static pool is 163.2 GB (0.85 x 192 GB MI300X)" in problems
+
+
+def test_a_context_that_does_not_fit_is_refused() -> None:
+    # BF16 KV on 2 x 8 H200: one 1M-token request's KV does not fit beside the weights.
+    problems = _problems(engine={"sglang": {"kv_cache_dtype": "auto"}})
+    assert "engine.sglang.context_length=1,048,576 is not servable on 2x8 H200 TP16 EP16" in (
+        problems)
+    assert "30.3 GB per GPU" in problems and "21.0 GB are free" in problems
+    # Too many running requests: their KDA states leave no room for one full-context request.
+    assert "is not servable" in _problems(engine={"sglang": {"max_running_requests": 48,
+                                                             "max_mamba_cache_size": 240}})
+    assert "holds the states of only 2 running requests" in _problems(
+        engine={"sglang": {"max_mamba_cache_size": 10}})
+    assert "not one of SGLang's choices" in _problems(engine={"sglang": {"extra_server_args": {
+        "linear_attn_backend": "nope"}}})
 
 
 def test_bad_server_args_are_refused() -> None:

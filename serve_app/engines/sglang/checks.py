@@ -6,10 +6,12 @@ importable without SGLang."""
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from serve_app.engines.sglang.args import sglang_server_args
+from serve_app.engines.sglang.args import runtime_env_vars, sglang_server_args
 from serve_app.engines.sglang.flags import SGLANG_VERSION, draft_attention_backends, sglang_fields
 
 if TYPE_CHECKING:
@@ -211,3 +213,17 @@ def sglang_problems(config: AppConfig) -> list[str]:
     return problems
 
 
+def startup_problems(config: AppConfig, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Everything `SGLangEngine.start` checks before it launches SGLang, in one list: the
+    deployment against the model, the GPUs and the advertised context (`sglang_problems`,
+    which includes the server arguments against SGLang 0.5.23's flag table), and the
+    replica's environment (`environ`, default os.environ) against the runtime_env SGLang's Ray
+    backend needs on this GPU vendor."""
+    env = os.environ if environ is None else environ
+    problems = sglang_problems(config)
+    missing = [k for k, v in runtime_env_vars(config).items() if env.get(k) != v]
+    if missing:
+        problems.append(f"{', '.join(f'{k}=1' for k in missing)} must be set in the "
+                        "application's runtime_env.env_vars: SGLang's scheduler actors select "
+                        "their GPU themselves")
+    return problems

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from serve_app.engines.sglang.args import (
-    runtime_env_vars,
-    sampling_params,
-    server_args_cli,
-    sglang_server_args,
-)
+from serve_app.engines.sglang.args import sampling_params, server_args_cli, sglang_server_args
+from serve_app.engines.sglang.checks import startup_problems
 from serve_app.engines.sglang.output import OutputTracker
 from serve_app.engines.spec_stats import EngineTotals, SpecStats
 from serve_app.engines.types import EngineUnavailable, GenerateRequest, RequestOutput
@@ -61,11 +56,10 @@ class SGLangEngine:
     def start(cls, config: AppConfig) -> SGLangEngine:
         """Start SGLang's Ray engine in the current placement group (the replica's). Blocks
         until every scheduler actor has loaded its shards."""
-        missing = [k for k, v in runtime_env_vars(config).items() if os.environ.get(k) != v]
-        if missing:
-            raise EngineUnavailable(
-                f"{', '.join(f'{k}=1' for k in missing)} must be set in the application's "
-                "runtime_env.env_vars: SGLang's scheduler actors select their GPU themselves")
+        problems = startup_problems(config)
+        if problems:
+            raise EngineUnavailable("SGLang start-up checks failed:\n  - "
+                                    + "\n  - ".join(problems))
         from ray.util.placement_group import get_current_placement_group
 
         if get_current_placement_group() is None:
