@@ -20,7 +20,7 @@ from capacity.config import Layout, Speculation, Workload, validated
 from capacity.errors import CapacityError
 from capacity.families import describe_model
 from capacity.formats import KvDtype, WeightFormat, parse_kv_dtype, parse_weight_format
-from capacity.memory import max_running_requests, memory_per_gpu
+from capacity.memory import MAMBA_SLOTS_PER_RUNNING_REQUEST, max_running_requests, memory_per_gpu
 from capacity.model import Component, ModelDescriptor
 from capacity.planner import DEFAULT_MAX_NODES, explain_infeasible, plan
 from capacity.tables import (
@@ -363,8 +363,9 @@ def explain_cmd(
                                   mem_fraction)
     spec_gpu = gpu_spec(gpu_specs, gpu)
     tokens = parse_tokens(context)
-    report = memory_per_gpu(target, layout, validated(Workload, context_length=tokens), spec_gpu,
-                            draft_model, spec)
+    report = memory_per_gpu(target, layout, validated(
+        Workload, context_length=tokens, kda_state_slots=MAMBA_SLOTS_PER_RUNNING_REQUEST),
+        spec_gpu, draft_model, spec)
     running = concurrency or min(max(1, report.max_concurrent), max_running_requests(draft_model))
     if concurrency is not None and concurrency <= 0:
         raise CapacityError(f"--concurrency must be positive, got {concurrency}")

@@ -11,7 +11,13 @@ from functools import cache, cached_property
 from capacity.config import Layout, Speculation, Workload
 from capacity.errors import CapacityError
 from capacity.formats import KvDtype, WeightFormat
-from capacity.memory import MemoryReport, check_context, max_running_requests, memory_per_gpu
+from capacity.memory import (
+    MAMBA_SLOTS_PER_RUNNING_REQUEST,
+    MemoryReport,
+    check_context,
+    max_running_requests,
+    memory_per_gpu,
+)
 from capacity.model import ModelDescriptor
 from capacity.tables import GpuSpec, PriceRow, cheapest_prices, gpu_spec
 from capacity.timing import (
@@ -235,7 +241,10 @@ def plan(
     names = allowed_gpus or [g.gpu for g in gpus.values()]
     specs = [gpu_spec(gpus, n) for n in names]
     best_price = cheapest_prices(prices)
-    workload = Workload(context_length=context_length)
+    # Each request holds SGLang's KDA state slots (radix cache + extra_buffer ping-pong) beside
+    # its verify scratch, as the emitted deployments size them (memory.running_fit).
+    workload = Workload(context_length=context_length,
+                        kda_state_slots=MAMBA_SLOTS_PER_RUNNING_REQUEST)
     running_cap = max_running_requests(draft)
 
     rows: list[PlanRow] = []
