@@ -8,7 +8,10 @@ Everything is plain YAML. It is checked offline with Ray's own validators (impor
 the rest of the planner never needs Ray): `ray.serve.schema.ServeDeploySchema` for the Serve file
 and the cluster launcher's `prepare_config` + `validate_config` (ray/autoscaler/ray-schema.json).
 capacity/ never imports serve_app: the app's config tree is written here as data, and tests
-validate it with the app's AppConfig.
+validate it with the app's AppConfig. Every SGLang value in it is the planner's
+(`describe_layout`: the KV dtype asked for, max_running_requests and the KDA state pool from
+capacity.memory.running_fit, the kernels known per GPU), so both writers give the same bytes
+for the same description.
 """
 
 from __future__ import annotations
@@ -323,11 +326,6 @@ def plain_layout(gpu: GpuSpec, nodes: int, kv_dtype: KvDtype = KvDtype.BF16) -> 
     world = nodes * gpu.gpus_per_node
     return Layout(gpu=gpu.gpu, gpus_per_node=gpu.gpus_per_node, nodes=nodes, attention_tp=world,
                   expert_parallel=world, kv_dtype=kv_dtype)
-
-
-def serve_config(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """The Serve file of a planned layout (describe_layout's arguments)."""
-    return serve_file_config(describe_layout(*args, **kwargs))
 
 
 # --- cluster launcher ---------------------------------------------------------------------------
