@@ -173,7 +173,7 @@ def main() -> None:
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
                    "tokenizer": str(paths["tokenizer"]), "served_model_name": "bench"},
         "engine": {"reference": {"kv_capacity_tokens": 8192}},
-        "parallelism": {"tp": 1, "devices_per_node": 1},
+        "parallelism": {"tp": 1},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.5},
     })
     tokenizer = load_tokenizer(paths["tokenizer"])

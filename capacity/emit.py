@@ -141,7 +141,8 @@ def app_args(desc: ServeDescription) -> dict[str, Any]:
                                    "attention_dp": desc.attention_dp}
     if desc.pp > 1:
         parallelism["pp"] = desc.pp
-    parallelism.update({"nodes": desc.nodes, "devices_per_node": desc.gpus_per_node})
+    # The app derives the GPUs used per node from tp x pp / nodes.
+    parallelism["nodes"] = desc.nodes
     return {
         "models": models,
         "engine": {

@@ -49,27 +49,40 @@ class ModelsConfig(_Strict):
 
 
 class ParallelismConfig(_Strict):
+    """How one replica's ranks are laid out. `tp` x `pp` is the number of ranks (the reference
+    engine creates exactly `tp`: it has no pipeline stages); they spread evenly over `nodes`,
+    one placement-group bundle per node, so the devices used per node follow from them."""
+
     tp: int = Field(default=1, ge=1, description="tensor-parallel ranks per replica")
     pp: int = Field(default=1, ge=1, description="pipeline stages (reference engine: 1)")
     ep: int = Field(default=1, ge=1, description="expert-parallel size (SGLang)")
     attention_dp: int = Field(default=1, ge=1, description="attention data parallel (SGLang)")
     nodes: int = Field(default=1, ge=1, description="nodes per replica (one bundle each)")
-    devices_per_node: int = Field(default=1, ge=1, description="GPUs (or CPU rank slots) used "
-                                  "on each node")
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.devices_per_node
+        return self.tp * self.pp
+
+    @property
+    def devices_per_node(self) -> int:
+        """GPUs (or CPU rank slots) used on each node."""
+        return self.world_size // self.nodes
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "devices_per_node" in data:
+            raise ValueError("parallelism.devices_per_node is not a field: it follows from "
+                             "parallelism.tp x parallelism.pp / parallelism.nodes; remove it")
+        return data
 
     @model_validator(mode="after")
     def _layout(self) -> ParallelismConfig:
-        if self.tp * self.pp != self.world_size:
+        if self.world_size % self.nodes:
             raise ValueError(
-                f"parallelism.tp ({self.tp}) x parallelism.pp ({self.pp}) = {self.tp * self.pp} "
-                f"must equal the devices in the bundles: parallelism.nodes ({self.nodes}) x "
-                f"parallelism.devices_per_node ({self.devices_per_node}) = {self.world_size}"
-            )
-        if self.ep > self.tp * self.pp:
+                f"parallelism.tp ({self.tp}) x parallelism.pp ({self.pp}) = {self.world_size} "
+                f"ranks must split evenly over parallelism.nodes ({self.nodes})")
+        if self.ep > self.world_size:
             raise ValueError(f"parallelism.ep ({self.ep}) cannot exceed the {self.world_size} "
                              "devices of a replica")
         return self

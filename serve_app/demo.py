@@ -25,7 +25,7 @@ def _local_config() -> dict[str, Any]:
         "name": "kimi", "route_prefix": "/", "args": {
             "models": {"target": str(TARGET), "draft": str(DRAFT), "tokenizer": str(TOKENIZER),
                        "served_model_name": "kimi-mini-dspark"},
-            "parallelism": {"tp": 2, "devices_per_node": 2},
+            "parallelism": {"tp": 2},
             "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25}}}]}
 
 

@@ -335,7 +335,7 @@ def app_config(paths: dict[str, Path], model: str = MODEL) -> dict[str, Any]:
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
                    "served_model_name": model},
         "engine": {"reference": {"kv_capacity_tokens": 4096}},
-        "parallelism": {"tp": 1, "devices_per_node": 1},
+        "parallelism": {"tp": 1},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
         "ingress": {"default_max_tokens": 8, "max_tokens_limit": 64},
     }

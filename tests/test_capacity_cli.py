@@ -146,7 +146,7 @@ def test_emit_writes_valid_configs(tmp_path: Path):
     app_cfg = serve["applications"][0]
     assert app_cfg["import_path"] == "serve_app.app:build_app"
     assert app_cfg["args"]["parallelism"] == {
-        "tp": 16, "ep": 16, "attention_dp": 1, "nodes": 2, "devices_per_node": 8,
+        "tp": 16, "ep": 16, "attention_dp": 1, "nodes": 2,
     }
     # The args are the Serve app's own config tree: its model accepts them, and the placement
     # it derives is the plan's (one 8-GPU bundle per node, spread over the nodes).

@@ -53,7 +53,7 @@ def server(paths: dict[str, Path]) -> Any:
                                  "speculation": {"enabled": True}},
                    "step_watchdog_s": WATCHDOG_S, "health_check_period_s": 2.0,
                    "health_check_timeout_s": 10.0},
-        "parallelism": {"tp": 2, "devices_per_node": 2},
+        "parallelism": {"tp": 2},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
         "ingress": {"default_max_tokens": 16, "max_tokens_limit": 512, "api_keys": [HOG, VICTIM],
                     "health_cache_s": 0.2, "health_timeout_s": 2.0, "max_body_bytes": 200_000},

@@ -37,7 +37,7 @@ def test_two_nodes_two_gpus_each(cluster: Any) -> None:
     config = AppConfig.model_validate({
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"])},
         "engine": {"reference": {"kv_capacity_tokens": 2048}},
-        "parallelism": {"tp": 4, "nodes": 2, "devices_per_node": 2},
+        "parallelism": {"tp": 4, "nodes": 2},
         # Fake GPUs: Ray schedules by them; the tiny model computes on CPU over gloo.
         "placement": {"accelerator": "GPU", "cpus_per_rank": 0.25},
     })

@@ -28,7 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
                    "served_model_name": MODEL},
         "engine": {"reference": {"kv_capacity_tokens": KV, "speculation": {"enabled": True}}},
-        "parallelism": {"tp": 1, "devices_per_node": 1},
+        "parallelism": {"tp": 1},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},
         "ingress": {"default_max_tokens": 16, "max_tokens_limit": 1500},
         # One client sends everything here: the per-client KV share would hold back what

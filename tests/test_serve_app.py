@@ -29,7 +29,7 @@ def app_config(paths: dict[str, Path], **overrides: Any) -> dict[str, Any]:
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
                    "served_model_name": MODEL},
         "engine": {"reference": {"kv_capacity_tokens": 4096, "speculation": {"enabled": True}}},
-        "parallelism": {"tp": 2, "devices_per_node": 2},
+        "parallelism": {"tp": 2},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
         "ingress": {"default_max_tokens": 16, "max_tokens_limit": 512},
     }
@@ -219,8 +219,13 @@ def _config_error(paths: dict[str, Path], **overrides: Any) -> str:
 
 
 def test_config_errors_name_the_field(paths: dict[str, Path], tmp_path: Path) -> None:
-    assert "parallelism.tp (4) x parallelism.pp (1) = 4 must equal" in _config_error(
-        paths, parallelism={"tp": 4})
+    assert "parallelism.tp (3) x parallelism.pp (1) = 3 ranks must split evenly over " \
+        "parallelism.nodes (2)" in _config_error(paths, parallelism={"tp": 3, "nodes": 2})
+    # The devices per node follow from tp / nodes: one value, one field.
+    assert "parallelism.devices_per_node is not a field" in _config_error(
+        paths, parallelism={"tp": 2, "devices_per_node": 2})
+    assert "parallelism.pp=2: the reference engine has no pipeline parallelism" in _config_error(
+        paths, parallelism={"tp": 1, "pp": 2, "nodes": 1})
     assert "engine.max_model_len=9999 exceeds" in _config_error(
         paths, engine={"max_model_len": 9999})
     assert "speculation.gamma=9 exceeds the draft's block_size=7" in _config_error(

@@ -114,8 +114,9 @@ def test_dspark_without_cuda_is_refused() -> None:
 
 
 def test_tp_not_dividing_the_gpus_is_refused() -> None:
-    with pytest.raises(ValidationError, match=r"parallelism.tp \(12\).*must equal the devices"):
-        app_config(PRODUCTION, parallelism={"tp": 12, "ep": 12})
+    with pytest.raises(ValidationError, match=r"parallelism.tp \(15\).*must split evenly over "
+                                              r"parallelism.nodes \(2\)"):
+        app_config(PRODUCTION, parallelism={"tp": 15, "ep": 15})
     assert "parallelism.ep=5 must divide parallelism.tp=16" in _problems(parallelism={"ep": 5})
 
 

@@ -47,7 +47,7 @@ def target() -> Any:
         "engine": {"backend": "sglang", "startup_timeout_s": 3600, "sglang": {
             "context_length": int(os.environ.get("KIMI_SGLANG_CONTEXT", 32768)),
             "extra_server_args": json.loads(os.environ.get("KIMI_SGLANG_EXTRA", "{}"))}},
-        "parallelism": {"tp": tp, "ep": tp, "devices_per_node": tp},
+        "parallelism": {"tp": tp, "ep": tp},
         "placement": {"accelerator": "GPU",
                       "gpu_type": os.environ.get("KIMI_SGLANG_GPU_TYPE", "H200")},
     })

@@ -144,9 +144,6 @@ def sglang_problems(config: AppConfig) -> list[str]:
                "only supports CUDA, NPU or XPU device')" if dspark else ""))
     if p.pp != 1:
         problems.append(f"parallelism.pp={p.pp}: DSPARK needs pp_size 1 outside PD prefill")
-    if p.tp != p.nodes * p.devices_per_node:
-        problems.append(f"parallelism.tp={p.tp} must equal parallelism.nodes ({p.nodes}) x "
-                        f"parallelism.devices_per_node ({p.devices_per_node})")
     if p.tp % p.ep:
         problems.append(f"parallelism.ep={p.ep} must divide parallelism.tp={p.tp}")
     if p.tp % p.attention_dp:
@@ -192,7 +189,8 @@ def sglang_problems(config: AppConfig) -> list[str]:
     elif not problems:
         gpu = gpus[pl.gpu_type]
         if p.devices_per_node > gpu.gpus_per_node:
-            problems.append(f"parallelism.devices_per_node={p.devices_per_node} exceeds the "
+            problems.append(f"parallelism.tp / parallelism.nodes = {p.devices_per_node} GPUs per "
+                            f"node exceeds the "
                             f"{gpu.gpus_per_node} GPUs of a {gpu.gpu} node")
         try:
             layout = planner_layout(config)
