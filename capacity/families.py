@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from capacity.dspark_keys import dspark_settings
 from capacity.errors import CapacityError
 from capacity.formats import WeightFormat
 from capacity.model import (
@@ -371,17 +372,8 @@ def _deepseek_v3(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
     )
 
 
-def _dspark_setting(c: Mapping[str, Any], key: str, default: Any) -> Any:
-    """DSpark settings live in dflash_config; SGLang also accepts top-level `markov_*` and
-    `dspark_*`-prefixed keys, so all three places are consulted."""
-    nested = c.get("dflash_config") or {}
-    for candidate in (nested.get(key), c.get(key), c.get(f"dspark_{key}")):
-        if candidate is not None:
-            return candidate
-    return default
-
-
 def _dspark(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
+    settings = dspark_settings(c, source)
     keys = [
         "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "intermediate_size",
@@ -389,11 +381,11 @@ def _dspark(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
     _require(c, keys, "DSpark draft (Qwen3-style GQA)", source)
     h = c["hidden_size"]
     heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    taps = tuple(int(i) for i in _dspark_setting(c, "target_layer_ids", []))
+    taps = tuple(int(i) for i in settings.get("target_layer_ids", []))
     if not taps:
         raise CapacityError(f"{source}: DSpark config is missing dflash_config.target_layer_ids")
-    markov_rank = int(_dspark_setting(c, "markov_rank", 0))
-    confidence = bool(_dspark_setting(c, "enable_confidence_head", False))
+    markov_rank = int(settings.get("markov_rank", 0))
+    confidence = bool(settings.get("enable_confidence_head", False))
     kind = LayerKind("gqa", "dense")
     p = "layers.0"
     a = f"{p}.self_attn"
@@ -430,6 +422,6 @@ def _dspark(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
         layer_groups={kind: tuple(layer)},
         global_groups=tuple(global_groups),
         gqa=GqaShape(heads, kv_heads, hd),
-        draft=DraftInfo(int(_dspark_setting(c, "block_size", c.get("block_size") or 7)), taps,
+        draft=DraftInfo(int(settings.get("block_size", 7)), taps,
                         markov_rank),
     )

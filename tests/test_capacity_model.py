@@ -122,3 +122,30 @@ def test_missing_fields_are_listed(tmp_path: Path):
 def test_unknown_name_lists_packaged_models():
     with pytest.raises(CapacityError, match="kimi-k3-dspark"):
         describe_model("no-such-model")
+
+
+def test_dspark_settings_read_alike_by_the_planner_and_the_app() -> None:
+    """One reader of where a DSpark config keeps its settings (capacity/dspark_keys.py): the
+    planner's descriptor and the app's DSparkConfig see the same values wherever a setting is
+    written, and both refuse one written twice with different values."""
+    from capacity.families import descriptor_from_config
+    from serve_app.models.dspark_config import DSparkConfig, DSparkConfigError
+
+    path = Path(__file__).parents[1] / "capacity/data/kimi-k3-dspark-config.json"
+    raw = json.loads(path.read_text())
+    moved = {k: v for k, v in raw.items() if k != "block_size"}
+    moved["dflash_config"] = {**raw["dflash_config"]}
+    layers = moved["dflash_config"].pop("target_layer_ids")
+    moved["dspark_target_layer_ids"] = layers  # SGLang's prefixed spelling
+    moved["dflash_config"]["block_size"] = raw["block_size"]
+    desc = descriptor_from_config(moved, "k3-dspark", "moved")
+    app = DSparkConfig.from_dict(moved, "moved")
+    assert desc.draft is not None
+    assert desc.draft.block_size == app.block_size == raw["block_size"]
+    assert list(desc.draft.target_layer_ids) == list(app.target_layer_ids) == layers
+
+    contradicting = {**moved, "block_size": raw["block_size"] + 1}
+    with pytest.raises(CapacityError, match=r"block_size=8 vs dflash_config.block_size=7"):
+        descriptor_from_config(contradicting, "k3-dspark", "bad")
+    with pytest.raises(DSparkConfigError, match=r"block_size=8 vs dflash_config.block_size=7"):
+        DSparkConfig.from_dict(contradicting, "bad")

@@ -12,28 +12,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from capacity.dspark_keys import DSPARK_KEYS, dspark_settings
+from capacity.errors import CapacityError
 from serve_app.models.config_files import read_config_json, validate_fields
 
+
 # Settings that may appear in dflash_config / markov_* / dspark_* (besides the Qwen3 body).
-_DSPARK_KEYS = (
-    "block_size",
-    "target_layer_ids",
-    "mask_token_id",
-    "markov_rank",
-    "markov_head_type",
-    "enable_confidence_head",
-    "confidence_head_with_markov",
-    "confidence_head_alpha",
-    "projector_type",
-    "attention_mode",
-    "num_target_layers",
-    "target_hidden_size",
-)
-
-# SGLang also reads the mask token from `dspark_noise_token_id`.
-_ALIASES = {"mask_token_id": ("dspark_noise_token_id",)}
-
-
 class DSparkConfigError(ValueError):
     """A DSpark config.json that is missing fields or contradicts itself."""
 
@@ -143,35 +127,17 @@ class DSparkConfig(BaseModel):
         """The published layout: Qwen3 body at top level, DSpark settings in `dflash_config`."""
         data = self.model_dump(mode="json")
         top_level = ("block_size", "num_target_layers")
-        dflash = {k: data.pop(k) for k in _DSPARK_KEYS if k not in top_level}
+        dflash = {k: data.pop(k) for k in DSPARK_KEYS if k not in top_level}
         return {"architectures": ["DSparkDraftModel"], "model_type": "qwen3", **data,
                 "dflash_config": dflash}
 
 
 def _resolve_dspark_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
     flat = {k: v for k, v in raw.items() if k != "dflash_config" and not k.startswith("dspark_")}
-    nested = raw.get("dflash_config") or {}
-    if not isinstance(nested, dict):
-        raise DSparkConfigError(f"{source}: dflash_config must be an object")
-    places: dict[str, list[tuple[str, Any]]] = {}
-    for key in _DSPARK_KEYS:
-        for where, value in (
-            (key, raw.get(key)),
-            (f"dflash_config.{key}", nested.get(key)),
-            (f"dspark_{key}", raw.get(f"dspark_{key}")),
-            *((alias, raw.get(alias)) for alias in _ALIASES.get(key, ())),
-        ):
-            if value is not None:
-                places.setdefault(key, []).append((where, value))
-    conflicts = []
-    for key, found in places.items():
-        if any(v != found[0][1] for _, v in found[1:]):
-            conflicts.append(" vs ".join(f"{w}={v!r}" for w, v in found))
-        flat[key] = found[0][1]
-    if conflicts:
-        raise DSparkConfigError(
-            f"{source}: contradictory DSpark settings:\n  - " + "\n  - ".join(conflicts)
-        )
+    try:
+        flat.update(dspark_settings(raw, source))
+    except CapacityError as exc:
+        raise DSparkConfigError(str(exc)) from None
     if "head_dim" not in flat and "hidden_size" in flat and "num_attention_heads" in flat:
         flat["head_dim"] = flat["hidden_size"] // flat["num_attention_heads"]
     if "target_hidden_size" not in flat and "hidden_size" in flat:
