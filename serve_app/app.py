@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve import Application
 
 from serve_app.config import AppConfig, ConfigError, model_configs
-from serve_app.engines.reference.builder import check_pair
+from serve_app.models.dspark_config import check_pair
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.target import TargetReplica
 from serve_app.tokenizer import load_tokenizer

@@ -11,7 +11,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.engines.reference.builder import ReferenceEngineConfig
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.kimi_config import KimiConfig
 from serve_app.observability.tracing import TracingConfig
@@ -204,6 +203,55 @@ class RouterConfig(RouterSettings):
         if values["policy"] == "ray_default":
             values["policy"] = "kv_aware"  # unused: the ingress bypasses the router
         return RouterSettings(**values)
+
+
+def prefill_cap(prefill_chunk_tokens: int, max_prefill_tokens_per_request: int | None) -> int:
+    """A prompt's share of one step's prefill budget: the setting, checked, or by default a
+    quarter of the budget (at least 1). The one check, for the config and the scheduler."""
+    cap = max_prefill_tokens_per_request
+    if cap is None:
+        return max(1, prefill_chunk_tokens // 4)
+    if cap < 1:
+        raise ValueError(f"max_prefill_tokens_per_request={cap} must be >= 1")
+    if cap > prefill_chunk_tokens:
+        raise ValueError(f"max_prefill_tokens_per_request={cap} must be <= "
+                         f"prefill_chunk_tokens={prefill_chunk_tokens}")
+    return cap
+
+
+class SpeculationConfig(BaseModel):
+    """`engine.reference.speculation`, taken by EngineCore as is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    gamma: int | None = Field(default=None, ge=1, description="drafts verified per step; "
+                              "default: the draft's block_size")
+    confidence_threshold: float = Field(default=0.0, ge=0.0, lt=1.0, description=(
+        "verify drafts while their cumulative acceptance estimate stays >= this; 0 = all"))
+
+
+class ReferenceEngineConfig(BaseModel):
+    """`engine.reference`: the plain-PyTorch engine (serve_app/engines/reference), which takes
+    it as it is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    kv_capacity_tokens: int = Field(default=16384, gt=0)
+    page_size: int = Field(default=16, gt=0)
+    max_batch_size: int = Field(default=32, gt=0)
+    prefill_chunk_tokens: int = Field(default=512, gt=0)
+    max_prefill_tokens_per_request: int | None = Field(default=None, gt=0, description=(
+        "the most prompt tokens one request prefills in a step, so that short prompts are not "
+        "queued behind a long one; default a quarter of prefill_chunk_tokens (at least 1)"))
+    speculation: SpeculationConfig = SpeculationConfig()
+
+    @model_validator(mode="after")
+    def _prefill_cap_fits_the_step(self) -> ReferenceEngineConfig:
+        prefill_cap(self.prefill_chunk_tokens, self.max_prefill_tokens_per_request)
+        return self
 
 
 class EngineSettings(_Strict):

@@ -21,10 +21,9 @@ from scipy.stats import chisquare
 from tiny_models import write_tiny_pair
 
 import serve_app.engines.reference.engine as engine_module
+from serve_app.config import ReferenceEngineConfig, SpeculationConfig
 from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
 from serve_app.engines.reference.builder import (
-    ReferenceEngineConfig,
-    SpeculationConfig,
     build_engine,
     build_runner,
 )

@@ -25,7 +25,7 @@ from serve_app.models.checkpoint import (
 from serve_app.models.kimi import KimiForCausalLM, KimiMoE
 from serve_app.models.kimi_config import KimiConfig, KimiConfigError
 from serve_app.models.kimi_weights import checkpoint_specs, load_kimi, save_kimi
-from serve_app.models.kv_cache import KVCapacityError
+from serve_app.models.kv_capacity import KVCapacityError
 from serve_app.models.layers import rope_inv_freq
 from serve_app.netutil import free_port
 

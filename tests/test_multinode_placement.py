@@ -13,8 +13,8 @@ from ray.cluster_utils import Cluster
 from tiny_models import write_tiny_serving_pair
 
 from serve_app.app import build_app
-from serve_app.config import AppConfig
-from serve_app.engines.reference.builder import ReferenceEngineConfig, build_engine, build_runner
+from serve_app.config import AppConfig, ReferenceEngineConfig
+from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow

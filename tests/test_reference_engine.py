@@ -12,9 +12,8 @@ import torch.multiprocessing as mp
 from scipy.stats import chisquare
 from tiny_models import write_tiny_pair
 
+from serve_app.config import ReferenceEngineConfig, SpeculationConfig
 from serve_app.engines.reference.builder import (
-    ReferenceEngineConfig,
-    SpeculationConfig,
     build_engine,
     build_runner,
 )
@@ -25,7 +24,8 @@ from serve_app.engines.reference.sequence import Sequence
 from serve_app.models.dspark import DraftOutput
 from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_weights import load_kimi
-from serve_app.models.kv_cache import KVCapacityError, PagedAllocator
+from serve_app.models.kv_cache import PagedAllocator
+from serve_app.models.kv_capacity import KVCapacityError
 from serve_app.netutil import free_port
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

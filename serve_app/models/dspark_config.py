@@ -8,13 +8,16 @@ must agree; otherwise the error names both places.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from capacity.dspark_keys import DSPARK_KEYS, dspark_settings
 from capacity.errors import CapacityError
 from serve_app.models.config_files import read_config_json, validate_fields
+
+if TYPE_CHECKING:
+    from serve_app.models.kimi_config import KimiConfig
 
 
 # Settings that may appear in dflash_config / markov_* / dspark_* (besides the Qwen3 body).
@@ -151,3 +154,28 @@ def _resolve_dspark_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if "dtype" not in flat and "torch_dtype" in flat:
         flat["dtype"] = flat["torch_dtype"]
     return flat
+
+
+def check_pair(t: KimiConfig, d: DSparkConfig, gamma: int | None = None) -> None:
+    """The draft must fit the target it runs beside; every mismatch is named."""
+    problems = []
+    bad = [i for i in d.target_layer_ids if i >= t.num_hidden_layers]
+    if bad:
+        problems.append(f"draft target_layer_ids {bad} do not exist in the target "
+                        f"(num_hidden_layers={t.num_hidden_layers})")
+    if d.num_target_layers != t.num_hidden_layers:
+        problems.append(f"draft num_target_layers={d.num_target_layers} != target "
+                        f"num_hidden_layers={t.num_hidden_layers}")
+    if d.vocab_size != t.vocab_size:
+        problems.append(f"draft vocab_size={d.vocab_size} != target vocab_size={t.vocab_size}")
+    if d.target_hidden_size != t.hidden_size:
+        problems.append(f"draft target_hidden_size={d.target_hidden_size} != target "
+                        f"hidden_size={t.hidden_size}")
+    if d.hidden_size != t.hidden_size:
+        problems.append(f"draft hidden_size={d.hidden_size} != target hidden_size="
+                        f"{t.hidden_size} (the draft embeds with the target's embedding)")
+    if gamma is not None and gamma > d.block_size:
+        problems.append(f"engine.reference.speculation.gamma={gamma} exceeds the draft's "
+                        f"block_size={d.block_size}")
+    if problems:
+        raise ValueError("draft and target do not match: " + "; ".join(problems))

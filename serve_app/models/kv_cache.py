@@ -12,9 +12,7 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
-
-class KVCapacityError(RuntimeError):
-    """A request does not fit in the KV pool."""
+from serve_app.models.kv_capacity import KVCapacityError
 
 
 class PagedAllocator:

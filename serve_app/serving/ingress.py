@@ -46,7 +46,7 @@ from serve_app.engines.types import (
     RequestFailed,
     RequestOutput,
 )
-from serve_app.models.kv_cache import KVCapacityError
+from serve_app.models.kv_capacity import KVCapacityError
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.metrics import app_metrics
 from serve_app.observability.tracing import tracer

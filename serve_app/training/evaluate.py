@@ -6,9 +6,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from serve_app.config import ReferenceEngineConfig, SpeculationConfig
 from serve_app.engines.reference.builder import (
-    ReferenceEngineConfig,
-    SpeculationConfig,
     build_engine,
     build_runner,
 )

@@ -32,7 +32,7 @@ from serve_app.engines.types import (
     RequestOutput,
     SamplingParams,
 )
-from serve_app.models.kv_cache import KVCapacityError
+from serve_app.models.kv_capacity import KVCapacityError
 
 logger = logging.getLogger(__name__)
 

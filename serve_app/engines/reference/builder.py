@@ -5,70 +5,22 @@ from __future__ import annotations
 import gc
 import os
 from datetime import timedelta
-from typing import Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.engines.reference.engine import EngineCore, SpeculationConfig
+from serve_app.config import ReferenceEngineConfig
+from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.proposer import DSparkProposer
-from serve_app.engines.reference.scheduler import prefill_cap
 from serve_app.engines.reference.sequence import Detokenize
 from serve_app.engines.reference.tensor_parallel import shard_dspark
 from serve_app.models.dspark import load_dspark
-from serve_app.models.dspark_config import DSparkConfig
-from serve_app.models.kimi_config import KimiConfig
+from serve_app.models.dspark_config import check_pair
 from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_cache import PagedAllocator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ReferenceEngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: Literal["cpu", "cuda"] = "cpu"
-    kv_capacity_tokens: int = Field(default=16384, gt=0)
-    page_size: int = Field(default=16, gt=0)
-    max_batch_size: int = Field(default=32, gt=0)
-    prefill_chunk_tokens: int = Field(default=512, gt=0)
-    max_prefill_tokens_per_request: int | None = Field(default=None, gt=0, description=(
-        "the most prompt tokens one request prefills in a step, so that short prompts are not "
-        "queued behind a long one; default a quarter of prefill_chunk_tokens (at least 1)"))
-    speculation: SpeculationConfig = SpeculationConfig()
-
-    @model_validator(mode="after")
-    def _prefill_cap_fits_the_step(self) -> ReferenceEngineConfig:
-        prefill_cap(self.prefill_chunk_tokens, self.max_prefill_tokens_per_request)
-        return self
-
-
-def check_pair(t: KimiConfig, d: DSparkConfig, gamma: int | None = None) -> None:
-    """The draft must fit the target it runs beside; every mismatch is named."""
-    problems = []
-    bad = [i for i in d.target_layer_ids if i >= t.num_hidden_layers]
-    if bad:
-        problems.append(f"draft target_layer_ids {bad} do not exist in the target "
-                        f"(num_hidden_layers={t.num_hidden_layers})")
-    if d.num_target_layers != t.num_hidden_layers:
-        problems.append(f"draft num_target_layers={d.num_target_layers} != target "
-                        f"num_hidden_layers={t.num_hidden_layers}")
-    if d.vocab_size != t.vocab_size:
-        problems.append(f"draft vocab_size={d.vocab_size} != target vocab_size={t.vocab_size}")
-    if d.target_hidden_size != t.hidden_size:
-        problems.append(f"draft target_hidden_size={d.target_hidden_size} != target "
-                        f"hidden_size={t.hidden_size}")
-    if d.hidden_size != t.hidden_size:
-        problems.append(f"draft hidden_size={d.hidden_size} != target hidden_size="
-                        f"{t.hidden_size} (the draft embeds with the target's embedding)")
-    if gamma is not None and gamma > d.block_size:
-        problems.append(f"engine.reference.speculation.gamma={gamma} exceeds the draft's "
-                        f"block_size={d.block_size}")
-    if problems:
-        raise ValueError("draft and target do not match: " + "; ".join(problems))
 
 
 def init_tensor_parallel(

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from serve_app.config import SpeculationConfig
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.sampling import (
     ResidualRule,
@@ -60,18 +60,6 @@ class EngineObserver(Protocol):
 
     def on_step(self, core: EngineCore) -> None:
         """After every step (queue lengths, KV use)."""
-
-
-class SpeculationConfig(BaseModel):
-    """`engine.reference.speculation` in the app config, taken by EngineCore as is."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = True
-    gamma: int | None = Field(default=None, ge=1, description="drafts verified per step; "
-                              "default: the draft's block_size")
-    confidence_threshold: float = Field(default=0.0, ge=0.0, lt=1.0, description=(
-        "verify drafts while their cumulative acceptance estimate stays >= this; 0 = all"))
 
 
 class EngineCore:

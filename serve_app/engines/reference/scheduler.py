@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from serve_app.config import prefill_cap
 from serve_app.engines.reference.sequence import Sequence, Status
-from serve_app.models.kv_cache import KVCapacityError
+from serve_app.models.kv_capacity import KVCapacityError
 
 
 @dataclass
@@ -34,20 +35,6 @@ class PrefillChunk:
 class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
-
-
-def prefill_cap(prefill_chunk_tokens: int, max_prefill_tokens_per_request: int | None) -> int:
-    """A prompt's share of one step's prefill budget: the setting, checked, or by default a
-    quarter of the budget (at least 1). The one check, for the config and the scheduler."""
-    cap = max_prefill_tokens_per_request
-    if cap is None:
-        return max(1, prefill_chunk_tokens // 4)
-    if cap < 1:
-        raise ValueError(f"max_prefill_tokens_per_request={cap} must be >= 1")
-    if cap > prefill_chunk_tokens:
-        raise ValueError(f"max_prefill_tokens_per_request={cap} must be <= "
-                         f"prefill_chunk_tokens={prefill_chunk_tokens}")
-    return cap
 
 
 class Scheduler:
