@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from math import ceil
+from typing import TypeVar
 
 from capacity.errors import CapacityError
 
@@ -55,20 +56,23 @@ NOMINAL_BITS: dict[WeightFormat, float] = {
 FOUR_BIT_FORMATS = frozenset({WeightFormat.MXFP4, WeightFormat.INT4, WeightFormat.NVFP4})
 
 
-def parse_weight_format(value: str) -> WeightFormat:
+E = TypeVar("E", bound=StrEnum)
+
+
+def _parse(kind: type[E], what: str, value: str) -> E:
     try:
-        return WeightFormat(value.lower())
+        return kind(value.lower())
     except ValueError:
-        allowed = ", ".join(f.value for f in WeightFormat)
-        raise CapacityError(f"unknown weight format {value!r}; allowed: {allowed}") from None
+        allowed = ", ".join(f.value for f in kind)
+        raise CapacityError(f"unknown {what} {value!r}; allowed: {allowed}") from None
+
+
+def parse_weight_format(value: str) -> WeightFormat:
+    return _parse(WeightFormat, "weight format", value)
 
 
 def parse_kv_dtype(value: str) -> KvDtype:
-    try:
-        return KvDtype(value.lower())
-    except ValueError:
-        allowed = ", ".join(f.value for f in KvDtype)
-        raise CapacityError(f"unknown KV dtype {value!r}; allowed: {allowed}") from None
+    return _parse(KvDtype, "KV dtype", value)
 
 
 def matrix_bytes(fmt: WeightFormat, rows: int, cols: int) -> int:

@@ -7,10 +7,8 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
-import ray
 from ray import serve
-from ray.cluster_utils import Cluster
-from tiny_models import write_tiny_serving_pair
+from tiny_models import fake_gpu_cluster, write_tiny_serving_pair
 
 from serve_app.app import build_app
 from serve_app.config import AppConfig, ReferenceEngineConfig
@@ -23,13 +21,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     paths = write_tiny_serving_pair(tmp_path_factory.mktemp("multinode"))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    workers = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield paths, {n.node_id for n in workers}
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    with fake_gpu_cluster(nodes=2, cpus_per_node=2, gpus_per_node=2, head_cpus=2) as (_, nodes):
+        yield paths, nodes
 
 
 def test_two_nodes_two_gpus_each(cluster: Any) -> None:

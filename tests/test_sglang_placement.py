@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 from ray.util.placement_group import (
     get_current_placement_group,
     placement_group,
@@ -20,6 +19,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from sglang_helpers import app_config, rank_plan
+from tiny_models import fake_gpu_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -69,12 +69,8 @@ class ReplicaStandIn:
 
 @pytest.fixture(scope="module")
 def cluster() -> Any:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    workers = [cluster.add_node(num_cpus=2, num_gpus=8) for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster, {n.node_id for n in workers}
-    ray.shutdown()
-    cluster.shutdown()
+    with fake_gpu_cluster(nodes=2, cpus_per_node=2, gpus_per_node=8) as made:
+        yield made
 
 
 def test_production_placement_on_two_fake_h200_nodes(cluster: Any) -> None:

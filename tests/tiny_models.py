@@ -143,3 +143,24 @@ def served(config: Any, metrics_port: int | None = None) -> Iterator[int]:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+@contextmanager
+def fake_gpu_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int,
+                     head_cpus: int = 1) -> Iterator[tuple[Any, set[str]]]:
+    """A multi-node Ray cluster on this machine (ray.cluster_utils, fake GPUs), connected:
+    yields (the cluster, the worker nodes' ids); the head holds no GPU, as in production."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "num_gpus": 0})
+    workers = [cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node)
+               for _ in range(nodes)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster, {n.node_id for n in workers}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()

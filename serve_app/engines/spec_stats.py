@@ -122,3 +122,17 @@ class EngineTotals:
 
     def spec_dict(self) -> dict[str, Any]:
         return self.spec.as_dict(self.spec_completion_tokens)
+
+    def stats(self, running: int, speculative: bool) -> dict[str, Any]:
+        """An engine's `stats()`, the same keys for both backends (each adds its own)."""
+        stats: dict[str, Any] = {
+            "requests_finished": self.requests_finished,
+            "requests_failed": self.requests_failed,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "running": running,
+            "speculative": speculative,
+        }
+        if speculative:
+            stats |= self.spec_dict()
+        return stats

@@ -368,19 +368,8 @@ class EngineCore:
         return [final[r] for r in rids]
 
     def stats(self) -> dict[str, Any]:
-        t = self.totals
-        stats: dict[str, Any] = {
-            "requests_finished": t.requests_finished,
-            "requests_failed": t.requests_failed,
-            "prompt_tokens": t.prompt_tokens,
-            "completion_tokens": t.completion_tokens,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "speculative": self.speculative,
-        }
-        if self.speculative:
-            stats |= t.spec_dict()
-        return stats
+        return {**self.totals.stats(len(self.scheduler.running), self.speculative),
+                "waiting": len(self.scheduler.waiting)}
 
     def capacity(self) -> dict[str, int]:
         alloc = self.runner.allocator

@@ -143,18 +143,7 @@ class SGLangEngine:
             raise EngineUnavailable(f"health generation took longer than {timeout_s} s") from None
 
     def stats(self) -> dict[str, Any]:
-        t = self._totals
-        stats: dict[str, Any] = {
-            "requests_finished": t.requests_finished,
-            "prompt_tokens": t.prompt_tokens,
-            "completion_tokens": t.completion_tokens,
-            "running": len(self._active),
-            "speculative": self.speculative,
-            "backend": "sglang",
-        }
-        if self.speculative:
-            stats |= t.spec_dict()
-        return stats
+        return {**self._totals.stats(len(self._active), self.speculative), "backend": "sglang"}
 
     def capacity(self) -> dict[str, int]:
         """KV tokens: the pool SGLang reported after start-up; 'used' counts the tokens of the
