@@ -36,7 +36,6 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from serve_app.config import AppConfig, context_length
@@ -672,11 +671,14 @@ class OpenAIIngress:
                 lease = None  # the stream owns it now (or its finalizer, if never started)
                 return StreamingResponse(sse, media_type="text/event-stream")
             response = await self._collect(body, rid, chat, first, lease)
-            # Metrics, the closing log line and the span end after the body is sent: they are
-            # the server's bookkeeping, not the client's latency (0.7-1 ms measured).
-            return OpenAIJSONResponse(response, background=BackgroundTask(
+            # Metrics, the closing log line and the span end run once the response is on its
+            # way: they are the server's bookkeeping, not the client's latency (0.7-1 ms). A
+            # Starlette BackgroundTask would be the obvious tool, but under Serve it still
+            # delays the response (1.4 ms measured); a callback after this task does not.
+            asyncio.get_running_loop().call_soon(
                 telemetry.finish, 200, response["usage"]["prompt_tokens"],
-                response["usage"]["completion_tokens"]))
+                response["usage"]["completion_tokens"])
+            return response
         finally:
             if lease is not None:
                 lease.close()
