@@ -5,7 +5,11 @@ Variants (all on this machine, sequential requests, medians and p99 over N reque
   - echo:    a plain two-deployment Ray Serve app (FastAPI ingress -> handle -> back, no model),
              the floor any Serve app pays;
   - http:    the full OpenAI HTTP path of this app (1 generated token, non-streaming);
-  - stream:  time to first token and per-chunk gaps of a streamed completion, HTTP vs engine.
+  - stream:  time to first token and per-chunk gaps of a streamed completion, HTTP vs engine;
+  - stub:    this app's ingress in front of a stand-in target whose "engine" is --stub-ms of
+             Python work on a thread, against work_floor: the plain two-deployment app with the
+             same stand-in. Their difference is what this app's own ingress code costs, apart
+             from the engine and apart from Serve.
 
 Goal: http_p50 - engine_p50 <= 1.2 x echo_p50.
 
@@ -70,6 +74,56 @@ def _echo_app() -> Any:
     return EchoIngress.bind(Echo.bind())
 
 
+def _busy(ms: float) -> None:
+    until = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < until:
+        pass
+
+
+def _stub_apps(stub_ms: float, raw_config: dict[str, Any]) -> tuple[Any, Any]:
+    """(work_floor, stub): the same stand-in target behind a bare FastAPI ingress and behind
+    this app's OpenAIIngress (router off: the stand-in has no KV to route by)."""
+    from fastapi import FastAPI, Request
+    from ray import serve
+
+    from serve_app.engines.types import RequestOutput
+    from serve_app.serving.ingress import OpenAIIngress
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.1})
+    class StandInTarget:
+        async def generate(self, request: Any) -> Any:
+            await asyncio.to_thread(_busy, stub_ms)
+            yield RequestOutput(request.request_id, [5], "x", True, "length",
+                                len(request.prompt_ids), 1)
+
+        async def health_status(self) -> dict[str, Any]:
+            return {"ok": True}
+
+    floor_api = FastAPI()
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.1})
+    @serve.ingress(floor_api)
+    class FloorIngress:
+        def __init__(self, target: Any) -> None:
+            self.generate = target.options(stream=True).generate
+
+        @floor_api.post("/")
+        async def root(self, request: Request) -> dict[str, Any]:
+            payload = await request.json()
+            out = await self.generate.remote(_Prompt("r", [1, 2, 3])).__anext__()
+            return {"text": out.text, "echo": payload}
+
+    stub = serve.deployment(OpenAIIngress, name="OpenAIIngress",
+                            ray_actor_options={"num_cpus": 0.1})
+    return (FloorIngress.bind(StandInTarget.bind()),
+            stub.bind(StandInTarget.bind(), raw_config))
+
+
+class _Prompt:
+    def __init__(self, request_id: str, prompt_ids: list[int]) -> None:
+        self.request_id, self.prompt_ids = request_id, prompt_ids
+
+
 def _model_paths(pair: str, tmp: Path) -> dict[str, Path]:
     from serve_app.config import ASSETS
 
@@ -118,6 +172,12 @@ def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(_echo_app(), name="echo", route_prefix="/echo")
         serve.run(build_app(config), name="kimi", route_prefix="/")
+        stub_config = json.loads(config.model_copy(
+            update={"router": config.router.model_copy(update={"policy": "ray_default"})}
+        ).model_dump_json())
+        floor_app, stub_app = _stub_apps(args.stub_ms, stub_config)
+        serve.run(floor_app, name="work_floor", route_prefix="/work_floor")
+        serve.run(stub_app, name="stub", route_prefix="/stub")
         base = f"http://127.0.0.1:{port}"
         body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0}
         with httpx.Client(timeout=60) as client:
@@ -132,6 +192,8 @@ def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
 
             echo = timed(base + "/echo/", {"x": 1})
             full = timed(base + "/v1/completions", body)
+            work_floor = timed(base + "/work_floor/", {"x": 1})
+            stub = timed(base + "/stub/v1/completions", body)
             stream_body = {**body, "max_tokens": args.stream_tokens, "stream": True,
                            "ignore_eos": True}
             marks = []
@@ -147,7 +209,7 @@ def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
             os.environ.pop(key, None)
         if sink is not None:
             sink.shutdown()
-    return {"echo": echo, "http": full, "marks": marks}
+    return {"echo": echo, "http": full, "marks": marks, "work_floor": work_floor, "stub": stub}
 
 
 def main() -> None:
@@ -155,6 +217,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--stream-tokens", type=int, default=32)
+    parser.add_argument("--stub-ms", type=float, default=10.0,
+                        help="the stand-in target's work per request (about the engine's)")
     parser.add_argument("--pair", choices=["embedded", "random"], default="embedded")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -225,6 +289,9 @@ def main() -> None:
     results["http"] = _summary(full)
     overhead = results["http"]["p50_ms"] - results["engine"]["p50_ms"]
     results["http_overhead_p50_ms"] = overhead
+    results["work_floor"] = _summary(off["work_floor"])
+    results["stub"] = _summary(off["stub"])
+    results["ingress_code_p50_ms"] = results["stub"]["p50_ms"] - results["work_floor"]["p50_ms"]
     results["overhead_over_echo_floor"] = overhead / results["echo"]["p50_ms"]
     results["stream"] = {
         "engine": engine_stream,
@@ -244,6 +311,12 @@ def main() -> None:
     print(f"{'http - engine (p50)':<28}{overhead:>10.2f}")
     print(f"{'(http - engine) / echo':<28}{results['overhead_over_echo_floor']:>10.2f}"
           "   goal <= 1.2")
+    for name in ("work_floor", "stub"):
+        r = results[name]
+        print(f"{name + f' ({args.stub_ms:g} ms stand-in)':<28}{r['p50_ms']:>10.2f}"
+              f"{r['p99_ms']:>10.2f}")
+    print(f"{'stub - work_floor (p50)':<28}{results['ingress_code_p50_ms']:>10.2f}"
+          "   this app's ingress code")
     s = results["stream"]
     print(f"{'stream TTFT engine / http':<28}{s['engine']['ttft_ms']:>10.2f}"
           f"{s['http']['ttft_ms']:>10.2f}")

@@ -197,15 +197,16 @@ def test_json_logs_carry_request_and_trace_ids(server: Any) -> None:
                json={"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0},
                headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
+    # The closing "request finished" line is written just after the response has left.
     deadline = time.time() + 20
     lines: list[dict[str, Any]] = []
-    while time.time() < deadline and not lines:
-        for path in glob.glob(str(logs / "replica_kimi_OpenAIIngress_*.log")):
-            for line in Path(path).read_text().splitlines():
-                if trace_id in line:
-                    lines.append(json.loads(line))
+    finished: list[dict[str, Any]] = []
+    while time.time() < deadline and not finished:
+        lines = [json.loads(line)
+                 for path in glob.glob(str(logs / "replica_kimi_OpenAIIngress_*.log"))
+                 for line in Path(path).read_text().splitlines() if trace_id in line]
+        finished = [r for r in lines if "request finished" in r.get("message", "")]
         time.sleep(0.5)
     assert lines, "no JSON log line carries the request's trace id"
-    finished = [r for r in lines if "request finished" in r.get("message", "")]
     assert finished and finished[0]["trace_id"] == trace_id
     assert finished[0]["request_id"] and finished[0]["status"] == 200
