@@ -35,9 +35,6 @@ def validate(config: AppConfig) -> None:
         return
     target, draft = model_configs(config)
     problems = []
-    if config.parallelism.pp != 1:
-        problems.append(f"parallelism.pp={config.parallelism.pp}: the reference engine has no "
-                        "pipeline stages (pp 1)")
     if draft is not None:
         try:
             check_pair(target, draft, config.engine.reference.speculation.gamma)

@@ -364,7 +364,8 @@ class Lease:
     await, or, for a streaming response the server never started sending (the client left
     first), the finalizer when the response is dropped."""
 
-    def __init__(self, request_id: str, router: AdmissionStage | None, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, router: AdmissionStage | None,
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.router = router
         self.loop = loop
