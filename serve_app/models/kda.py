@@ -1,0 +1,433 @@
+"""Kimi Delta Attention (KDA), the linear-attention layer of Kimi K3, in plain PyTorch.
+
+One readable module for the math SGLang 0.5.23 computes (`srt/models/kimi_k3.py`, the KDA backend
+and its fla-style kernels); the section numbers below are those of the K3 architecture notes
+(`kimi-k3-architecture.md`, §1.3 layer, §2 state, §3 speculative verify). Per token t, head h:
+
+    q, k, v = conv_silu(q_proj x), conv_silu(k_proj x), conv_silu(v_proj x)   short causal conv
+    q̂ = l2norm(q) · D^-1/2,  k̂ = l2norm(k)                                    over the head dim
+    g  = L · sigmoid(exp(A_log[h]) · (f_b_proj(f_a_proj x) + dt_bias))       log-decay per K row
+    β  = sigmoid(b_proj x)
+    S  ← diag(exp g) S;  u = β (v − Sᵀ k̂);  S ← S + k̂ uᵀ;  o = Sᵀ q̂          gated delta rule
+    out = o_proj( RMSNorm_{o_norm}(o) ⊙ sigmoid(g_proj x) )
+
+Parameter names are the K3 checkpoint's as SGLang's loader expects them (§1.3 tensor names,
+§1.8): q_proj / k_proj / v_proj / g_proj (full-rank output gate; g_a_proj / g_b_proj when
+`use_full_rank_gate` is false), f_a_proj / f_b_proj, b_proj, q_conv1d / k_conv1d / v_conv1d
+(`.weight [P, 1, 4]`, fp32), A_log [h], dt_bias [P], o_norm.weight [D], o_proj. A state dict
+of one `model.layers.{l}.self_attn.` prefix therefore loads by name (A_log as 1-D [h]; the
+loader is what accepts the checkpoint's other A_log shapes).
+
+The per-request state (§2) is a `KDAState`: the last K−1 raw (pre-conv) q|k|v projection rows,
+oldest first, and S in fp32 in the FLA/HF layout [h, K, V] (SGLang stores Sᵀ, [h, V, K]).
+
+Two algorithms compute the same recurrence:
+  - `recurrent`: token by token, as the decode kernel does;
+  - `chunked`: C tokens at a time with the exact chunkwise (WY / UT-transform) form, as
+    prefill's `chunk_kda` does; equal to `recurrent` up to float rounding.
+`forward_window` runs a speculative verify window of T = γ+1 tokens and returns the state after
+every position (`KDAWindowStates`), never touching the input state, so the engine keeps the
+state of the accepted prefix (§3 "one full state per verified position").
+
+Batching: every entry point takes [B, T, H] with one state row per request, all B requests the
+same length T. A ragged batch (different prompt lengths) is run one request at a time (B = 1
+calls); the layer has no padding masks, because a padded token would still decay and write S.
+All recurrence math is fp32, whatever the activation dtype: q̂ and k̂ stay fp32 (as in SGLang's
+decode/verify kernels; its prefill stores them back in the activation dtype, §1.3 step 3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "GatedRMSNorm",
+    "KDASizes",
+    "KDAState",
+    "KDAWindowStates",
+    "KimiDeltaAttention",
+    "causal_conv_silu",
+    "chunked_gated_delta_rule",
+    "kda_gate",
+    "recurrent_gated_delta_rule",
+]
+
+Algorithm = Literal["chunked", "recurrent"]
+
+
+@dataclass(frozen=True)
+class KDASizes:
+    """The sizes of one KDA layer, named as in K3's `text_config` / `linear_attn_config`."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    short_conv_kernel_size: int = 4
+    # The "safe gate" L (K3: −5.0): g = L·sigmoid(·) ∈ (L, 0). None gives plain Kimi-Linear's
+    # g = −exp(A_log)·softplus(·), which is unbounded below.
+    gate_lower_bound: float | None = -5.0
+    use_full_rank_gate: bool = True
+    # o_norm's eps. SGLang builds K3's KDA o_norm with the constructor default 1e-5 (§1.3 step 7).
+    rms_norm_eps: float = 1e-5
+    # The forget gate (and the low-rank output gate) is H → rank → P; K3 uses rank = head_dim.
+    gate_rank: int | None = None
+
+    @property
+    def projection_size(self) -> int:
+        """P = num_heads · head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def rank(self) -> int:
+        return self.head_dim if self.gate_rank is None else self.gate_rank
+
+    @classmethod
+    def from_text_config(cls, text_config: Mapping[str, Any]) -> KDASizes:
+        """From a K3 `text_config` dict (its `linear_attn_config` holds the KDA fields)."""
+        lin = text_config["linear_attn_config"]
+        return cls(
+            hidden_size=text_config["hidden_size"],
+            num_heads=lin["num_heads"],
+            head_dim=lin["head_dim"],
+            short_conv_kernel_size=lin.get("short_conv_kernel_size", 4),
+            gate_lower_bound=lin.get("gate_lower_bound"),
+            use_full_rank_gate=lin.get("use_full_rank_gate", False),
+        )
+
+
+# --- state -------------------------------------------------------------------------------------
+
+
+@dataclass
+class KDAState:
+    """A batch of requests' KDA state for one layer (§2).
+
+    conv: [B, K−1, 3P], activation dtype: the last K−1 raw q|k|v projection rows, oldest first
+          (SGLang's [window, channel] layout). Zeros before a sequence's first token.
+    ssm:  [B, h, D, D] fp32, S in the [K, V] layout.
+    """
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @classmethod
+    def zeros(
+        cls,
+        sizes: KDASizes,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> KDAState:
+        k, p = sizes.short_conv_kernel_size, sizes.projection_size
+        h, d = sizes.num_heads, sizes.head_dim
+        return cls(
+            conv=torch.zeros(batch, k - 1, 3 * p, device=device, dtype=dtype),
+            ssm=torch.zeros(batch, h, d, d, device=device, dtype=torch.float32),
+        )
+
+    def clone(self) -> KDAState:
+        return KDAState(self.conv.clone(), self.ssm.clone())
+
+    def rows(self, index: torch.Tensor | slice | list[int]) -> KDAState:
+        """The states of a subset of requests (e.g. one request of a batch: `rows([i])`)."""
+        return KDAState(self.conv[index], self.ssm[index])
+
+
+@dataclass
+class KDAWindowStates:
+    """The state after every position of a T-token verify window (§3).
+
+    conv: [B, T, K−1, 3P]; ssm: [B, T, h, D, D] fp32. Position t's entry is the state after
+    tokens 0..t of the window, i.e. what the request's state becomes when t+1 tokens (the
+    previous bonus token plus t drafts) are accepted.
+    """
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def at(self, step: int | torch.Tensor) -> KDAState:
+        """The committed state for `last_correct_step` = step: an int for the whole batch, or a
+        [B] tensor with one step per request (SGLang's scatter after verify)."""
+        if isinstance(step, int):
+            return KDAState(self.conv[:, step].clone(), self.ssm[:, step].clone())
+        rows = torch.arange(self.conv.shape[0], device=self.conv.device)
+        step = step.to(self.conv.device)
+        return KDAState(self.conv[rows, step], self.ssm[rows, step])
+
+
+# --- the pieces, as plain functions ------------------------------------------------------------
+
+
+def causal_conv_silu(
+    x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Short causal depthwise conv + SiLU (§1.3 step 2), continuing from a conv window.
+
+    x: [B, T, C] raw projections; window: [B, K−1, C] the previous K−1 raw rows, oldest first;
+    weight: [C, K] (the checkpoint's [C, 1, K] squeezed). Returns (SiLU(conv) [B, T, C],
+    all K−1+T raw rows [B, K−1+T, C], from which callers cut the next window(s)).
+
+    y_t = Σ_j weight[:, j] · row_{t−(K−1)+j}: weight[:, K−1] multiplies the current token, the
+    cross-correlation of F.conv1d(padding=K−1)[..., :T]. SGLang always uses SiLU here.
+    """
+    kernel = weight.shape[-1]
+    rows = torch.cat([window.to(x.dtype), x], dim=1)
+    # unfold: [B, T, C, K], the K consecutive rows ending at each token.
+    taps = rows.float().unfold(1, kernel, 1)
+    y = (taps * weight.float()).sum(-1)
+    return F.silu(y).to(x.dtype), rows
+
+
+def kda_gate(
+    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+) -> torch.Tensor:
+    """The per-head, per-K-channel log-decay g (§1.3 step 4), fp32.
+
+    f: [..., h, D] forget-gate pre-activation; A_log: [h]; dt_bias: [h, D].
+    With the safe gate g = L·sigmoid(exp(A_log)·(f + dt_bias)) ∈ [L, 0], so the decay exp(g) is
+    never below exp(L); without it g = −exp(A_log)·softplus(f + dt_bias) (threshold 20).
+    """
+    a = A_log.float().exp()[:, None]
+    x = f.float() + dt_bias.float()
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * x)
+    return -a * F.softplus(x, beta=1.0, threshold=20.0)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    # fp32, eps inside the sqrt as in the fused kernels (1e-6).
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    keep_all_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token (§1.3 step 6), fp32.
+
+    q, k: [B, T, h, K] (already normalised and, for q, scaled); v: [B, T, h, V];
+    g: [B, T, h, K] log-decay; beta: [B, T, h]; state: [B, h, K, V] (not modified).
+    Returns (o [B, T, h, V], final state [B, h, K, V] or, with keep_all_states, the state after
+    every token [B, T, h, K, V]). T ≥ 1.
+    """
+    S = state.float().clone()
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        S = S * g[:, t].exp()[..., None]                    # decay each K row
+        k_t = k[:, t]
+        pred = torch.einsum("bhkv,bhk->bhv", S, k_t)        # Sᵀk: what S recalls for k
+        u = beta[:, t, :, None] * (v[:, t] - pred)          # the delta-rule correction
+        S = S + k_t[..., None] * u[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+        if keep_all_states:
+            states.append(S)
+    o = torch.stack(outs, dim=1)
+    return o, (torch.stack(states, dim=1) if keep_all_states else S)
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence, C tokens at a time (the exact chunkwise / UT-transform form).
+
+    Shapes as `recurrent_gated_delta_rule` (T ≥ 1); returns (o [B, T, h, V], final state
+    [B, h, K, V]).
+    The last chunk may be shorter than C.
+
+    Within a chunk, with S0 its start state and G_t = Σ_{s≤t} g_s (cumulative log-decay, per K
+    channel), unrolling the recurrence gives
+        S_t = diag(e^{G_t}) S0 + Σ_{s≤t} diag(e^{G_t−G_s}) k_s u_sᵀ,
+        u_t = β_t (v_t − S0ᵀ(e^{G_t} ⊙ k_t) − Σ_{s<t} A_ts u_s),
+        A_ts = Σ_c k_t,c k_s,c e^{G_t,c − G_s,c},
+    a unit lower-triangular system (I + diag(β) A) U = diag(β)(V − (e^G ⊙ K) S0), solved at once
+    (the "UT transform"; FLA's WY form is the same solve, written with the inverse). Then
+        o_t = S0ᵀ(e^{G_t} ⊙ q_t) + Σ_{s≤t} (Σ_c q_t,c k_s,c e^{G_t,c−G_s,c}) u_s,
+        S_C = diag(e^{G_C}) S0 + Σ_s (e^{G_C−G_s} ⊙ k_s) u_sᵀ.
+    The pairwise decays e^{G_t−G_s} are formed from differences (never e^{G_t}·e^{−G_s}: with
+    g down to −5 per token, e^{−G_s} overflows fp32 within a chunk of 64). That tensor is
+    [B, h, C, C, K] fp32 per chunk (≈200 MB per request at K3's 96 heads × 128, C = 64): fine for
+    a reference, where FLA's kernels instead split each chunk into 16-token sub-blocks.
+    """
+    T = q.shape[1]
+    S = state.float().clone()
+    # [B, h, T, ·]: heads next to the batch so each chunk is a batch of small matrices.
+    q, k, v, g = (t.float().transpose(1, 2) for t in (q, k, v, g))
+    beta = beta.float().transpose(1, 2)
+    outs = []
+    for start in range(0, T, chunk_size):
+        end = min(start + chunk_size, T)
+        c = end - start
+        qc, kc, vc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        bc = beta[:, :, start:end]
+        G = g[:, :, start:end].cumsum(dim=2)                        # [B, h, c, K]
+        # Pairwise log-decays G_t − G_s, -inf above the diagonal (s > t) so exp gives 0 there
+        # and a large positive difference never reaches exp.
+        diff = G[:, :, :, None, :] - G[:, :, None, :, :]            # [B, h, t, s, K]
+        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+        strict = causal.clone().fill_diagonal_(False)
+        A = torch.einsum("bhtk,bhsk,bhtsk->bhts", kc, kc, decay) * strict
+        Aqk = torch.einsum("bhtk,bhsk,bhtsk->bhts", qc, kc, decay)  # inclusive: s ≤ t
+        eG = G.exp()
+        rhs = bc[..., None] * (vc - (eG * kc) @ S)                  # diag(β)(V − (e^G ⊙ K) S0)
+        lhs = torch.eye(c, device=q.device) + bc[..., None] * A     # I + diag(β) A
+        U = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
+        outs.append((eG * qc) @ S + Aqk @ U)                        # [B, h, c, V]
+        to_end = (G[:, :, -1:, :] - G).exp()                        # e^{G_C − G_s}
+        S = eG[:, :, -1, :, None] * S + (to_end * kc).transpose(-1, -2) @ U
+    o = torch.cat(outs, dim=2)
+    return o.transpose(1, 2), S
+
+
+# --- the layer ---------------------------------------------------------------------------------
+
+
+class GatedRMSNorm(nn.Module):
+    """`o_norm`: RMSNorm over the head dim, times sigmoid(gate) (SGLang's FusedRMSNormGated with
+    activation="sigmoid"). All in fp32, cast once at the end."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (x32 * torch.sigmoid(gate.float())).to(gate.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """One K3 KDA layer (`model.layers.{l}.self_attn`, §1.3). x: [B, T, H] → [B, T, H]."""
+
+    def __init__(self, sizes: KDASizes) -> None:
+        super().__init__()
+        self.sizes = sizes
+        H, h, D, P = sizes.hidden_size, sizes.num_heads, sizes.head_dim, sizes.projection_size
+        K, r = sizes.short_conv_kernel_size, sizes.rank
+        self.num_heads, self.head_dim, self.conv_kernel = h, D, K
+        self.q_proj = nn.Linear(H, P, bias=False)
+        self.k_proj = nn.Linear(H, P, bias=False)
+        self.v_proj = nn.Linear(H, P, bias=False)
+        # Output gate: full rank in K3 (use_full_rank_gate), else H → r → P.
+        if sizes.use_full_rank_gate:
+            self.g_proj = nn.Linear(H, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(H, r, bias=False)
+            self.g_b_proj = nn.Linear(r, P, bias=False)
+        # Forget gate: low rank in both cases.
+        self.f_a_proj = nn.Linear(H, r, bias=False)
+        self.f_b_proj = nn.Linear(r, P, bias=False)
+        self.b_proj = nn.Linear(H, h, bias=False)
+        # Depthwise conv weights [P, 1, K], created fp32 like SGLang's (params_dtype=float32; a
+        # model-wide .to(bf16) would round them, so a loader should keep them, A_log and dt_bias
+        # fp32). The conv itself is `causal_conv_silu`, not these modules' forward.
+        self.q_conv1d = nn.Conv1d(P, P, K, groups=P, bias=False, dtype=torch.float32)
+        self.k_conv1d = nn.Conv1d(P, P, K, groups=P, bias=False, dtype=torch.float32)
+        self.v_conv1d = nn.Conv1d(P, P, K, groups=P, bias=False, dtype=torch.float32)
+        # Placeholder initialisation in the Mamba style (A ∈ [1, 16]; dt_bias = softplus⁻¹ of a
+        # log-uniform dt in [1e-3, 0.1]); a checkpoint overwrites both.
+        self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32).uniform_(1, 16).log())
+        dt = torch.empty(P).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(dt)
+        self.o_norm = GatedRMSNorm(D, eps=sizes.rms_norm_eps)
+        self.o_proj = nn.Linear(P, H, bias=False)
+
+    def new_state(self, batch: int, device: torch.device | str | None = None) -> KDAState:
+        return KDAState.zeros(self.sizes, batch, device=device, dtype=self.q_proj.weight.dtype)
+
+    # -- pieces ---------------------------------------------------------------------------------
+
+    def conv_weight(self) -> torch.Tensor:
+        """[3P, K] fp32: the q|k|v depthwise conv weights stacked in the state's channel order."""
+        return torch.cat(
+            [m.weight.squeeze(1) for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        ).float()
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] → log-decay g [B, T, h, D] fp32, within [gate_lower_bound, 0]."""
+        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        dt_bias = self.dt_bias.view(self.num_heads, self.head_dim)
+        return kda_gate(f, self.A_log, dt_bias, self.sizes.gate_lower_bound)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sizes.use_full_rank_gate:
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def _inputs(self, x: torch.Tensor, state: KDAState) -> tuple[torch.Tensor, ...]:
+        """Everything before the recurrence: (q̂, k̂, v, g, β) fp32 per head, and the raw
+        q|k|v rows [B, K−1+T, 3P] (previous window + this call's tokens)."""
+        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv, rows = causal_conv_silu(raw, state.conv, self.conv_weight())
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in qkv.chunk(3, dim=-1))
+        q = _l2norm(q) * self.head_dim**-0.5
+        k = _l2norm(k)
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        return q, k, v.float(), g, beta, rows
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, T, h, V] fp32 → o_proj(o_norm(o) ⊙ sigmoid(gate)) [B, T, H]."""
+        gate = self.output_gate(x).unflatten(-1, (self.num_heads, self.head_dim))
+        y = self.o_norm(o, gate)
+        return self.o_proj(y.flatten(-2))
+
+    # -- entry points ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: KDAState,
+        algorithm: Algorithm = "chunked",
+        chunk_size: int = 64,
+    ) -> tuple[torch.Tensor, KDAState]:
+        """Run T new tokens per request from `state` (not modified).
+
+        x: [B, T, H]; state: B requests' states. `chunked` for prefill/extend, `recurrent` for
+        decode (T = 1, or any T token by token). Returns (out [B, T, H], the state after the T
+        tokens).
+        """
+        q, k, v, g, beta, rows = self._inputs(x, state)
+        if algorithm == "chunked":
+            o, S = chunked_gated_delta_rule(q, k, v, g, beta, state.ssm, chunk_size)
+        elif algorithm == "recurrent":
+            o, S = recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm)
+        else:
+            raise ValueError(f"unknown KDA algorithm {algorithm!r}")
+        conv = rows[:, rows.shape[1] - (self.conv_kernel - 1):].clone()
+        return self._output(o, x), KDAState(conv=conv, ssm=S)
+
+    def forward_window(
+        self, x: torch.Tensor, state: KDAState
+    ) -> tuple[torch.Tensor, KDAWindowStates]:
+        """A speculative verify window: x [B, T, H] (T = γ+1: the bonus token and γ drafts).
+
+        Returns (out [B, T, H], the state after each of the T positions). `state` (the committed
+        state) is not modified; committing `accepted + 1` tokens is `states.at(accepted)`.
+        """
+        q, k, v, g, beta, rows = self._inputs(x, state)
+        o, all_S = recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm, keep_all_states=True)
+        # The conv window after position t is raw rows t+1 .. t+K−1 of `rows` (which starts with
+        # the K−1 rows of the committed window): [B, T, 3P, K−1] → [B, T, K−1, 3P].
+        windows = rows[:, 1:].unfold(1, self.conv_kernel - 1, 1).transpose(-1, -2).contiguous()
+        return self._output(o, x), KDAWindowStates(conv=windows, ssm=all_S)
