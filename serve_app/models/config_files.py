@@ -41,3 +41,16 @@ def read_config_json(path: str | os.PathLike[str], error: type[ValueError]
     if not isinstance(raw, dict):
         raise error(f"{path}: expected a JSON object")
     return raw, str(path)
+
+
+def token_id_problems(vocab_size: int, bos: int | None, pad: int | None,
+                      eos: int | list[int] | None) -> list[str]:
+    """The special token ids that fall outside the vocabulary, each named."""
+    problems = [f"{name}={tok} must be in [0, vocab_size={vocab_size})"
+                for name, tok in (("bos_token_id", bos), ("pad_token_id", pad))
+                if tok is not None and not 0 <= tok < vocab_size]
+    eos_ids = eos if isinstance(eos, list) else [eos]
+    bad_eos = [t for t in eos_ids if t is not None and not 0 <= t < vocab_size]
+    if bad_eos:
+        problems.append(f"eos_token_id {bad_eos} must be in [0, vocab_size={vocab_size})")
+    return problems

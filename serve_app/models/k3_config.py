@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.models.config_files import read_config_json, validate_fields
+from serve_app.models.config_files import read_config_json, token_id_problems, validate_fields
 
 
 class K3ConfigError(ValueError):
@@ -189,14 +189,8 @@ class K3Config(BaseModel):
                             f"num_experts={e})")
         if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
             problems.append("latent_moe_use_norm needs routed_expert_hidden_size")
-        for name in ("bos_token_id", "pad_token_id"):
-            tok = getattr(self, name)
-            if tok is not None and not 0 <= tok < self.vocab_size:
-                problems.append(f"{name}={tok} must be in [0, vocab_size={self.vocab_size})")
-        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        bad_eos = [t for t in eos if t is not None and not 0 <= t < self.vocab_size]
-        if bad_eos:
-            problems.append(f"eos_token_id {bad_eos} must be in [0, vocab_size={self.vocab_size})")
+        problems += token_id_problems(self.vocab_size, self.bos_token_id, self.pad_token_id,
+                                      self.eos_token_id)
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve_app.models.config_files import read_config_json, validate_fields
+from serve_app.models.config_files import read_config_json, token_id_problems, validate_fields
 
 
 class KimiConfigError(ValueError):
@@ -198,14 +198,8 @@ class KimiConfig(BaseModel):
                 f"first_k_dense_replace={self.first_k_dense_replace} exceeds "
                 f"num_hidden_layers={self.num_hidden_layers}"
             )
-        for name in ("bos_token_id", "pad_token_id"):
-            tok = getattr(self, name)
-            if tok is not None and not 0 <= tok < self.vocab_size:
-                problems.append(f"{name}={tok} must be in [0, vocab_size={self.vocab_size})")
-        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        bad_eos = [t for t in eos if t is not None and not 0 <= t < self.vocab_size]
-        if bad_eos:
-            problems.append(f"eos_token_id {bad_eos} must be in [0, vocab_size={self.vocab_size})")
+        problems += token_id_problems(self.vocab_size, self.bos_token_id, self.pad_token_id,
+                                      self.eos_token_id)
         if problems:
             raise ValueError("; ".join(problems))
         return self
