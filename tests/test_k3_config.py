@@ -189,6 +189,16 @@ def test_other_inconsistencies(real_raw: dict) -> None:
         K3Config.from_dict(wrapper)
 
 
+def test_special_token_ids_outside_the_vocabulary_are_named(real_raw: dict) -> None:
+    vocab = real_raw["text_config"]["vocab_size"]
+    raw = _edited(real_raw, eos_token_id=[vocab + 1], pad_token_id=-1)
+    with pytest.raises(K3ConfigError) as exc:
+        K3Config.from_dict(raw)
+    msg = str(exc.value)
+    assert f"eos_token_id [{vocab + 1}] must be in [0, vocab_size={vocab})" in msg
+    assert "pad_token_id=-1 must be in" in msg
+
+
 def test_absent_quantization_and_tied_embeddings(real_raw: dict, real: K3Config) -> None:
     raw = _edited(real_raw, quantization_config=None, tie_word_embeddings=True)
     del raw["tie_word_embeddings"]
