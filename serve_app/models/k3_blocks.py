@@ -1,0 +1,351 @@
+"""Kimi K3's FFN and MLA blocks in plain PyTorch: SiTU, the dense MLP / shared experts, the latent
+MoE, and the NoPE MLA with its output gate.
+
+One readable module for the math SGLang 0.5.23 computes (`srt/models/kimi_k3.py`,
+`srt/layers/activation.py`, `srt/layers/moe/topk.py`); section numbers are those of the K3
+architecture notes (`kimi-k3-architecture.md`):
+
+    §1.6 SiTU (GLU form, fp32):
+        act(gate, up) = β·tanh(gate/β)·σ(gate) · βₗ·tanh(up/βₗ)
+    §1.5 dense MLP / shared experts (K3MLP):
+        out = down_proj( act(gate_proj x, up_proj x) )
+    §1.5 MoE (LatentMoE), x: [N, H]:
+        s = σ(gate.weight · x) (fp32);  choice = s + e_score_correction_bias
+        idx = grouped top-k of choice (noaux_tc);  w = s[idx] (no bias)
+        w ← w / (Σw + 1e-20) if moe_renormalize;  w ← w · routed_scaling_factor
+        ℓ = routed_expert_down_proj x;  y = Σ_k w_k · expert_{idx_k}(ℓ)
+        y ← routed_expert_norm(y) if latent_moe_use_norm      (AFTER the weighted sum)
+        out = routed_expert_up_proj y + shared_experts(x)     (shared on the ORIGINAL x)
+    §1.4 MLA (K3MLA), NoPE:
+        q = q_b_proj(q_a_layernorm(q_a_proj x))  (or q_proj x)     [T, n, dn + dr]
+        c, k_pe = split(kv_a_proj_with_mqa x);  c ← kv_a_layernorm(c)   k_pe: no norm, no rotary
+        [k_nope | v] = kv_b_proj c;  k = [k_nope, k_pe]  (k_pe shared by all heads)
+        o = softmax_causal(q·kᵀ · (dn + dr)^-1/2) · v
+        o ← o ⊙ σ(g_proj x)   (mla_use_output_gate; x = the attention's own input)
+        out = o_proj o
+
+Parameter names are those of `k3_config.k3_layer_tensors` (SGLang's names after its loader's
+renames, §1.8), so one layer's `self_attn.` / `mlp.` state dict loads by name. SGLang's runtime
+fusions (`gate_up_proj`, `fused_qkv_a_proj_with_mqa`) are never materialized here.
+
+The MLA cache is the latent-only layout SGLang keeps: per token [c (kv_lora_rank), k_pe
+(qk_rope_head_dim)] = `K3Config.mla_cache_dim` elements, a plain tensor [B, L, mla_cache_dim]
+passed in and returned (no paged allocator). Attention runs in the weight-absorbed form over
+that cache, so per-head keys and values are never materialized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serve_app.models.k3_config import K3Config
+from serve_app.models.layers import RMSNorm
+
+__all__ = [
+    "K3MLA",
+    "K3MLP",
+    "K3MoEGate",
+    "K3RoutedExpert",
+    "LatentMoE",
+    "situ",
+    "situ_gate",
+    "softclip",
+]
+
+# SGLang's `_RENORMALIZE_SUM_EPSILON` (`srt/layers/moe/topk.py`): keeps an all-zero top-k finite.
+RENORMALIZE_EPS = 1e-20
+
+
+# --- SiTU (§1.6) -------------------------------------------------------------------------------
+
+
+def situ_gate(g: torch.Tensor, beta: float) -> torch.Tensor:
+    """SiTU(g) = β·tanh(g/β)·σ(g), in fp32, returned in fp32. It is SiLU near 0 (tanh(g/β) ≈
+    g/β) and saturates at β for large g: the bound is what distinguishes it from SiLU."""
+    g = g.float()
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g)
+
+
+def softclip(u: torch.Tensor, linear_beta: float | None) -> torch.Tensor:
+    """βₗ·tanh(u/βₗ) in fp32: the up branch soft-clipped to ±βₗ. None = no clip (SGLang's
+    `SituAndMul(linear_beta=None)`)."""
+    u = u.float()
+    return u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+
+
+def situ(x: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """The GLU activation of every K3 FFN (SGLang's `SituAndMul`): x [..., 2I] = [gate | up]
+    (gate = first half) -> SiTU(gate) · softclip(up) [..., I], computed in fp32 and returned in
+    x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return (situ_gate(gate, beta) * softclip(up, linear_beta)).to(x.dtype)
+
+
+def _activation(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`hidden_act` on separate gate/up halves: SiTU (with the config's two betas) or SiLU."""
+    if config.hidden_act == "situ":
+        # SGLang builds SituAndMul(beta=activation_situ_beta or 1.0, linear_beta=...); the config
+        # reader already refuses "situ" without both betas.
+        beta = config.activation_situ_beta or 1.0
+        act = situ_gate(gate, beta) * softclip(up, config.activation_situ_linear_beta)
+        return act.to(gate.dtype)
+    return F.silu(gate) * up
+
+
+# --- dense MLP / shared experts / routed expert (§1.5) -----------------------------------------
+
+
+class K3MLP(nn.Module):
+    """The dense MLP (layers < first_k_dense_replace, width `intermediate_size`) and the shared
+    experts (ONE MLP of width `shared_intermediate_size`, on the full hidden size).
+
+    x: [..., H] -> [..., H]. Names: gate_proj [I, H], up_proj [I, H], down_proj [H, I]."""
+
+    def __init__(self, config: K3Config, intermediate: int) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.gate_proj = nn.Linear(h, intermediate, bias=False)
+        self.up_proj = nn.Linear(h, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_activation(self.config, self.gate_proj(x), self.up_proj(x)))
+
+
+class K3RoutedExpert(nn.Module):
+    """One routed expert, in the latent space (`expert_input_size` = routed_expert_hidden_size,
+    or H without latent MoE). ℓ: [N, Hℓ] -> [N, Hℓ].
+
+    Names as the checkpoint's: w1 (gate) [I, Hℓ], w3 (up) [I, Hℓ], w2 (down) [Hℓ, I]."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        d, i = config.expert_input_size, config.moe_intermediate_size
+        self.w1 = nn.Linear(d, i, bias=False)
+        self.w3 = nn.Linear(d, i, bias=False)
+        self.w2 = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(_activation(self.config, self.w1(x), self.w3(x)))
+
+
+# --- router and latent MoE (§1.5) --------------------------------------------------------------
+
+
+class K3MoEGate(nn.Module):
+    """Router on the FULL hidden size: `weight` [E, H] and the noaux_tc `e_score_correction_bias`
+    [E] (fp32: in bf16 its spread collapses and reorders the top-k)."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, H] -> (weights [N, k] fp32, expert ids [N, k] int64).
+
+        SGLang's `biased_grouped_topk_impl` (it always builds K3's TopK with use_grouped_topk):
+        the bias steers only the choice; the weights are the unbiased scores of the chosen
+        experts, renormalized if `moe_renormalize`, then times `routed_scaling_factor`."""
+        c = self.config
+        # Routing in fp32 (SGLang's K3 gate emits fp32 logits on CUDA).
+        logits = F.linear(x.float(), self.weight.float())
+        if c.moe_router_activation_func != "sigmoid":  # the config reader admits only sigmoid
+            raise ValueError(f"router activation {c.moe_router_activation_func!r}")
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        n, e, groups = x.shape[0], c.num_experts, c.num_expert_group
+        # Group score = sum of the top-2 biased scores of the group; keep the top `topk_group`
+        # groups, mask the others to -inf. With one group (K3) this is a no-op.
+        grouped = choice.view(n, groups, e // groups)
+        group_scores = grouped.topk(min(2, e // groups), dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(c.topk_group, dim=-1).indices, True)
+        masked = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+        ids = masked.topk(c.num_experts_per_token, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if c.moe_renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORMALIZE_EPS)
+        # SGLang applies the factor either to these weights or to the experts' combined output
+        # (the weighted sum): the same number, and in both cases before the latent norm.
+        return weights * c.routed_scaling_factor, ids
+
+
+class LatentMoE(nn.Module):
+    """K3's MoE block (layers >= first_k_dense_replace): routed experts in the latent space
+    between `routed_expert_down_proj` and `routed_expert_up_proj`, plus the shared experts on
+    the full hidden size. Without `routed_expert_hidden_size` the experts run on H directly and
+    the down/up projections do not exist (`is_latent_moe` False).
+
+    x: [..., H] -> [..., H]. Parameters are registered in `k3_layer_tensors`' order: gate,
+    experts.{e}, shared_experts, routed_expert_down_proj, routed_expert_norm, up_proj."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        h, lat = config.hidden_size, config.expert_input_size
+        self.gate = K3MoEGate(config)
+        self.experts = nn.ModuleList(K3RoutedExpert(config) for _ in range(config.num_experts))
+        self.shared_experts = (
+            K3MLP(config, config.shared_intermediate_size) if config.num_shared_experts else None
+        )
+        self.routed_expert_down_proj: nn.Linear | None = None
+        self.routed_expert_norm: RMSNorm | None = None
+        self.routed_expert_up_proj: nn.Linear | None = None
+        if config.is_latent_moe:
+            self.routed_expert_down_proj = nn.Linear(h, lat, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(lat, config.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(lat, h, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, H] -> (weights [N, k] fp32, ids [N, k]); the router sees the full hidden x."""
+        return self.gate(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.route(x)
+        # Routing first, then the latent compression (SGLang: "compress after routing").
+        lat = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
+        # Per-expert batches: each expert runs once over the tokens that chose it.
+        y = torch.zeros(lat.shape, dtype=torch.float32, device=x.device)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token_of = order // ids.shape[1]
+        weight_of = weights.flatten()[order]
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = token_of[start : start + count]
+                out = self.experts[e](lat[rows]).float() * weight_of[start : start + count, None]
+                y.index_add_(0, rows, out)
+            start += count
+        y = y.to(x.dtype)
+        # The latent norm acts on the weighted SUM (SGLang reduces the TP partial sums first:
+        # sum(norm(x_i)) != norm(sum(x_i))), so it also undoes most of routed_scaling_factor.
+        if self.routed_expert_norm is not None:
+            y = self.routed_expert_norm(y)
+        if self.routed_expert_up_proj is not None:
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)  # on the ORIGINAL x, full width
+        return y.reshape(shape)
+
+
+# --- MLA, NoPE, output gate (§1.4) -------------------------------------------------------------
+
+
+class K3MLA(nn.Module):
+    """K3's full-attention layer: MLA with no rotary anywhere and a sigmoid output gate.
+
+    The `qk_rope_head_dim` part of q and k is kept (per-head q_pe against the single shared
+    k_pe) but is position-free: SGLang builds K3's MLA with skip_rope=True. Order therefore
+    comes only from the causal mask (and, in the full model, from KDA layers).
+
+    Names: q_a_proj [rq, H], q_a_layernorm [rq], q_b_proj [n(dn+dr), rq] (or q_proj
+    [n(dn+dr), H] when q_lora_rank is null), kv_a_proj_with_mqa [rkv+dr, H], kv_a_layernorm
+    [rkv], kv_b_proj [n(dn+dv), rkv], o_proj [H, n·dv], g_proj [n·dv, H] (if the output gate)."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        h, n = config.hidden_size, config.num_attention_heads
+        self.num_heads = n
+        self.nope, self.rope, self.v_dim = (
+            config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        )
+        self.kv_lora_rank = config.kv_lora_rank
+        self.softmax_scale = config.softmax_scale  # (dn + dr)^-1/2: the dr part counts too
+        q_out = n * config.qk_head_dim
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, config.mla_cache_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, n * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(n * self.v_dim, h, bias=False)
+        self.g_proj = (
+            nn.Linear(h, n * self.v_dim, bias=False) if config.mla_use_output_gate else None
+        )
+
+    def empty_cache(
+        self, batch: int, device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """A cache with no tokens yet: [B, 0, kv_lora_rank + qk_rope_head_dim]."""
+        return torch.zeros(batch, 0, self.config.mla_cache_dim, device=device, dtype=dtype)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, H] -> q [B, T, n, dn + dr] (never rotated)."""
+        if self.config.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:-1], self.num_heads, self.nope + self.rope)
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., H] -> cache entries [..., kv_lora_rank + dr]: the normalized latent c and
+        the raw shared key k_pe (no norm, no rotary)."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_uk [n, dn, rkv] and W_uv [n, dv, rkv]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def forward(
+        self, x: torch.Tensor, cache: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, H], the T new tokens of each request, which follow the L tokens already in
+        `cache` [B, L, rkv + dr] (None: L = 0; every request of the batch has the same L).
+
+        Returns (out [B, T, H], cache [B, L + T, rkv + dr]): the input cache with the new
+        entries appended, in the cache's dtype (x's when no cache is given). Decoding one token
+        at a time from a prefill's cache gives what one full forward over the whole sequence
+        gives, up to float rounding."""
+        b, t, _ = x.shape
+        if cache is None:
+            cache = self.empty_cache(b, x.device, x.dtype)
+        past = cache.shape[1]
+        q_nope, q_pe = self.query(x).split([self.nope, self.rope], dim=-1)
+        # Round the new entries through the cache dtype, so a token's key is the same whether
+        # it is attended in the pass that computed it or read back from the cache later.
+        cache = torch.cat([cache, self.latent(x).to(cache.dtype)], dim=1)
+        keys = cache.to(x.dtype)  # [B, L + T, rkv + dr]
+
+        # Absorbed form: q_nope · k_nope = (q_nope W_uk) · c, so scores are taken against the
+        # cached entry itself; the output, a mix of latents, goes back through W_uv.
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.einsum("bthn,hnl->bhtl", q_nope, w_uk)
+        q_full = torch.cat([q_latent, q_pe.transpose(1, 2)], dim=-1)  # [B, n, T, rkv + dr]
+        # One shared latent "head" (MQA): the heads are folded into the query rows, so the keys
+        # are read once per request. Row h·T + i is new token i, at absolute position L + i.
+        pos = past + torch.arange(t, device=x.device).repeat(self.num_heads)
+        mask = torch.arange(past + t, device=x.device)[None, :] <= pos[:, None]
+        out_latent = F.scaled_dot_product_attention(
+            q_full.reshape(b, 1, self.num_heads * t, -1),
+            keys[:, None],
+            keys[:, None, :, : self.kv_lora_rank],
+            attn_mask=mask,
+            scale=self.softmax_scale,
+        ).view(b, self.num_heads, t, self.kv_lora_rank)
+        o = torch.einsum("bhtl,hvl->bthv", out_latent, w_uv).reshape(b, t, -1)  # [B, T, n·dv]
+        if self.g_proj is not None:
+            # Output gate (§1.4 step 5): from the attention's own input x, multiplied in head
+            # space right before o_proj. σ, not SiTU.
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o), cache
