@@ -41,6 +41,13 @@ commits accepted + 1 tokens (KDA: that position's state; MLA: the cache truncate
 
 Batching: [B, T] with every request at the same length (the same number of cached tokens); a
 ragged batch is run one request at a time (KDA has no padding masks, see kda.py).
+
+Tensor parallelism (optional `tp`, kimi.py's TPContext; default one rank = the plain model):
+KDA and MLA heads, the dense MLP / shared-expert widths and the routed experts are split across
+ranks as kda.py and k3_blocks.py describe, each block all-reducing its own output. The
+embedding, every norm, the AttnRes reads, the final norm and lm_head are replicated (the
+simplest layout: every rank holds the full residual stream and returns the full logits). A
+rank's K3State holds its own heads' KDA states and the (replicated) latent MLA caches.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from torch import nn
 from serve_app.models.k3_blocks import K3MLA, K3MLP, LatentMoE
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kda import KDASizes, KDAState, KDAWindowStates, KimiDeltaAttention
+from serve_app.models.kimi import TPContext
 from serve_app.models.layers import RMSNorm
 
 __all__ = [
@@ -146,8 +154,9 @@ class K3DecoderLayer(nn.Module):
     """`model.layers.{l}`: norms, KDA or MLA, dense MLP or latent MoE, and (if
     attn_res_block_size) the two AttnRes reads, in `k3_layer_tensors` names."""
 
-    def __init__(self, config: K3Config, layer: int) -> None:
+    def __init__(self, config: K3Config, layer: int, tp: TPContext | None = None) -> None:
         super().__init__()
+        tp = tp or TPContext()
         self.config, self.layer_id = config, layer
         h, eps = config.hidden_size, config.rms_norm_eps
         self.is_kda = config.is_kda(layer)
@@ -161,10 +170,11 @@ class K3DecoderLayer(nn.Module):
             self.mlp_res_proj = nn.Linear(h, 1, bias=False)
             self.is_write = layer % block == 0
         self.self_attn: KimiDeltaAttention | K3MLA = (
-            KimiDeltaAttention(kda_sizes(config)) if self.is_kda else K3MLA(config)
+            KimiDeltaAttention(kda_sizes(config), tp) if self.is_kda else K3MLA(config, tp)
         )
         self.mlp: K3MLP | LatentMoE = (
-            LatentMoE(config) if config.is_moe(layer) else K3MLP(config, config.intermediate_size)
+            LatentMoE(config, tp) if config.is_moe(layer)
+            else K3MLP(config, config.intermediate_size, tp)
         )
 
     def attention(
@@ -226,13 +236,13 @@ class K3DecoderLayer(nn.Module):
 class K3Model(nn.Module):
     """`model.`: embed_tokens, layers, norm, and the output AttnRes read (§1.7)."""
 
-    def __init__(self, config: K3Config) -> None:
+    def __init__(self, config: K3Config, tp: TPContext | None = None) -> None:
         super().__init__()
         self.config = config
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.layers = nn.ModuleList(
-            K3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            K3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(h, config.rms_norm_eps)
         if config.uses_attn_res:
@@ -281,12 +291,13 @@ class K3Model(nn.Module):
 
 class K3ForCausalLM(nn.Module):
     """The K3 text model with its LM head (`lm_head`, or the embedding when tied). Parameter
-    names and shapes are `k3_tensor_shapes(config)`'s."""
+    names and shapes are `k3_tensor_shapes(config)`'s (with `tp`, this rank's shard of them)."""
 
-    def __init__(self, config: K3Config) -> None:
+    def __init__(self, config: K3Config, tp: TPContext | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = K3Model(config)
+        self.tp = tp or TPContext()
+        self.model = K3Model(config, self.tp)
         self.lm_head = (
             None if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

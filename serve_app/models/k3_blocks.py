@@ -32,6 +32,16 @@ The MLA cache is the latent-only layout SGLang keeps: per token [c (kv_lora_rank
 (qk_rope_head_dim)] = `K3Config.mla_cache_dim` elements, a plain tensor [B, L, mla_cache_dim]
 passed in and returned (no paged allocator). Attention runs in the weight-absorbed form over
 that cache, so per-head keys and values are never materialized.
+
+Tensor parallelism (optional `tp: TPContext`, kimi.py's; default one rank = the plain model):
+  - K3MLP (dense MLP, shared experts): gate/up split by rows, down by columns, output
+    all-reduced inside the module;
+  - LatentMoE: rank r owns the contiguous experts [r·E/tp, (r+1)·E/tp) (global names); the
+    router and the latent down/norm/up projections are replicated; the routed partial sums are
+    all-reduced BEFORE the latent norm (a norm of the sum, not a sum of norms);
+  - K3MLA: heads split (q_b_proj / q_proj, kv_b_proj, g_proj rows by head; o_proj columns,
+    output all-reduced); q_a / kv_a and their norms replicated, so the latent cache is the same
+    on every rank.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serve_app.models.k3_config import K3Config
+from serve_app.models.kimi import TPContext
 from serve_app.models.layers import RMSNorm
 
 __all__ = [
@@ -103,16 +114,21 @@ class K3MLP(nn.Module):
 
     x: [..., H] -> [..., H]. Names: gate_proj [I, H], up_proj [I, H], down_proj [H, I]."""
 
-    def __init__(self, config: K3Config, intermediate: int) -> None:
+    def __init__(
+        self, config: K3Config, intermediate: int, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
-        self.config = config
-        h = config.hidden_size
+        self.config, self.tp = config, tp or TPContext()
+        if intermediate % self.tp.size:
+            raise ValueError(f"MLP width {intermediate} not divisible by tp {self.tp.size}")
+        h, intermediate = config.hidden_size, intermediate // self.tp.size
         self.gate_proj = nn.Linear(h, intermediate, bias=False)
         self.up_proj = nn.Linear(h, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_activation(self.config, self.gate_proj(x), self.up_proj(x)))
+        y = self.down_proj(_activation(self.config, self.gate_proj(x), self.up_proj(x)))
+        return self.tp.all_reduce(y)
 
 
 class K3RoutedExpert(nn.Module):
@@ -188,14 +204,20 @@ class LatentMoE(nn.Module):
     x: [..., H] -> [..., H]. Parameters are registered in `k3_layer_tensors`' order: gate,
     experts.{e}, shared_experts, routed_expert_down_proj, routed_expert_norm, up_proj."""
 
-    def __init__(self, config: K3Config) -> None:
+    def __init__(self, config: K3Config, tp: TPContext | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp or TPContext()
         h, lat = config.hidden_size, config.expert_input_size
+        if config.num_experts % self.tp.size:
+            raise ValueError(f"num_experts {config.num_experts} not divisible by tp {self.tp.size}")
+        per_rank = config.num_experts // self.tp.size
+        self.expert_range = range(self.tp.rank * per_rank, (self.tp.rank + 1) * per_rank)
         self.gate = K3MoEGate(config)
-        self.experts = nn.ModuleList(K3RoutedExpert(config) for _ in range(config.num_experts))
+        # Keyed by the GLOBAL expert id, so the names are the checkpoint's on every rank.
+        self.experts = nn.ModuleDict({str(e): K3RoutedExpert(config) for e in self.expert_range})
         self.shared_experts = (
-            K3MLP(config, config.shared_intermediate_size) if config.num_shared_experts else None
+            K3MLP(config, config.shared_intermediate_size, self.tp)
+            if config.num_shared_experts else None
         )
         self.routed_expert_down_proj: nn.Linear | None = None
         self.routed_expert_norm: RMSNorm | None = None
@@ -220,17 +242,18 @@ class LatentMoE(nn.Module):
         y = torch.zeros(lat.shape, dtype=torch.float32, device=x.device)
         flat = ids.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
         token_of = order // ids.shape[1]
         weight_of = weights.flatten()[order]
         start = 0
         for e, count in enumerate(counts):
-            if count:
+            if count and e in self.expert_range:
                 rows = token_of[start : start + count]
-                out = self.experts[e](lat[rows]).float() * weight_of[start : start + count, None]
+                expert = self.experts[str(e)]
+                out = expert(lat[rows]).float() * weight_of[start : start + count, None]
                 y.index_add_(0, rows, out)
             start += count
-        y = y.to(x.dtype)
+        y = self.tp.all_reduce(y).to(x.dtype)  # this rank's experts' partial sums, in fp32
         # The latent norm acts on the weighted SUM (SGLang reduces the TP partial sums first:
         # sum(norm(x_i)) != norm(sum(x_i))), so it also undoes most of routed_scaling_factor.
         if self.routed_expert_norm is not None:
@@ -256,10 +279,13 @@ class K3MLA(nn.Module):
     [n(dn+dr), H] when q_lora_rank is null), kv_a_proj_with_mqa [rkv+dr, H], kv_a_layernorm
     [rkv], kv_b_proj [n(dn+dv), rkv], o_proj [H, n·dv], g_proj [n·dv, H] (if the output gate)."""
 
-    def __init__(self, config: K3Config) -> None:
+    def __init__(self, config: K3Config, tp: TPContext | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp or TPContext()
         h, n = config.hidden_size, config.num_attention_heads
+        if n % self.tp.size:
+            raise ValueError(f"num_attention_heads {n} not divisible by tp {self.tp.size}")
+        n //= self.tp.size  # heads on this rank
         self.num_heads = n
         self.nope, self.rope, self.v_dim = (
             config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -348,4 +374,4 @@ class K3MLA(nn.Module):
             # Output gate (§1.4 step 5): from the attention's own input x, multiplied in head
             # space right before o_proj. σ, not SiTU.
             o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o), cache
+        return self.tp.all_reduce(self.o_proj(o)), cache

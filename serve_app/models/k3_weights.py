@@ -12,6 +12,12 @@ in the requested dtype. Quantized checkpoints: FP8 block quantization (`quant_me
 dequantized at load with checkpoint.py's codec; any other scheme (the K3 release's
 compressed-tensors MXFP4 experts) is refused with an UnsupportedQuantizationError, as there is
 no codec for it here. No pickle: safetensors only.
+
+Tensor parallelism: `load_k3(..., tp=TPContext(rank, size, group))` builds this rank's modules
+(k3.py) and reads only its shard of the full checkpoint: a tensor whose module shape differs
+from the checkpoint's in one dimension is sliced there, rank r taking the r-th of `size` equal
+parts (the head / width split the modules define); routed experts of other ranks are not read.
+`save_k3` needs the full (one-rank) model.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from serve_app.models.checkpoint import (
 )
 from serve_app.models.k3 import K3ForCausalLM
 from serve_app.models.k3_config import K3Config, K3ConfigError, k3_tensor_shapes
+from serve_app.models.kimi import TPContext
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -130,14 +137,33 @@ def _mtp_specs(folder: str | os.PathLike[str], config: K3Config) -> dict[str, Te
             for name, info in read_index(folder).items() if name.startswith(extra)}
 
 
+def _shard_region(
+    full: tuple[int, ...], local: tuple[int, ...], tp: TPContext
+) -> tuple[slice, ...] | None:
+    """The index of this rank's part of a full tensor whose module holds `local` (None: the
+    whole tensor). At most one dimension is split, into tp.size equal contiguous parts."""
+    if full == local:
+        return None
+    split = [d for d, (f, n) in enumerate(zip(full, local, strict=True)) if f != n]
+    d = split[0]
+    if len(split) != 1 or local[d] * tp.size != full[d]:
+        raise ValueError(f"no TP-{tp.size} shard of {list(full)} has shape {list(local)}")
+    index = [slice(None)] * len(full)
+    index[d] = slice(tp.rank * local[d], (tp.rank + 1) * local[d])
+    return tuple(index)
+
+
 def load_k3(
     folder: str | os.PathLike[str],
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    tp: TPContext | None = None,
 ) -> K3ForCausalLM:
     """Load a K3 checkpoint folder strictly (every problem in one CheckpointError),
     memory-mapped. Tensors are cast to `dtype` (default: the config's `dtype`) except the fp32
-    ones (`is_fp32_tensor`); FP8 block weights are dequantized to `dtype`."""
+    ones (`is_fp32_tensor`); FP8 block weights are dequantized to `dtype`. With `tp`, only this
+    rank's shard is read and copied (see the module docstring)."""
+    tp = tp or TPContext()
     try:
         config = K3Config.from_file(folder)
     except K3ConfigError as exc:
@@ -145,18 +171,23 @@ def load_k3(
     dtype = dtype or TORCH_DTYPES[config.dtype]
     block = _quant_block(folder, config)
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = K3ForCausalLM(config, tp)
     expected = {**k3_checkpoint_specs(config, block), **_mtp_specs(folder, config)}
     views = load_tensors(folder, expected, prefixes=())  # zero-copy views of the mapped files
     state: dict[str, torch.Tensor] = {}
-    for name in model.state_dict():
+    for name, param in model.state_dict().items():
         target = torch.float32 if is_fp32_tensor(name) else dtype
         src = views[name]
+        region = _shard_region(tuple(src.shape), tuple(param.shape), tp)
         if block is not None and _is_fp8_weight(config, name):
-            t = dequantize_fp8_block(src, views[name + FP8_SCALE_SUFFIX], block,
+            rows, cols = region or (slice(None), slice(None))
+            t = dequantize_fp8_block(src, views[name + FP8_SCALE_SUFFIX], block, rows, cols,
                                      device=device, dtype=target)
         else:
-            t = src.to(device=device, dtype=target)
+            # Slice the mapped view first, so only the shard's bytes are read and copied.
+            t = (src if region is None else src[region]).to(device=device, dtype=target)
+            if region is not None:
+                t = t.contiguous()
             if t.data_ptr() % _ALIGN:
                 # A view at an odd offset of the mapped file: CPU kernels take other (differently
                 # rounded) paths for unaligned data, so copy it to make results bit-identical to
@@ -201,6 +232,8 @@ def save_k3(
     + `model.safetensors.index.json` (always, even for one shard), in the model's dtype (the
     fp32 tensors stay as they are). With fp8=True every quantizable weight is stored F8_E4M3
     with an F32 `weight_scale_inv` and config.json declares the FP8 block quantization."""
+    if model.tp.size != 1:
+        raise ValueError("save_k3 needs the full model (one rank), not a TP shard")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config

@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from serve_app.models.kimi import TPContext
 
 __all__ = [
     "GatedRMSNorm",
@@ -317,12 +319,23 @@ class GatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    """One K3 KDA layer (`model.layers.{l}.self_attn`, §1.3). x: [B, T, H] → [B, T, H]."""
+    """One K3 KDA layer (`model.layers.{l}.self_attn`, §1.3). x: [B, T, H] → [B, T, H].
 
-    def __init__(self, sizes: KDASizes) -> None:
+    Tensor parallelism (`tp`, default one rank): each rank owns num_heads / tp.size contiguous
+    heads. q/k/v/g(_b)/f_b/b projections are split by output rows of its heads, with their conv
+    channels, A_log, dt_bias; f_a / g_a (rank r) and o_norm (per head, shared weight) are
+    replicated; o_proj is split by input columns and its output all-reduced. The KDA state of a
+    rank holds only its heads (`local_sizes`)."""
+
+    def __init__(self, sizes: KDASizes, tp: TPContext | None = None) -> None:
         super().__init__()
-        self.sizes = sizes
-        H, h, D, P = sizes.hidden_size, sizes.num_heads, sizes.head_dim, sizes.projection_size
+        tp = tp or TPContext()
+        if sizes.num_heads % tp.size:
+            raise ValueError(f"KDA num_heads {sizes.num_heads} not divisible by tp {tp.size}")
+        self.sizes, self.tp = sizes, tp
+        self.local_sizes = replace(sizes, num_heads=sizes.num_heads // tp.size)
+        H, D = sizes.hidden_size, sizes.head_dim
+        h, P = self.local_sizes.num_heads, self.local_sizes.projection_size
         K, r = sizes.short_conv_kernel_size, sizes.rank
         self.num_heads, self.head_dim, self.conv_kernel = h, D, K
         self.q_proj = nn.Linear(H, P, bias=False)
@@ -353,7 +366,9 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(P, H, bias=False)
 
     def new_state(self, batch: int, device: torch.device | str | None = None) -> KDAState:
-        return KDAState.zeros(self.sizes, batch, device=device, dtype=self.q_proj.weight.dtype)
+        return KDAState.zeros(
+            self.local_sizes, batch, device=device, dtype=self.q_proj.weight.dtype
+        )
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -390,7 +405,7 @@ class KimiDeltaAttention(nn.Module):
         """o [B, T, h, V] fp32 → o_proj(o_norm(o) ⊙ sigmoid(gate)) [B, T, H]."""
         gate = self.output_gate(x).unflatten(-1, (self.num_heads, self.head_dim))
         y = self.o_norm(o, gate)
-        return self.o_proj(y.flatten(-2))
+        return self.tp.all_reduce(self.o_proj(y.flatten(-2)))
 
     # -- entry points ---------------------------------------------------------------------------
 
