@@ -123,6 +123,46 @@ def test_one_error_names_missing_unexpected_and_misshaped(saved: Path, tmp_path:
     assert "missing tensor" in msg and "unexpected tensor" in msg and "expected shape" in msg
 
 
+def _published(name: str) -> str:
+    """Our name as a published (vision-language) K3 checkpoint spells it."""
+    if name.startswith("model.layers."):
+        name = "language_model.layers." + name.removeprefix("model.layers.")
+    else:
+        name = "language_model." + name
+    return name.replace(".mlp.experts.", ".block_sparse_moe.experts.")
+
+
+def test_published_checkpoint_names_load_as_sglang_reads_them(model: K3ForCausalLM, saved: Path,
+                                                               tmp_path: Path) -> None:
+    """SGLang 0.5.23's K3 loader rules: `language_model.` prefixes, `block_sparse_moe`,
+    vision tensors skipped, A_log stored as [head_dim] (>= heads) or [1, 1, heads, 1]."""
+    index = json.loads((saved / INDEX_FILE).read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(str(saved / shard)))
+    a_logs = sorted(n for n in tensors if n.endswith(".A_log"))
+    assert len(a_logs) >= 2
+    heads = tensors[a_logs[0]].shape[0]
+    raw = {_published(n): t for n, t in tensors.items()}
+    raw[_published(a_logs[0])] = torch.cat([tensors[a_logs[0]], torch.zeros(3)])  # [>= h]
+    raw[_published(a_logs[1])] = tensors[a_logs[1]].view(1, 1, heads, 1)
+    raw["vision_tower.patch_embed.weight"] = torch.zeros(2, 2)
+    raw["mm_projector.proj.weight"] = torch.zeros(2, 2)
+    assert any(".block_sparse_moe." in n for n in raw)
+    save_file(raw, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((saved / "config.json").read_text())
+    loaded = load_k3(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        want, _ = model(ids())
+        got, _ = loaded(ids())
+    assert torch.equal(got, want)
+    # An A_log shorter than the heads is still refused, by name.
+    raw[_published(a_logs[0])] = torch.zeros(heads - 1)
+    save_file(raw, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="A_log"):
+        load_k3(tmp_path)
+
+
 def test_unsupported_quantization_is_refused_by_name(saved: Path, tmp_path: Path) -> None:
     for f in saved.iterdir():
         (tmp_path / f.name).symlink_to(f)

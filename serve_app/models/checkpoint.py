@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +83,8 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtypes: frozenset[str] = FLOAT_DTYPES
+    # Other stored shapes the model's loader takes (it reshapes or narrows them itself).
+    accepts: Callable[[tuple[int, ...]], bool] | None = None
 
 
 def read_header(path: str | os.PathLike[str]) -> dict[str, TensorInfo]:
@@ -187,15 +189,24 @@ def _fmt(shape: Iterable[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+# A checkpoint's own spelling of a tensor name -> the model's (None: not the model's tensor,
+# skipped rather than unexpected).
+Rename = Callable[[str], str | None]
+
+
 def match_names(
-    stored: Iterable[str], expected: Mapping[str, TensorSpec], prefixes: Iterable[str] = ("model.",)
+    stored: Iterable[str], expected: Mapping[str, TensorSpec], prefixes: Iterable[str] = ("model.",),
+    rename: Rename | None = None,
 ) -> tuple[dict[str, str], list[str]]:
     """Map stored tensor names to expected ones, allowing an optional prefix. Returns
     ({expected name: stored name}, [unexpected stored names])."""
     mapping: dict[str, str] = {}
     unexpected: list[str] = []
     prefixes = tuple(prefixes)
-    for name in stored:
+    for stored_name in stored:
+        name = rename(stored_name) if rename is not None else stored_name
+        if name is None:
+            continue
         target = name if name in expected else None
         if target is None:
             for p in prefixes:
@@ -203,9 +214,9 @@ def match_names(
                     target = name[len(p):]
                     break
         if target is None or target in mapping:
-            unexpected.append(name)
+            unexpected.append(stored_name)
         else:
-            mapping[target] = name
+            mapping[target] = stored_name
     return mapping, unexpected
 
 
@@ -213,9 +224,10 @@ def check_against(
     infos: Mapping[str, TensorInfo],
     expected: Mapping[str, TensorSpec],
     prefixes: Iterable[str] = ("model.",),
+    rename: Rename | None = None,
 ) -> tuple[dict[str, str], list[str]]:
     """Compare a checkpoint's headers with what the model expects; every problem is listed."""
-    mapping, unexpected = match_names(infos, expected, prefixes)
+    mapping, unexpected = match_names(infos, expected, prefixes, rename)
     problems: list[str] = []
     for name, spec in expected.items():
         if name not in mapping:
@@ -223,7 +235,7 @@ def check_against(
                             f"({'/'.join(sorted(spec.dtypes))})")
             continue
         info = infos[mapping[name]]
-        if info.shape != spec.shape:
+        if info.shape != spec.shape and not (spec.accepts and spec.accepts(info.shape)):
             problems.append(f"tensor {info.name!r}: expected shape {_fmt(spec.shape)}, "
                             f"found {_fmt(info.shape)}")
         if info.dtype not in spec.dtypes:
@@ -258,11 +270,13 @@ def load_tensors(
     device: torch.device | str = "cpu",
     prefixes: Iterable[str] = ("model.",),
     keep_dtype: Iterable[str] = (),
+    rename: Rename | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load exactly the expected tensors, strictly. Floating tensors are cast to `dtype` unless
-    named in `keep_dtype` (e.g. FP8 weights and their scales, dequantized by the caller)."""
+    """Load exactly the expected tensors, strictly (by the model's names). Floating tensors are
+    cast to `dtype` unless named in `keep_dtype` (e.g. FP8 weights and their scales, dequantized
+    by the caller)."""
     infos = read_index(folder)
-    mapping, problems = check_against(infos, expected, prefixes)
+    mapping, problems = check_against(infos, expected, prefixes, rename)
     if problems:
         raise CheckpointError(folder, problems)
     keep = set(keep_dtype)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,12 +112,36 @@ def _quant_block(folder: str | os.PathLike[str], config: K3Config) -> Fp8Block |
         "serve_app.models.checkpoint; dequantize the checkpoint to BF16 first"])
 
 
+def sglang_name(stored: str) -> str | None:
+    """A published K3 checkpoint's tensor name as SGLang 0.5.23's loader reads it
+    (kimi_k3.py:3476-3483 and 3839-3874): `language_model.layers.` becomes
+    `language_model.model.layers.`, `block_sparse_moe` becomes `mlp`, `language_model.` is
+    dropped; the vision tower and projector are not the text model's (None: skipped)."""
+    if "vision_tower" in stored or "mm_projector" in stored:
+        return None
+    if stored.startswith("language_model.layers."):
+        stored = "language_model.model." + stored.removeprefix("language_model.")
+    return stored.replace("block_sparse_moe", "mlp").replace("language_model.", "")
+
+
+def _a_log_shapes(heads: int) -> Callable[[tuple[int, ...]], bool]:
+    # SGLang's A_log loader (kimi_k3.py:1733-1756) takes [h], the K3 checkpoint's 1-D
+    # [head_dim] (>= h: the first h are the heads') and the older [1, 1, h, 1].
+    return lambda shape: (len(shape) == 1 and shape[0] >= heads) or shape == (1, 1, heads, 1)
+
+
+def _as_a_log(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return (t.view(t.shape[2]) if t.dim() == 4 else t)[:heads]
+
+
 def k3_checkpoint_specs(config: K3Config, block: Fp8Block | None = None) -> dict[str, TensorSpec]:
     """Every tensor a checkpoint of this config holds (with FP8 weights and their F32 scales
     when `block` is given)."""
     specs: dict[str, TensorSpec] = {}
     for name, shape in k3_tensor_shapes(config):
-        if block is not None and _is_fp8_weight(config, name):
+        if name.endswith(".A_log"):
+            specs[name] = TensorSpec(shape, accepts=_a_log_shapes(shape[0]))
+        elif block is not None and _is_fp8_weight(config, name):
             specs[name] = TensorSpec(shape, frozenset({"F8_E4M3"}))
             specs[name + FP8_SCALE_SUFFIX] = TensorSpec(
                 fp8_scale_shape(shape, block), frozenset({"F32"})
@@ -134,7 +159,8 @@ def _mtp_specs(folder: str | os.PathLike[str], config: K3Config) -> dict[str, Te
     first = config.num_hidden_layers
     extra = tuple(f"model.layers.{first + i}." for i in range(config.num_nextn_predict_layers))
     return {name: TensorSpec(info.shape, frozenset({info.dtype}))
-            for name, info in read_index(folder).items() if name.startswith(extra)}
+            for stored, info in read_index(folder).items()
+            if (name := sglang_name(stored)) is not None and name.startswith(extra)}
 
 
 def _shard_region(
@@ -173,11 +199,14 @@ def load_k3(
     with torch.device("meta"):
         model = K3ForCausalLM(config, tp)
     expected = {**k3_checkpoint_specs(config, block), **_mtp_specs(folder, config)}
-    views = load_tensors(folder, expected, prefixes=())  # zero-copy views of the mapped files
+    # Zero-copy views of the mapped files, by the model's names (SGLang's renames applied).
+    views = load_tensors(folder, expected, prefixes=(), rename=sglang_name)
     state: dict[str, torch.Tensor] = {}
     for name, param in model.state_dict().items():
         target = torch.float32 if is_fp32_tensor(name) else dtype
         src = views[name]
+        if name.endswith(".A_log"):
+            src = _as_a_log(src, config.kda_num_heads)
         region = _shard_region(tuple(src.shape), tuple(param.shape), tp)
         if block is not None and _is_fp8_weight(config, name):
             rows, cols = region or (slice(None), slice(None))
