@@ -77,7 +77,10 @@ __all__ = [
 
 
 def kda_sizes(config: K3Config) -> KDASizes:
-    """KDASizes of the config's KDA layers (forget/low-rank gate rank = head_dim, as in K3)."""
+    """KDASizes of the config's KDA layers (forget/low-rank gate rank = head_dim, as in K3).
+    The gated o_norm keeps KDASizes' 1e-5 eps rather than rms_norm_eps: SGLang 0.5.23 builds
+    KimiK3DeltaAttention without passing rms_norm_eps (kimi_k3.py:2534-2546; its default,
+    1e-5, at :1509)."""
     lin = config.linear_attn_config
     return KDASizes(
         hidden_size=config.hidden_size,
