@@ -6,7 +6,6 @@ window; each rank holds its own KDA / MLA heads, MLP widths and routed experts."
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny_models import random_k3
 
 from serve_app.engines.reference.builder import release_tensor_parallel
 from serve_app.models.k3 import K3ForCausalLM, K3State
@@ -27,20 +27,7 @@ DECODE_STEPS = 3
 
 
 def build(config: K3Config) -> K3ForCausalLM:
-    torch.manual_seed(0)
-    model = K3ForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    return model
+    return random_k3(config)
 
 
 def prompts(vocab: int) -> torch.Tensor:

@@ -5,12 +5,12 @@ identical, bf16 keeps SGLang's fp32 tensors fp32, FP8 block dequantized), and st
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import random_k3
 
 from serve_app.models.checkpoint import INDEX_FILE, CheckpointError
 from serve_app.models.k3 import K3ForCausalLM
@@ -27,21 +27,7 @@ MINI = Path(__file__).parent / "data" / "mini-k3-config.json"
 
 @pytest.fixture(scope="module")
 def model() -> K3ForCausalLM:
-    config = K3Config.from_file(MINI)
-    torch.manual_seed(0)
-    m = K3ForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    return m
+    return random_k3(K3Config.from_file(MINI))
 
 
 @pytest.fixture(scope="module")
