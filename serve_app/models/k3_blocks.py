@@ -52,7 +52,7 @@ from torch import nn
 
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kimi import TPContext
-from serve_app.models.layers import RMSNorm
+from serve_app.models.layers import MLAProjections, RMSNorm
 
 __all__ = [
     "K3MLA",
@@ -268,7 +268,7 @@ class LatentMoE(nn.Module):
 # --- MLA, NoPE, output gate (§1.4) -------------------------------------------------------------
 
 
-class K3MLA(nn.Module):
+class K3MLA(MLAProjections):
     """K3's full-attention layer: MLA with no rotary anywhere and a sigmoid output gate.
 
     The `qk_rope_head_dim` part of q and k is kept (per-head q_pe against the single shared
@@ -280,31 +280,18 @@ class K3MLA(nn.Module):
     [rkv], kv_b_proj [n(dn+dv), rkv], o_proj [H, n·dv], g_proj [n·dv, H] (if the output gate)."""
 
     def __init__(self, config: K3Config, tp: TPContext | None = None) -> None:
-        super().__init__()
-        self.config, self.tp = config, tp or TPContext()
-        h, n = config.hidden_size, config.num_attention_heads
-        if n % self.tp.size:
-            raise ValueError(f"num_attention_heads {n} not divisible by tp {self.tp.size}")
-        n //= self.tp.size  # heads on this rank
-        self.num_heads = n
-        self.nope, self.rope, self.v_dim = (
-            config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
-        )
-        self.kv_lora_rank = config.kv_lora_rank
-        self.softmax_scale = config.softmax_scale  # (dn + dr)^-1/2: the dr part counts too
-        q_out = n * config.qk_head_dim
-        if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, q_out, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, config.mla_cache_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(config.kv_lora_rank, n * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(n * self.v_dim, h, bias=False)
+        tp = tp or TPContext()
+        n = config.num_attention_heads
+        if n % tp.size:
+            raise ValueError(f"num_attention_heads {n} not divisible by tp {tp.size}")
+        # softmax_scale: (dn + dr)^-1/2, the dr part counts too.
+        super().__init__(config.hidden_size, n // tp.size, config.q_lora_rank,
+                         config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                         config.v_head_dim, config.softmax_scale, config.rms_norm_eps)
+        self.config, self.tp = config, tp
         self.g_proj = (
-            nn.Linear(h, n * self.v_dim, bias=False) if config.mla_use_output_gate else None
+            nn.Linear(config.hidden_size, self.num_heads * self.v_dim, bias=False)
+            if config.mla_use_output_gate else None
         )
 
     def empty_cache(
@@ -314,24 +301,11 @@ class K3MLA(nn.Module):
         """A cache with no tokens yet: [B, 0, kv_lora_rank + qk_rope_head_dim]."""
         return torch.zeros(batch, 0, self.config.mla_cache_dim, device=device, dtype=dtype)
 
-    def query(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, H] -> q [B, T, n, dn + dr] (never rotated)."""
-        if self.config.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(*x.shape[:-1], self.num_heads, self.nope + self.rope)
-
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., H] -> cache entries [..., kv_lora_rank + dr]: the normalized latent c and
         the raw shared key k_pe (no norm, no rotary)."""
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
-
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head: W_uk [n, dn, rkv] and W_uv [n, dv, rkv]."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope], w[:, self.nope :]
 
     def forward(
         self, x: torch.Tensor, cache: torch.Tensor | None = None

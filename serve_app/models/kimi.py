@@ -33,7 +33,7 @@ from torch import nn
 
 from serve_app.models.kimi_config import KimiConfig, KimiConfigError
 from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
-from serve_app.models.layers import GatedMLP, RMSNorm, rope_inv_freq
+from serve_app.models.layers import GatedMLP, MLAProjections, RMSNorm, rope_inv_freq
 
 __all__ = [
     "KimiConfig",
@@ -104,38 +104,13 @@ class AttentionBatch:
     mask: torch.Tensor
 
 
-class KimiAttention(nn.Module):
+class KimiAttention(MLAProjections):
     def __init__(self, config: KimiConfig, tp: TPContext) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads // tp.size  # heads on this rank
-        self.nope = config.qk_nope_head_dim
-        self.rope = config.qk_rope_head_dim
-        self.v_dim = config.v_head_dim
-        self.kv_lora_rank = config.kv_lora_rank
-        self.softmax_scale = config.softmax_scale
+        super().__init__(config.hidden_size, config.num_attention_heads // tp.size,
+                         config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim,
+                         config.qk_rope_head_dim, config.v_head_dim, config.softmax_scale,
+                         config.rms_norm_eps)
         self.tp = tp
-        h = config.hidden_size
-        q_out = self.num_heads * config.qk_head_dim
-        if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, q_out, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, config.latent_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
-            config.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False
-        )
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=False)
-
-    def query(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, hidden] -> q: [B, T, heads, nope + rope] (rope part not yet rotated)."""
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(*x.shape[:-1], self.num_heads, self.nope + self.rope)
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> cache entries [..., kv_lora_rank + rope]: normalized compressed
@@ -144,11 +119,6 @@ class KimiAttention(nn.Module):
         return torch.cat(
             [self.kv_a_layernorm(compressed), apply_rotary_interleaved(k_pe, cos, sin)], dim=-1
         )
-
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head: W_uk [heads, nope, lora] and W_uv [heads, v, lora]."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x: torch.Tensor, batch: AttentionBatch, cache_layer: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden]; cache_layer: this layer's [slots, latent_dim] pool (written in

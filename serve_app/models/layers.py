@@ -27,6 +27,44 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
+class MLAProjections(nn.Module):
+    """The low-rank MLA projections K2/DeepSeek-V3 and K3 share, under SGLang's names: the query
+    (q_a_proj -> q_a_layernorm -> q_b_proj, or q_proj when q_lora_rank is None),
+    kv_a_proj_with_mqa -> [latent | k_pe] with kv_a_layernorm on the latent, kv_b_proj per
+    head, o_proj. `heads` are this rank's."""
+
+    def __init__(self, hidden: int, heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 nope: int, rope: int, v_dim: int, softmax_scale: float, eps: float) -> None:
+        super().__init__()
+        self.num_heads, self.nope, self.rope, self.v_dim = heads, nope, rope, v_dim
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.softmax_scale = softmax_scale
+        q_out = heads * (nope + rope)
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_lora_rank + rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, heads * (nope + v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * v_dim, hidden, bias=False)
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden] -> q: [B, T, heads, nope + rope] (the rope part not rotated)."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:-1], self.num_heads, self.nope + self.rope)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_uk [heads, nope, lora] and W_uv [heads, v, lora]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+
 class GatedMLP(nn.Module):
     """SiLU-gated MLP (Qwen3 / DeepseekV3 naming). Under tensor parallelism `intermediate` is
     this rank's share and the caller all-reduces the output."""
