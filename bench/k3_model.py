@@ -40,6 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the random-weights helper the tests use
+
+from tiny_models import randomize  # noqa: E402
 
 from serve_app.models.k3 import K3ForCausalLM, K3State  # noqa: E402
 from serve_app.models.k3_config import K3Config, k3_parameter_count  # noqa: E402
@@ -65,21 +68,6 @@ def k2_config(vocab_size: int, moe_intermediate_size: int = 84) -> KimiConfig:
         "eos_token_id": 2, "bos_token_id": 1, "torch_dtype": "float32",
     }
     return KimiConfig.from_dict(raw, "bench K2-shaped target")
-
-
-def init_random(model: torch.nn.Module, seed: int) -> None:
-    """Small seeded normal weights (norms 1); KDA A_log / dt_bias keep their own init."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g) / max(1, p.shape[-1]) ** 0.5)
 
 
 @contextmanager
@@ -150,10 +138,10 @@ def run(prompt_len: int, repeats: int, seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     k3cfg = K3Config.from_file(MINI_K3).model_copy(update={"dtype": "float32"})
     k3 = K3ForCausalLM(k3cfg).eval()
-    init_random(k3, seed)
+    randomize(k3, seed)
     k2cfg = k2_config(k3cfg.vocab_size)
     k2 = KimiForCausalLM(k2cfg).eval()
-    init_random(k2, seed)
+    randomize(k2, seed)
     g = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(0, k3cfg.vocab_size, (1, prompt_len), generator=g)
 

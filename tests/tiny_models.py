@@ -169,17 +169,12 @@ def fake_gpu_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int,
 MINI_K3_CONFIG = Path(__file__).parent / "data" / "mini-k3-config.json"
 
 
-def random_k3(config: Any = None, seed: int = 0) -> Any:
-    """A K3ForCausalLM (the mini config by default) with random weights scaled so that logits are
-    not degenerate: N(0, 0.25 / fan_in) matrices, norms near 1, a small router bias. KDA's
-    A_log and dt_bias keep the module's own (seeded) initialisation."""
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights scaled so that logits are not degenerate: N(0, 0.25 / fan_in) matrices,
+    norms near 1, a small router bias. KDA's A_log and dt_bias keep the module's own (seeded)
+    initialisation."""
     import math
 
-    from serve_app.models.k3 import K3ForCausalLM
-    from serve_app.models.k3_config import K3Config
-
-    torch.manual_seed(seed)
-    model = K3ForCausalLM(config or K3Config.from_file(MINI_K3_CONFIG)).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -191,4 +186,14 @@ def random_k3(config: Any = None, seed: int = 0) -> Any:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+
+
+def random_k3(config: Any = None, seed: int = 0) -> Any:
+    """A K3ForCausalLM (the mini config by default) with `randomize`d weights."""
+    from serve_app.models.k3 import K3ForCausalLM
+    from serve_app.models.k3_config import K3Config
+
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(config or K3Config.from_file(MINI_K3_CONFIG)).eval()
+    randomize(model, seed)
     return model
