@@ -52,7 +52,7 @@ from torch import nn
 
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kimi import TPContext
-from serve_app.models.layers import MLAProjections, RMSNorm
+from serve_app.models.layers import MLAProjections, RMSNorm, noaux_tc_topk
 
 __all__ = [
     "K3MLA",
@@ -64,9 +64,6 @@ __all__ = [
     "situ_gate",
     "softclip",
 ]
-
-# SGLang's `_RENORMALIZE_SUM_EPSILON` (`srt/layers/moe/topk.py`): keeps an all-zero top-k finite.
-RENORMALIZE_EPS = 1e-20
 
 
 # --- SiTU (§1.6) -------------------------------------------------------------------------------
@@ -177,22 +174,11 @@ class K3MoEGate(nn.Module):
         if c.moe_router_activation_func != "sigmoid":  # the config reader admits only sigmoid
             raise ValueError(f"router activation {c.moe_router_activation_func!r}")
         scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
-        n, e, groups = x.shape[0], c.num_experts, c.num_expert_group
-        # Group score = sum of the top-2 biased scores of the group; keep the top `topk_group`
-        # groups, mask the others to -inf. With one group (K3) this is a no-op.
-        grouped = choice.view(n, groups, e // groups)
-        group_scores = grouped.topk(min(2, e // groups), dim=-1).values.sum(dim=-1)
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(c.topk_group, dim=-1).indices, True)
-        masked = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
-        ids = masked.topk(c.num_experts_per_token, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if c.moe_renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORMALIZE_EPS)
-        # SGLang applies the factor either to these weights or to the experts' combined output
-        # (the weighted sum): the same number, and in both cases before the latent norm.
-        return weights * c.routed_scaling_factor, ids
+        # SGLang applies the scaling factor either to these weights or to the experts' combined
+        # output (the weighted sum): the same number, and in both cases before the latent norm.
+        return noaux_tc_topk(scores, self.e_score_correction_bias, c.num_expert_group,
+                             c.topk_group, c.num_experts_per_token, c.moe_renormalize,
+                             c.routed_scaling_factor)
 
 
 class LatentMoE(nn.Module):

@@ -33,7 +33,13 @@ from torch import nn
 
 from serve_app.models.kimi_config import KimiConfig, KimiConfigError
 from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
-from serve_app.models.layers import GatedMLP, MLAProjections, RMSNorm, rope_inv_freq
+from serve_app.models.layers import (
+    GatedMLP,
+    MLAProjections,
+    RMSNorm,
+    noaux_tc_topk,
+    rope_inv_freq,
+)
 
 __all__ = [
     "KimiConfig",
@@ -197,19 +203,8 @@ class MoEGate(nn.Module):
         c = self.config
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores + self.e_score_correction_bias.float()
-        if c.n_group > 1:
-            n = x.shape[0]
-            grouped = choice.view(n, c.n_group, -1)
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, groups]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(c.topk_group, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
-        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if c.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * c.routed_scaling_factor, ids
+        return noaux_tc_topk(scores, self.e_score_correction_bias, c.n_group, c.topk_group,
+                             c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
 
 
 class KimiMoE(nn.Module):

@@ -27,6 +27,33 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
+# SGLang's `_RENORMALIZE_SUM_EPSILON` (`srt/layers/moe/topk.py`): keeps an all-zero top-k finite.
+RENORMALIZE_EPS = 1e-20
+
+
+def noaux_tc_topk(scores: torch.Tensor, bias: torch.Tensor, groups: int, topk_group: int,
+                  k: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's noaux_tc expert choice, as SGLang's biased_grouped_topk computes it (fp32).
+    scores: [N, E] router scores; bias: [E] e_score_correction_bias, which steers only the
+    choice. Each of `groups` expert groups is scored by the sum of its top-2 biased scores, the
+    best `topk_group` groups are kept, the top `k` experts are chosen among them; the weights are
+    their unbiased scores, renormalized if asked, times `scaling`.
+    Returns (weights [N, k] fp32, expert ids [N, k] int64)."""
+    n, e = scores.shape
+    choice = scores + bias.float()
+    if groups > 1:  # with one group the masking below keeps everything
+        grouped = choice.view(n, groups, e // groups)
+        group_scores = grouped.topk(min(2, e // groups), dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORMALIZE_EPS)
+    return weights * scaling, ids
+
+
 class MLAProjections(nn.Module):
     """The low-rank MLA projections K2/DeepSeek-V3 and K3 share, under SGLang's names: the query
     (q_a_proj -> q_a_layernorm -> q_b_proj, or q_proj when q_lora_rank is None),
