@@ -357,8 +357,11 @@ def test_requests_wait_for_capacity_and_abort_frees(target: KimiForCausalLM) -> 
     engine.step()
     assert [s.request_id for s in engine.scheduler.running] == [second]
     assert engine.abort(second) and not engine.abort(second)
+    slots = engine.scheduler.slots_total
     assert engine.capacity() == {"kv_tokens_total": 256, "kv_tokens_used": 0,
-                                 "kv_tokens_free": 256, "kv_tokens_reserved": 0}
+                                 "kv_tokens_free": 256, "kv_tokens_reserved": 0,
+                                 "state_slots_total": slots, "state_slots_used": 0,
+                                 "state_slots_free": slots, "state_slots_reserved": 0}
 
 
 def test_chunked_prefill_keeps_decodes_moving(pair: tuple[Path, Path]) -> None:

@@ -372,10 +372,17 @@ class EngineCore:
                 "waiting": len(self.scheduler.waiting)}
 
     def capacity(self) -> dict[str, int]:
+        """KV tokens and state slots. Every running request holds one slot (on the hybrid, its
+        KDA state; on either family, one of the batch's places), taken at admission."""
         alloc = self.runner.allocator
+        sched = self.scheduler
         return {
             "kv_tokens_total": alloc.capacity_tokens,
             "kv_tokens_used": alloc.used_tokens,
             "kv_tokens_free": alloc.free_tokens,
-            "kv_tokens_reserved": self.scheduler.reserved_tokens,
+            "kv_tokens_reserved": sched.reserved_tokens,
+            "state_slots_total": sched.slots_total,
+            "state_slots_used": len(sched.running),
+            "state_slots_free": sched.slots_total - len(sched.running),
+            "state_slots_reserved": len(sched.running),
         }

@@ -46,13 +46,19 @@ class Scheduler:
         headroom_tokens: int,
         page_size: int = 1,
         max_prefill_tokens_per_request: int | None = None,
+        state_slots: int | None = None,
     ) -> None:
         """`max_prefill_tokens_per_request`: a prompt's share of one step's prefill budget;
-        None = a quarter of `prefill_chunk_tokens` (at least 1)."""
+        None = a quarter of `prefill_chunk_tokens` (at least 1). `state_slots`: the state
+        pool's slots (None: no pool; the batch bound alone)."""
         cap = prefill_cap(prefill_chunk_tokens, max_prefill_tokens_per_request)
         self.capacity_tokens = capacity_tokens
         self.page_size = page_size
         self.max_batch_size = max_batch_size
+        # One slot per running request: the batch bound (and, on the hybrid, the state pool's
+        # size, when that is smaller).
+        self.slots_total = max_batch_size if state_slots is None else min(max_batch_size,
+                                                                         state_slots)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_prefill_tokens_per_request = cap
         self.headroom_tokens = headroom_tokens
@@ -85,7 +91,7 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Move waiting requests in (FIFO, no overtaking) while their worst case fits."""
         admitted = []
-        while self.waiting and len(self.running) < self.max_batch_size:
+        while self.waiting and len(self.running) < self.slots_total:
             seq = self.waiting[0]
             need = self.worst_case_tokens(seq)
             if self.reserved_tokens + need > self.capacity_tokens:
