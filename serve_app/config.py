@@ -229,6 +229,11 @@ class SpeculationConfig(BaseModel):
                               "default: the draft's block_size")
     confidence_threshold: float = Field(default=0.0, ge=0.0, lt=1.0, description=(
         "verify drafts while their cumulative acceptance estimate stays >= this; 0 = all"))
+    kda_rollback: Literal["scratch", "replay"] = Field(default="scratch", description=(
+        "how a hybrid (KDA) target keeps the state of the last accepted draft: 'scratch' keeps "
+        "the state after every verified position and copies the accepted one back (SGLang's "
+        "default); 'replay' logs the window's inputs and replays only the accepted prefix "
+        "(SGLang's --enable-linear-replayssm-spec)"))
 
 
 class ReferenceEngineConfig(BaseModel):
