@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -66,11 +67,13 @@ from serve_app.models.kimi import TPContext
 from serve_app.models.layers import RMSNorm
 
 __all__ = [
+    "DenseStates",
     "K3DecoderLayer",
     "K3ForCausalLM",
     "K3Model",
     "K3State",
     "K3WindowStates",
+    "LayerStates",
     "attn_res_mix",
     "kda_sizes",
 ]
@@ -150,6 +153,39 @@ class K3WindowStates:
         )
 
 
+class LayerStates(Protocol):
+    """Where one forward's attention layers read and write their per-request state: the dense
+    K3State of this module's API (DenseStates), or the engine's paged MLA KV and KDA state
+    slots (k3_paged.py). Each call runs the layer's block on x [B, T, H] -> [B, T, H]."""
+
+    def kda(self, layer: int, attn: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor: ...
+
+    def mla(self, layer: int, attn: K3MLA, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseStates:
+    """LayerStates over a K3State (read, not modified) into `new_state` (a K3State, or a
+    K3WindowStates that gets every position's KDA state)."""
+
+    def __init__(self, state: K3State, new_state: K3State | K3WindowStates) -> None:
+        self.state, self.new_state = state, new_state
+
+    def kda(self, layer: int, attn: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
+        state = self.state.kda.get(layer)
+        if state is None:
+            state = attn.new_state(x.shape[0], x.device)
+        if isinstance(self.new_state, K3WindowStates):
+            y, self.new_state.kda[layer] = attn.forward_window(x, state)
+        else:
+            algorithm = "recurrent" if x.shape[1] == 1 else "chunked"
+            y, self.new_state.kda[layer] = attn(x, state, algorithm=algorithm)
+        return y
+
+    def mla(self, layer: int, attn: K3MLA, x: torch.Tensor) -> torch.Tensor:
+        y, self.new_state.mla[layer] = attn(x, self.state.mla.get(layer))
+        return y
+
+
 # --- decoder layer (§1.2) ------------------------------------------------------------------------
 
 
@@ -180,25 +216,13 @@ class K3DecoderLayer(nn.Module):
             else K3MLP(config, config.intermediate_size, tp)
         )
 
-    def attention(
-        self, x: torch.Tensor, state: K3State, new_state: K3State | K3WindowStates
-    ) -> torch.Tensor:
-        """self_attn on its normed input x [B, T, H], reading `state` and writing this layer's
-        entry of `new_state` (every position's KDA state when it is a K3WindowStates)."""
-        i = self.layer_id
+    def attention(self, x: torch.Tensor, states: LayerStates) -> torch.Tensor:
+        """self_attn on its normed input x [B, T, H]; `states` holds what it reads and writes."""
         if self.is_kda:
             assert isinstance(self.self_attn, KimiDeltaAttention)
-            kda_state = state.kda.get(i)
-            if kda_state is None:
-                kda_state = self.self_attn.new_state(x.shape[0], x.device)
-            if isinstance(new_state, K3WindowStates):
-                y, new_state.kda[i] = self.self_attn.forward_window(x, kda_state)
-            else:
-                algorithm = "recurrent" if x.shape[1] == 1 else "chunked"
-                y, new_state.kda[i] = self.self_attn(x, kda_state, algorithm=algorithm)
-        else:
-            y, new_state.mla[i] = self.self_attn(x, state.mla.get(i))
-        return y
+            return states.kda(self.layer_id, self.self_attn, x)
+        assert isinstance(self.self_attn, K3MLA)
+        return states.mla(self.layer_id, self.self_attn, x)
 
     def attn_read(self, bank: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
         """The pre-norm mixture this layer's attention reads (also the previous layer's tap)."""
@@ -208,8 +232,7 @@ class K3DecoderLayer(nn.Module):
         self,
         bank: list[torch.Tensor],
         p: torch.Tensor,
-        state: K3State,
-        new_state: K3State | K3WindowStates,
+        states: LayerStates,
     ) -> torch.Tensor:
         """One layer with the Block AttnRes. `bank` (appended to in place at a write layer) and
         p (x0 at layer 0, else the previous layer's partial sum) -> the new partial sum."""
@@ -218,18 +241,16 @@ class K3DecoderLayer(nn.Module):
         if self.is_write:  # snapshot the finished block, restart the partial sum
             bank.append(p)
             pending = None
-        y = self.attention(a_in, state, new_state)
+        y = self.attention(a_in, states)
         p = y if pending is None else pending + y
         m_in = self.post_attention_layernorm(
             attn_res_mix([*bank, p], self.mlp_res_norm, self.mlp_res_proj)
         )
         return p + self.mlp(m_in)
 
-    def forward_plain(
-        self, h: torch.Tensor, state: K3State, new_state: K3State | K3WindowStates
-    ) -> torch.Tensor:
+    def forward_plain(self, h: torch.Tensor, states: LayerStates) -> torch.Tensor:
         """The plain pre-norm residual layer (attn_res_block_size null)."""
-        h = h + self.attention(self.input_layernorm(h), state, new_state)
+        h = h + self.attention(self.input_layernorm(h), states)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -265,31 +286,39 @@ class K3Model(nn.Module):
         """input_ids [B, T] -> (h_final [B, T, H] after the final norm, the new state (with
         `window`, the states after every position), taps {layer id: [B, T, H]} for
         `capture_layers`)."""
+        new_state: K3State | K3WindowStates = (
+            K3WindowStates(start=state.length) if window
+            else K3State(length=state.length + input_ids.shape[1])
+        )
+        h, taps = self.run(input_ids, DenseStates(state, new_state), capture_layers)
+        return h, new_state, taps
+
+    def run(
+        self, input_ids: torch.Tensor, states: LayerStates, capture_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The layers over input_ids [B, T] with the attention state in `states` -> (h_final
+        [B, T, H], taps {layer id: [B, T, H]})."""
         n = len(self.layers)
         wanted = set(capture_layers)
         bad = sorted(i for i in wanted if not 0 <= i < n)
         if bad:
             raise ValueError(f"capture layer ids {bad} outside 0..{n - 1}")
-        new_state: K3State | K3WindowStates = (
-            K3WindowStates(start=state.length) if window
-            else K3State(length=state.length + input_ids.shape[1])
-        )
         taps: dict[int, torch.Tensor] = {}
         h = self.embed_tokens(input_ids)
         if not self.config.uses_attn_res:
             for i, layer in enumerate(self.layers):
-                h = layer.forward_plain(h, state, new_state)
+                h = layer.forward_plain(h, states)
                 if i in wanted:
                     taps[i] = h  # the next layer's (pre-norm) input
-            return self.norm(h), new_state, taps
+            return self.norm(h), taps
         bank: list[torch.Tensor] = []
         p = h
         for i, layer in enumerate(self.layers):
-            p = layer.forward_attn_res(bank, p, state, new_state)
+            p = layer.forward_attn_res(bank, p, states)
             if i in wanted:
                 nxt = self.layers[i + 1] if i + 1 < n else None
                 taps[i] = nxt.attn_read(bank, p) if nxt is not None else self.output_read(bank, p)
-        return self.norm(self.output_read(bank, p)), new_state, taps
+        return self.norm(self.output_read(bank, p)), taps
 
 
 class K3ForCausalLM(nn.Module):

@@ -311,25 +311,10 @@ class K3MLA(MLAProjections):
         # Round the new entries through the cache dtype, so a token's key is the same whether
         # it is attended in the pass that computed it or read back from the cache later.
         cache = torch.cat([cache, self.latent(x).to(cache.dtype)], dim=1)
-        keys = cache.to(x.dtype)  # [B, L + T, rkv + dr]
-
-        # Absorbed form: q_nope · k_nope = (q_nope W_uk) · c, so scores are taken against the
-        # cached entry itself; the output, a mix of latents, goes back through W_uv.
-        w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.einsum("bthn,hnl->bhtl", q_nope, w_uk)
-        q_full = torch.cat([q_latent, q_pe.transpose(1, 2)], dim=-1)  # [B, n, T, rkv + dr]
-        # One shared latent "head" (MQA): the heads are folded into the query rows, so the keys
-        # are read once per request. Row h·T + i is new token i, at absolute position L + i.
+        # Row h·T + i is new token i, at absolute position L + i.
         pos = past + torch.arange(t, device=x.device).repeat(self.num_heads)
         mask = torch.arange(past + t, device=x.device)[None, :] <= pos[:, None]
-        out_latent = F.scaled_dot_product_attention(
-            q_full.reshape(b, 1, self.num_heads * t, -1),
-            keys[:, None],
-            keys[:, None, :, : self.kv_lora_rank],
-            attn_mask=mask,
-            scale=self.softmax_scale,
-        ).view(b, self.num_heads, t, self.kv_lora_rank)
-        o = torch.einsum("bhtl,hvl->bthv", out_latent, w_uv).reshape(b, t, -1)  # [B, T, n·dv]
+        o = self.attend(q_nope, q_pe, cache.to(x.dtype), mask)  # [B, T, n·dv]
         if self.g_proj is not None:
             # Output gate (§1.4 step 5): from the attention's own input x, multiplied in head
             # space right before o_proj. σ, not SiTU.

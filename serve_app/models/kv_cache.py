@@ -9,6 +9,7 @@ committed at position p occupies the same slot in each.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -102,6 +103,19 @@ class PagedAllocator:
         return index, valid
 
 
+@dataclass
+class PagedBatch:
+    """What a paged attention layer needs about a batch of right-padded new rows, computed once
+    per forward (every layer of the model reads the same one)."""
+
+    valid: torch.Tensor  # [B, T] bool: real (not padding) new tokens
+    slots: torch.Tensor  # [N_valid] cache slots of the valid new tokens, row-major order
+    context_index: torch.Tensor  # [B, Lc] cache slots of already-cached tokens (padded)
+    # [B, 1, heads * T, Lc + T] bool: key visible to query; rows head-major, as MLA folds its
+    # queries (layers.MLAProjections.attend)
+    mask: torch.Tensor
+
+
 class PagedKVCache:
     """Per-layer cache entries of committed tokens, in named buffers of shape
     [num_layers, slots, *entry_shape]: `k`/`v` for the draft's context rows, `latent` for the
@@ -172,3 +186,19 @@ class PagedKVCache:
         """[B, Lmax] slots of every cached entry per request and the validity mask."""
         index, valid = self.allocator.batch_slots(rids, [self._lengths[r] for r in rids])
         return index.to(self.device), valid.to(self.device)
+
+    def batch(self, rids: Sequence[Hashable], starts: Sequence[int], counts: Sequence[int],
+              slots: torch.Tensor, t: int, heads: int) -> PagedBatch:
+        """The PagedBatch of rows of `counts[b]` new tokens after `starts[b]` cached ones, whose
+        slots `reserve_append` gave."""
+        dev = slots.device
+        context_index, context_valid = self.allocator.batch_slots(rids, starts)
+        count = torch.tensor(list(counts), dtype=torch.long, device=dev)
+        steps = torch.arange(t, device=dev)
+        # Causal over the new tokens. Rows are right-padded, so causality alone hides padded keys
+        # from every valid query, and a padded query still sees itself (no empty row, no NaN).
+        new_mask = (steps[None, :] <= steps[:, None]).expand(len(starts), -1, -1)  # [B, T, T]
+        ctx_mask = context_valid.to(dev)[:, None, :].expand(-1, t, -1)
+        mask = torch.cat([ctx_mask, new_mask], dim=-1)[:, None].repeat(1, 1, heads, 1)
+        return PagedBatch(valid=steps[None, :] < count[:, None], slots=slots,
+                          context_index=context_index.to(dev), mask=mask)

@@ -91,6 +91,31 @@ class MLAProjections(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
 
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA attention of T queries over L cache entries. q_nope [B, T, n, dn] and
+        q_pe [B, T, n, dr] (rotated where the model rotates), keys [B, L, lora + dr] (the
+        entries, the new tokens' included), mask broadcastable to [B, 1, n·T, L] (True: the key
+        is visible; row h·T + i is head h's query i) -> [B, T, n·dv] before o_proj.
+
+        q_nope · k_nope = (q_nope W_uk) · c, so scores are taken against the cached entry
+        itself, and the output, a mix of latents, goes back through W_uv. One shared latent
+        "head" (MQA): the heads are folded into the query rows, as FlashMLA does, so the keys
+        are read once per request instead of once per head (on CPU an 8-row verify's attention
+        ran 6.5x faster than SDPA's GQA broadcast)."""
+        b, t = q_nope.shape[:2]
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.einsum("bthn,hnl->bhtl", q_nope, w_uk)
+        q_full = torch.cat([q_latent, q_pe.transpose(1, 2)], dim=-1)  # [B, n, T, lora + dr]
+        out_latent = F.scaled_dot_product_attention(
+            q_full.reshape(b, 1, self.num_heads * t, -1),
+            keys[:, None],
+            keys[:, None, :, : self.kv_lora_rank],
+            attn_mask=mask,
+            scale=self.softmax_scale,
+        ).view(b, self.num_heads, t, self.kv_lora_rank)
+        return torch.einsum("bhtl,hvl->bthv", out_latent, w_uv).reshape(b, t, -1)
+
 
 class GatedMLP(nn.Module):
     """SiLU-gated MLP (Qwen3 / DeepseekV3 naming). Under tensor parallelism `intermediate` is
