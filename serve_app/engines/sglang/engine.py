@@ -31,6 +31,47 @@ if TYPE_CHECKING:
 logger = logging.getLogger("serve_app.sglang")
 
 
+def slot_bound(info: dict[str, Any], server_args: dict[str, Any],
+               internal_states: list[dict[str, Any]] | None = None) -> int | None:
+    """SGLang's state-slot bound, the requests it runs at once (`max_running_requests`), as
+    the server resolved it. SGLang 0.5.23's scheduler info (`Scheduler.get_init_info`:
+    max_total_num_tokens, max_req_input_len, ...) does not carry it; its internal state does
+    (`effective_max_running_requests_per_dp`, one state per DP rank, from the worker's memory
+    plan), read once the engine answers. In that order: the scheduler info (should a version
+    add it), the internal states' sum, the configured `max_running_requests`; None when none is
+    known (the router then treats the replica as unbounded in slots)."""
+    if info.get("max_running_requests"):
+        return int(info["max_running_requests"])
+    per_dp = [int(s["effective_max_running_requests_per_dp"]) for s in internal_states or ()
+              if s.get("effective_max_running_requests_per_dp")]
+    if per_dp:
+        return sum(per_dp)
+    configured = server_args.get("max_running_requests")
+    return int(configured) if configured else None
+
+
+def capacity_report(kv_tokens_total: int, kv_tokens_used: int, state_slots_total: int | None,
+                    in_flight: int, max_req_input_len: int) -> dict[str, Any]:
+    """The engine interface's capacity() from what this backend knows: KV tokens of the
+    requests in flight (an upper bound: SGLang's prefix cache shares pages) and one state slot
+    per request in flight (running or in SGLang's own waiting queue: either way a router must
+    not send more). SGLang does not expose its reservations, so reserved = used. An unknown
+    slot bound is None (unbounded), and so is its free count."""
+    used = min(kv_tokens_used, kv_tokens_total)
+    slots_free = None if state_slots_total is None else max(state_slots_total - in_flight, 0)
+    return {
+        "kv_tokens_total": kv_tokens_total,
+        "kv_tokens_used": used,
+        "kv_tokens_free": kv_tokens_total - used,
+        "kv_tokens_reserved": used,
+        "state_slots_total": state_slots_total,
+        "state_slots_used": in_flight,
+        "state_slots_free": slots_free,
+        "state_slots_reserved": in_flight,
+        "max_req_input_len": max_req_input_len,
+    }
+
+
 class SGLangEngine:
     """One SGLang RayEngine (one target replica) behind the engine interface."""
 
@@ -44,13 +85,44 @@ class SGLangEngine:
         # The KV pool SGLang sized after loading the weights (Scheduler.get_init_info).
         self.kv_tokens_total = int(info["max_total_num_tokens"])
         self.max_req_input_len = int(info.get("max_req_input_len") or 0)
+        # Until the scheduler's internal state answers (_resolve_slots): the configured bound.
+        self._scheduler_info = info
+        self.state_slots_total = slot_bound(info, server_args)
+        self._slots_resolved = False
         self._active: dict[str, OutputTracker] = {}
         self._totals = EngineTotals()
         self._metric_tags = tags(replica=replica_name())
         metrics = app_metrics()
         if metrics is not None:
             metrics.kv_tokens_capacity.set(self.kv_tokens_total, tags=self._metric_tags)
+        self._export_slots()
         self._stopped = False
+
+    def _export_slots(self) -> None:
+        metrics = app_metrics()
+        if metrics is None:
+            return
+        if self.state_slots_total is not None:
+            metrics.state_slots_total.set(self.state_slots_total, tags=self._metric_tags)
+        metrics.running_requests.set(len(self._active), tags=self._metric_tags)
+
+    async def _resolve_slots(self) -> None:
+        """Once: max_running_requests as the schedulers resolved it (SGLang lowers it to what
+        its memory plan holds), from their internal state. A failure keeps the configured
+        bound and is tried again on the next request."""
+        if self._slots_resolved:
+            return
+        self._slots_resolved = True
+        try:
+            states = await asyncio.wait_for(
+                self.engine.tokenizer_manager.get_internal_state(), 10.0)
+        except Exception:  # the schedulers are busy or gone: keep what is known, retry later
+            self._slots_resolved = False
+            logger.exception("max_running_requests not read from the scheduler state")
+            return
+        self.state_slots_total = slot_bound(self._scheduler_info, self.server_args, states)
+        logger.info("state slots (max_running_requests): %s", self.state_slots_total)
+        self._export_slots()
 
     @classmethod
     def start(cls, config: AppConfig) -> SGLangEngine:
@@ -94,8 +166,10 @@ class SGLangEngine:
         rid = request.request_id
         if rid in self._active:
             raise ValueError(f"request id {rid!r} is already in use")
+        await self._resolve_slots()
         tracker = OutputTracker(rid, len(request.prompt_ids), self.speculative, self.incremental)
         self._active[rid] = tracker
+        self._export_slots()
         finished = False
         try:
             # The ingress tokenized already: pass ids, SGLang detokenizes the output.
@@ -115,6 +189,7 @@ class SGLangEngine:
                     return
         finally:
             self._active.pop(rid, None)
+            self._export_slots()
             # Client gone (generator closed/cancelled) or an error: free the KV at once.
             if not finished:
                 self._abort(rid)
@@ -145,18 +220,14 @@ class SGLangEngine:
     def stats(self) -> dict[str, Any]:
         return {**self._totals.stats(len(self._active), self.speculative), "backend": "sglang"}
 
-    def capacity(self) -> dict[str, int]:
+    def capacity(self) -> dict[str, Any]:
         """KV tokens: the pool SGLang reported after start-up; 'used' counts the tokens of the
         requests this replica has in flight (prompt + generated so far), an upper bound on
-        what they hold, since SGLang's prefix cache shares pages."""
+        what they hold, since SGLang's prefix cache shares pages. State slots: SGLang's
+        max_running_requests, one per request in flight (`capacity_report`)."""
         used = sum(t.prompt_tokens + len(t.token_ids) for t in self._active.values())
-        used = min(used, self.kv_tokens_total)
-        return {
-            "kv_tokens_total": self.kv_tokens_total,
-            "kv_tokens_used": used,
-            "kv_tokens_free": self.kv_tokens_total - used,
-            "max_req_input_len": self.max_req_input_len,
-        }
+        return capacity_report(self.kv_tokens_total, used, self.state_slots_total,
+                               len(self._active), self.max_req_input_len)
 
     async def shutdown(self) -> None:
         self._stopped = True
