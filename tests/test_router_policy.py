@@ -314,8 +314,18 @@ def test_admission_stage_counts_one_decision_per_dispatch(monkeypatch: pytest.Mo
             assert value == 1.0 and tags is not None
             self.calls.append(tags)
 
+    class Gauge:
+        def __init__(self) -> None:
+            self.last: dict[str, float] = {}
+
+        def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+            assert tags is not None
+            self.last[tags["replica"]] = value
+
     class Metrics:
         router_decisions = Counter()
+        router_state_slots_reserved = Gauge()
+        router_kv_tokens_committed = Gauge()
 
     monkeypatch.setattr(admission, "app_metrics", lambda: Metrics)
     async def two_replicas() -> admission.ReplicaList:
@@ -390,3 +400,171 @@ def test_admission_stage_syncs_replicas_and_releases_the_ones_that_left() -> Non
         assert stage.snapshot()["replicas"].keys() == {other}
 
     asyncio.run(run())
+
+
+# --- state slots: the second resource ----------------------------------------------------------
+
+
+def slotted(replicas: dict[str, tuple[int, int | None]], **kw: object) -> KVRouterPolicy:
+    """A kv_aware policy over replicas given as name -> (KV tokens, state slots)."""
+    p = policy({}, **kw)
+    for name, (kv, slots) in replicas.items():
+        p.add_replica(name, kv, slots)
+    return p
+
+
+def test_kv_room_without_a_free_slot_is_never_chosen() -> None:
+    d = doc("d", 800)
+    for slots_a, expected in ((2, "a"), (1, "b")):
+        p = slotted({"a": (100_000, slots_a), "b": (100_000, 4)})
+        p.submit(req("q0", 810, 50, d), now=0.0)
+        assert p.dispatch(0.0)[0][1] == "a"  # a tie: the first replica
+        p.prefill_done("q0")
+        p.submit(req("q1", 812, 50, d), now=1.0)
+        (second, where), = p.dispatch(1.0)
+        # With a slot free, the cached prefix wins (affinity); with a's only slot taken, a has
+        # 99,140 KV tokens free and still is not chosen.
+        assert where == expected, (slots_a, second.reason)
+        assert p.ledger.free("a") > 90_000
+        assert p.ledger.slots_reserved("a") <= slots_a
+
+
+def test_all_slots_full_queues_then_dispatches_when_one_is_released() -> None:
+    p = slotted({"a": (100_000, 2), "b": (100_000, 1)})
+    for i in range(5):
+        p.submit(req(f"s{i}", 100, 50), now=float(i))
+    out = p.dispatch(5.0)
+    assert [r.request_id for r, _ in out] == ["s0", "s1", "s2"] and p.queued() == 2
+    assert (p.ledger.slots_reserved("a"), p.ledger.slots_reserved("b")) == (2, 1)
+    assert all(p.ledger.free(r) > 99_000 for r in ("a", "b"))  # KV is not what is short
+    assert p.dispatch(6.0) == []
+    on_b = next(r.request_id for r, rep in out if rep == "b")
+    p.complete(on_b)
+    assert [(r.request_id, rep) for r, rep in p.dispatch(7.0)] == [("s3", "b")]
+    p.complete(on_b)  # idempotent: the slot is not given back twice
+    assert p.dispatch(8.0) == [] and p.ledger.slots_reserved("b") == 1
+    assert p.expire(8.0 + 31.0)[0].request_id == "s4"  # still waiting: the queue timeout
+
+
+def test_slots_full_and_queue_full_gets_429_but_400_stays_kv_only() -> None:
+    p = slotted({"a": (10_000, 1)}, queue_size=3)
+    p.submit(req("r0", 100, 50), now=0.0)
+    assert len(p.dispatch(0.0)) == 1
+    for i in range(1, 4):  # KV for all of them, no slot: they queue
+        p.submit(req(f"r{i}", 100, 50), now=0.0)
+    assert p.dispatch(0.0) == [] and p.queued() == 3
+    with pytest.raises(QueueFull) as exc:
+        p.submit(req("r4", 100, 50), now=0.0)
+    assert exc.value.status == 429
+    with pytest.raises(RequestTooLarge):  # larger than any replica's KV: never fits
+        p.submit(req("big", 9_950, 100), now=0.0)
+
+
+def test_a_burst_never_overcommits_a_slot() -> None:
+    """Shorts, long documents and their batched follow-up questions (which follow a prefill
+    to its replica) arrive in bursts while random requests finish: at every step no replica
+    has more requests routed to it than state slots, and every request is eventually served."""
+    import random
+
+    rng = random.Random(7)
+    slots = {"a": 1, "b": 2, "c": 3}
+    p = slotted({r: (200_000, n) for r, n in slots.items()}, queue_size=1000,
+                queue_timeout_s=1e9)
+    docs = [doc(f"doc{i}", 20_000) for i in range(3)]
+    submitted = served = 0
+    live: list[str] = []
+    reasons: set[str] = set()
+    for step in range(600):
+        t = float(step)
+        for _ in range(rng.randrange(6) if step < 120 else 0):
+            rid = f"q{submitted}"
+            submitted += 1
+            if rng.random() < 0.5:
+                p.submit(req(rid, 20_000 + rng.randrange(50), 100, rng.choice(docs)), now=t)
+            else:
+                p.submit(req(rid, 100 + rng.randrange(400), 50), now=t)
+        for r, _ in p.dispatch(t):
+            live.append(r.request_id)
+            reasons.add(r.reason)
+            served += 1
+        for r in p.replicas():
+            assert p.load[r].in_flight == p.ledger.slots_reserved(r) <= slots[r], (step, r)
+        for rid in list(live):  # some finish their prefill, some finish
+            roll = rng.random()
+            if roll < 0.2:
+                p.complete(rid)
+                live.remove(rid)
+            elif roll < 0.4:
+                p.prefill_done(rid)
+    assert served == submitted and p.queued() == 0
+    assert "batched" in reasons  # the batch path (which bypasses _place) was exercised
+
+
+def test_replicas_without_a_slot_bound_are_unbounded() -> None:
+    p = slotted({"old": (100_000, None)})
+    for i in range(50):
+        p.submit(req(f"r{i}", 100, 50), now=0.0)
+        assert len(p.dispatch(0.0)) == 1
+    assert p.ledger.slots_reserved("old") == 50
+    assert p.ledger.slots_total("old") is None and p.ledger.has_slot("old")
+
+
+def test_admission_stage_takes_slots_from_the_capacity_report_and_shows_them() -> None:
+    """The stage reads each replica's capacity() report (TargetReplica.routing_info): a
+    report with state_slots_total bounds the replica, one without it (or a bare token count,
+    as older callers send) leaves it unbounded; /v1/router's snapshot shows total, reserved
+    (the router's) and used (the engine's last report). A request that finds every slot taken
+    waits and is admitted when one is released."""
+    import asyncio
+
+    from serve_app.routing import admission
+
+    report = {"kv_tokens_total": 10_000, "kv_tokens_used": 0, "kv_tokens_free": 10_000,
+              "kv_tokens_reserved": 0, "state_slots_total": 1, "state_slots_used": 0,
+              "state_slots_free": 1, "state_slots_reserved": 0}
+
+    async def listed() -> admission.ReplicaList:
+        return {"a": report}, True
+
+    stage = admission.AdmissionStage(settings(), listed, refresh_s=3600)
+
+    async def run() -> None:
+        assert await stage.admit("q0", list(range(100)), 50) == "a"
+        second = asyncio.ensure_future(stage.admit("q1", list(range(200, 300)), 50))
+        await asyncio.sleep(0.05)
+        state = stage.snapshot()
+        assert not second.done() and state["queued"] == 1
+        a = state["replicas"]["a"]
+        assert (a["state_slots_total"], a["state_slots_reserved"], a["state_slots_used"]) == (
+            1, 1, 0)
+        assert a["kv_tokens_committed"] == 150 < a["kv_tokens_total"]
+        stage.release("q0")
+        assert await asyncio.wait_for(second, 5) == "a"
+        stage.release("q1")
+        # Older callers: no slot bound in the report, or a bare kv_tokens_total.
+        stage.sync({"a": {"kv_tokens_total": 10_000}, "b": 10_000})
+        snap = stage.snapshot()["replicas"]
+        assert snap["a"]["state_slots_total"] is None and snap["b"]["state_slots_total"] is None
+        assert stage.policy.ledger.has_slot("a") and stage.policy.ledger.has_slot("b")
+
+    asyncio.run(run())
+
+
+def test_sglang_reports_its_resolved_max_running_requests_as_slots() -> None:
+    """The SGLang backend's slot bound: SGLang 0.5.23's scheduler info has no
+    max_running_requests, its internal state has the resolved value per DP rank
+    (effective_max_running_requests_per_dp); the configured value is the fallback."""
+    from serve_app.engines.sglang.engine import capacity_report, slot_bound
+
+    info = {"max_total_num_tokens": 1_169_236, "max_req_input_len": 1_048_570}
+    args = {"max_running_requests": 16}
+    assert slot_bound(info, args) == 16
+    assert slot_bound(info, args, [{"effective_max_running_requests_per_dp": 12}]) == 12
+    assert slot_bound(info, args, [{"effective_max_running_requests_per_dp": 8}] * 2) == 16
+    assert slot_bound({**info, "max_running_requests": 10}, args, []) == 10
+    assert slot_bound(info, {"max_running_requests": None}) is None
+    cap = capacity_report(1000, 1200, 4, 3, 900)
+    assert cap == {"kv_tokens_total": 1000, "kv_tokens_used": 1000, "kv_tokens_free": 0,
+                   "kv_tokens_reserved": 1000, "state_slots_total": 4, "state_slots_used": 3,
+                   "state_slots_free": 1, "state_slots_reserved": 3, "max_req_input_len": 900}
+    assert capacity_report(1000, 10, None, 3, 900)["state_slots_free"] is None

@@ -135,6 +135,8 @@ class EngineTelemetry:
         m.kv_tokens_used.set(capacity["kv_tokens_used"], tags=t)
         m.kv_tokens_capacity.set(capacity["kv_tokens_total"], tags=t)
         m.token_usage.set(capacity["kv_tokens_used"] / capacity["kv_tokens_total"], tags=t)
+        if capacity.get("state_slots_total") is not None:  # in use: running_requests above
+            m.state_slots_total.set(capacity["state_slots_total"], tags=t)
         spec = core.totals.spec
         if spec.proposed_drafts:
             m.spec_accept_rate.set(spec.accept_rate, tags=t)

@@ -59,6 +59,12 @@ class AppMetrics:
                                         tag_keys=replica)
         self.token_usage = Gauge("kimi_token_usage", "KV tokens used / capacity.",
                                  tag_keys=replica)
+        # State slots: one per running request (the K3 hybrid's KDA states, any engine's
+        # max running requests); in use = kimi_num_running_reqs.
+        self.state_slots_total = Gauge("kimi_max_running_requests", "State slots: requests "
+                                       "the engine can run at once (SGLang's resolved "
+                                       "max_running_requests; the reference engine's batch "
+                                       "bound or KDA state pool).", tag_keys=replica)
         self.spec_accept_length = Histogram(
             "kimi_spec_accept_length", "Per finished request: completion tokens per verify "
             "step, bonus included (SGLang's spec_accept_length).", boundaries=_ACCEPT_BUCKETS,
@@ -72,6 +78,13 @@ class AppMetrics:
         # Router.
         self.router_decisions = Counter("kimi_router_decisions_total", "Routing decisions by "
                                         "reason.", tag_keys=("reason",))
+        self.router_state_slots_reserved = Gauge(
+            "kimi_router_state_slots_reserved", "State slots the router has reserved on a "
+            "replica (its in-flight requests, one each), per ingress.", tag_keys=replica)
+        self.router_kv_tokens_committed = Gauge(
+            "kimi_router_kv_tokens_committed", "KV tokens the router has committed on a "
+            "replica (prompt + max_tokens of its in-flight requests), per ingress.",
+            tag_keys=replica)
 
 
 _metrics: AppMetrics | None = None

@@ -11,10 +11,11 @@
 - **release**: the caller's lease calls `release` exactly once on every path (completion,
   error, cancellation at any await).
 
-Which replicas exist and how many KV tokens each holds come from `list_replicas`, a coroutine
-the ingress supplies (it asks every target replica through Serve's broadcast); the stage syncs
-with it every `refresh_s` while it is in use, and a replica that has left releases its
-requests' reservations at the next sync.
+Which replicas exist, how many KV tokens and how many state slots (running requests) each
+holds come from `list_replicas`, a coroutine the ingress supplies (it asks every target replica
+through Serve's broadcast, each answering with its engine's `capacity()`); the stage syncs with
+it every `refresh_s` while it is in use, and a replica that has left releases its requests'
+reservations at the next sync.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from serve_app.observability.metrics import app_metrics
@@ -34,9 +35,21 @@ from serve_app.routing.prefix_index import block_hashes
 
 logger = logging.getLogger("serve_app.router")
 
-# Replica id -> kv_tokens_total, and whether every replica answered (only a complete answer
-# may remove a replica: one that failed to answer once may still be serving).
-ReplicaList = tuple[dict[str, int], bool]
+# Replica id -> its engine's capacity() report (kv_tokens_total, state_slots_total, the
+# engine's own used counts ...; a bare int is kv_tokens_total alone, slots unbounded), and
+# whether every replica answered (only a complete answer may remove a replica: one that failed
+# to answer once may still be serving).
+ReplicaReport = int | Mapping[str, Any]
+ReplicaList = tuple[dict[str, ReplicaReport], bool]
+
+
+def _resources(report: ReplicaReport) -> tuple[int, int | None]:
+    """(kv_tokens_total, state_slots_total) of one replica's report. No `state_slots_total`
+    (an older engine, or a bare token count) is None: unbounded, as before slots existed."""
+    if isinstance(report, Mapping):
+        slots = report.get("state_slots_total")
+        return int(report["kv_tokens_total"]), None if slots is None else int(slots)
+    return int(report), None
 
 
 class AdmissionStage:
@@ -53,27 +66,48 @@ class AdmissionStage:
         self._lock = threading.RLock()
         self._waiters: dict[str, asyncio.Future[str]] = {}
         self.decisions: deque[tuple[str, str]] = deque(maxlen=1000)  # (request id, replica)
-        self.capacity: dict[str, int] = {}
+        self.capacity: dict[str, tuple[int, int | None]] = {}  # (KV tokens, state slots)
+        self.reported: dict[str, dict[str, Any]] = {}  # each replica's last capacity() report
         self._synced = asyncio.Event()
         self._refresher: asyncio.Task[None] | None = None
 
     # --- replicas --------------------------------------------------------------------------
 
-    def sync(self, replicas: dict[str, int], complete: bool = True) -> None:
-        """Make the policy's replicas these (id -> kv_tokens_total). Replicas missing from a
-        complete list have left: their in-flight reservations are released."""
+    def sync(self, replicas: dict[str, ReplicaReport], complete: bool = True) -> None:
+        """Make the policy's replicas these (id -> capacity report, or a bare kv_tokens_total).
+        Replicas missing from a complete list have left: their in-flight reservations are
+        released."""
         with self._lock:
-            for replica, total in replicas.items():
-                if self.capacity.get(replica) != total:
-                    self.capacity[replica] = total
-                    self.policy.add_replica(replica, total)
+            for replica, report in replicas.items():
+                resources = _resources(report)
+                self.reported[replica] = dict(report) if isinstance(report, Mapping) else {}
+                if self.capacity.get(replica) != resources:
+                    self.capacity[replica] = resources
+                    self.policy.add_replica(replica, *resources)
             if complete:
                 for replica in [r for r in self.capacity if r not in replicas]:
                     del self.capacity[replica]
+                    self.reported.pop(replica, None)
                     lost = self.policy.remove_replica(replica)
                     logger.warning("replica %s left; %d in-flight requests released", replica,
                                    len(lost))
             self._pump()
+            self._export()
+
+    def _export(self) -> None:
+        """The router's view per replica as gauges (its reservations; the engines export
+        their own totals and running counts). Called with the lock held, once per sync."""
+        metrics = app_metrics()
+        if metrics is None:
+            return
+        ledger = self.policy.ledger
+        try:
+            for replica in ledger.replicas():
+                t = {"replica": replica}
+                metrics.router_state_slots_reserved.set(ledger.slots_reserved(replica), tags=t)
+                metrics.router_kv_tokens_committed.set(ledger.committed(replica), tags=t)
+        except Exception:  # a metrics failure must not stop the replica sync (routing)
+            logger.exception("router gauges not exported")
 
     async def _refresh(self) -> None:
         try:
@@ -146,16 +180,29 @@ class AdmissionStage:
             return {
                 "policy": p.name,
                 "queued": p.queued(),
-                "replicas": {r: {"kv_tokens_total": self.capacity.get(r, 0),
-                                 "kv_tokens_committed": p.ledger.committed(r)
-                                 if r in p.ledger.replicas() else 0,
-                                 "in_flight": p.load[r].in_flight,
-                                 "pending_prefill_tokens": p.load[r].pending_prefill,
-                                 "long_prefills": p.load[r].long_prefills}
-                             for r in p.replicas()},
+                "replicas": {r: self._replica_state(r) for r in p.replicas()},
                 "clients": len(p.clients),
                 "recent": [{"id": rid, "replica": rep} for rid, rep in self.decisions],
             }
+
+    def _replica_state(self, replica: str) -> dict[str, Any]:
+        """One replica in /v1/router: both resources as this router reserved them (committed
+        KV tokens; reserved state slots, one per in-flight request) beside its totals, and the
+        engine's own used counts from its last report (None until it reports them)."""
+        p = self.policy
+        kv_total, slots_total = self.capacity.get(replica, (0, None))
+        known = replica in p.ledger.replicas()
+        reported = self.reported.get(replica, {})
+        load = p.load[replica]
+        return {"kv_tokens_total": kv_total,
+                "kv_tokens_committed": p.ledger.committed(replica) if known else 0,
+                "kv_tokens_used": reported.get("kv_tokens_used"),
+                "state_slots_total": slots_total,  # None: unbounded (no bound reported)
+                "state_slots_reserved": p.ledger.slots_reserved(replica) if known else 0,
+                "state_slots_used": reported.get("state_slots_used"),
+                "in_flight": load.in_flight,
+                "pending_prefill_tokens": load.pending_prefill,
+                "long_prefills": load.long_prefills}
 
     def _pump(self) -> None:
         # Called with the lock held.

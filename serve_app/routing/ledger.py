@@ -5,6 +5,12 @@ updated in the routing hooks (not from stats polled every 10 s, which would let 
 overcommit a replica many times over). With `share_prefix` (engines with a prefix cache, e.g.
 SGLang's radix cache) blocks already held by another in-flight request on the same replica are
 counted once: two questions on one 1M-token document need 1M + two answers, not 2M.
+
+State slots are the second resource: every running request holds one (on the K3 hybrid its KDA
+recurrent state, on any engine one of its max-running-requests places), so a replica with KV
+room but no free slot cannot start the request either; it would wait inside the engine,
+invisibly. A request takes one slot with its tokens and gives it back with them. A replica that
+reports no slot bound (`None`: an older engine) is unbounded in slots.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ class _Replica:
     private: int = 0  # non-shared tokens: partial last block + max_tokens (+ blocks if unshared)
     refs: Counter[int] = field(default_factory=Counter)  # block -> in-flight holders
     block_tokens: int = 0  # len(refs) x block size, kept incrementally
+    slots: int | None = None  # state slots (running requests); None = unbounded
+    slots_reserved: int = 0  # committed requests, one slot each
 
     @property
     def committed(self) -> int:
@@ -41,11 +49,16 @@ class CapacityLedger:
 
     # --- replicas -------------------------------------------------------------------------------
 
-    def set_capacity(self, replica: str, kv_tokens_total: int) -> None:
+    def set_capacity(self, replica: str, kv_tokens_total: int,
+                     state_slots_total: int | None = None) -> None:
+        """The replica's KV tokens and state slots (None: no slot bound reported). A bound that
+        shrinks below what is reserved only stops new commitments; nothing in flight is undone."""
         if replica in self._replicas:
-            self._replicas[replica].capacity = kv_tokens_total
+            r = self._replicas[replica]
+            r.capacity = kv_tokens_total
+            r.slots = state_slots_total
         else:
-            self._replicas[replica] = _Replica(kv_tokens_total)
+            self._replicas[replica] = _Replica(kv_tokens_total, slots=state_slots_total)
 
     def remove_replica(self, replica: str) -> list[str]:
         """Forget a replica; returns the request ids that were committed on it."""
@@ -68,6 +81,16 @@ class CapacityLedger:
         r = self._replicas[replica]
         return r.capacity - r.committed
 
+    def slots_total(self, replica: str) -> int | None:
+        return self._replicas[replica].slots
+
+    def slots_reserved(self, replica: str) -> int:
+        return self._replicas[replica].slots_reserved
+
+    def has_slot(self, replica: str) -> bool:
+        r = self._replicas[replica]
+        return r.slots is None or r.slots_reserved < r.slots
+
     def max_capacity(self) -> int:
         return max((r.capacity for r in self._replicas.values()), default=0)
 
@@ -89,7 +112,10 @@ class CapacityLedger:
 
     def fits(self, replica: str, prompt_tokens: int, max_tokens: int,
              blocks: tuple[int, ...] = ()) -> bool:
-        return self.charge(replica, prompt_tokens, max_tokens, blocks) <= self.free(replica)
+        """Both resources: a free state slot (a request cannot run without one, however much
+        KV is free) and the KV tokens."""
+        return (self.has_slot(replica)
+                and self.charge(replica, prompt_tokens, max_tokens, blocks) <= self.free(replica))
 
     def commit(self, request_id: str, replica: str, prompt_tokens: int, max_tokens: int,
                blocks: tuple[int, ...] = ()) -> int:
@@ -100,12 +126,16 @@ class CapacityLedger:
         if tokens > r.capacity - r.committed:
             raise ValueError(f"request {request_id} needs {tokens} KV tokens; replica {replica} "
                              f"has {r.capacity - r.committed} free")
+        if not self.has_slot(replica):
+            raise ValueError(f"request {request_id} needs a state slot; replica {replica} has "
+                             f"all {r.slots} reserved")
         private, shared = self._split(prompt_tokens, max_tokens, blocks)
         r.private += private
         for h in shared:
             if h not in r.refs:
                 r.block_tokens += self.block_size
             r.refs[h] += 1
+        r.slots_reserved += 1
         self._commits[request_id] = _Commit(replica, private, shared)
         return tokens
 
@@ -118,6 +148,7 @@ class CapacityLedger:
         if r is None:
             return c.replica
         r.private -= c.private
+        r.slots_reserved -= 1
         # A shared block stays committed until its last in-flight holder leaves, whoever
         # brought it first.
         for h in c.blocks:

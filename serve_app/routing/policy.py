@@ -4,8 +4,8 @@ methods with the same clock discipline (`now` is passed in).
 
 Life of a request: `submit` (400 if larger than every replica, 429 if the queue is full) ->
 `dispatch` (returns the (request, replica) pairs that may go now; the ledger is committed here)
--> `prefill_done` (first token: the replica's prefill slot frees) -> `complete` (tokens
-released). `expire` drops requests that waited longer than the queue timeout (503).
+-> `prefill_done` (first token: the replica's prefill slot frees) -> `complete` (tokens and
+the request's state slot released). `expire` drops requests that waited longer than the queue timeout (503).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class QueueTimeout(RouterError):
 
     def __init__(self, waited_s: float) -> None:
         self.waited_s = waited_s
-        super().__init__(f"no replica had KV capacity for this request within {waited_s:.1f} s "
+        super().__init__(f"no replica had KV capacity and a free state slot for this request "
+                         f"within {waited_s:.1f} s "
                          "(router queue timeout); the service is overloaded")
 
 
@@ -120,8 +121,11 @@ class Policy(ABC):
 
     # --- replicas -------------------------------------------------------------------------------
 
-    def add_replica(self, replica: str, kv_tokens_total: int) -> None:
-        self.ledger.set_capacity(replica, kv_tokens_total)
+    def add_replica(self, replica: str, kv_tokens_total: int,
+                    state_slots_total: int | None = None) -> None:
+        """A replica and its two resources: KV tokens and state slots (one per running
+        request; None = the replica reports no bound, unbounded)."""
+        self.ledger.set_capacity(replica, kv_tokens_total, state_slots_total)
         self.index.set_replica_limit(replica, kv_tokens_total // self.s.block_size)
         self.load.setdefault(replica, _Load())
 
@@ -144,6 +148,8 @@ class Policy(ABC):
         req.arrival = now
         req.is_long = req.prompt_tokens >= self.s.long_threshold
         if self.admission:
+            # 400 only for what can never fit: KV larger than the largest replica. A full set
+            # of state slots is temporary (every request gives its slot back), so it queues.
             largest = self.ledger.max_capacity()
             if self.load and req.total_tokens > largest:
                 raise RequestTooLarge(req.total_tokens, largest)
@@ -340,7 +346,8 @@ class KVRouterPolicy(Policy):
     """Capacity admission + token-based prefix affinity + long/short classes with aging.
 
     - Admission: a request goes only to a replica whose ledger can hold prompt + max_tokens
-      (prefix blocks shared with in-flight requests counted once); otherwise it waits here.
+      (prefix blocks shared with in-flight requests counted once) and has a free state slot
+      (one per running request); otherwise it waits here.
     - Classes: prompts >= long_threshold are "long". Shorts go first (they are cheap and their
       TTFT SLO is tight) unless the oldest long request has waited aging_s, in which case it goes
       first and, if no replica can hold it yet, one replica is reserved for it (shorts stop going
@@ -412,6 +419,8 @@ class KVRouterPolicy(Policy):
         uncached: dict[str, int] = {}
         long_on: dict[str, bool] = {}
         for r in self.load:
+            # Both resources or nothing: KV room without a free state slot would only move the
+            # wait into the engine, where this router can neither see nor order it.
             if r == exclude or not self.ledger.fits(r, req.prompt_tokens, req.max_tokens,
                                                     req.blocks):
                 continue
@@ -459,6 +468,7 @@ class KVRouterPolicy(Policy):
         # Batch: queued long requests on the same document follow it to the same replica; the
         # engine serves them from the prefix this prefill is writing.
         for other in list(self.long_queue):
+            # `fits` checks the slot too: a batch never takes more slots than the replica has.
             if (self._shares_prefix(req, other) and self.client_may_dispatch(other)
                     and self.ledger.fits(replica, other.prompt_tokens, other.max_tokens,
                                          other.blocks)):

@@ -516,15 +516,15 @@ class OpenAIIngress:
                 self._replicas)
 
     async def _replicas(self) -> ReplicaList:
-        """Every running target replica's id and KV capacity, for the router (Serve's
-        broadcast reaches each replica the handle's router knows)."""
+        """Every running target replica's id and its engine's capacity() report (KV tokens
+        and state slots), for the router (Serve's broadcast reaches each replica the handle's
+        router knows)."""
         try:
             answers = await self.target.broadcast("routing_info").results_async(
                 timeout_s=self.config.ingress.health_timeout_s, return_exceptions=True)
         except DeploymentUnavailableError:
             return {}, True
-        replicas = {a["replica"]: int(a["kv_tokens_total"]) for a in answers
-                    if isinstance(a, dict)}
+        replicas: dict[str, Any] = {a["replica"]: a for a in answers if isinstance(a, dict)}
         return replicas, len(replicas) == len(answers)
 
     # --- routes ---------------------------------------------------------------------------------
@@ -538,7 +538,8 @@ class OpenAIIngress:
 
     @app.get("/v1/router")
     async def router_state(self) -> dict[str, Any]:
-        """Per-replica KV commitment, queue length and recent routing decisions."""
+        """Per replica: KV tokens and state slots (total, reserved by the router, used by the
+        engine); the queue length and recent routing decisions."""
         return self.router.snapshot() if self.router else {"policy": "ray_default"}
 
     @app.get("/v1/models")
