@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5])
     ap.add_argument("--duration", type=float, default=900.0, help="arrival window (s)")
     ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--max-running", type=int, default=FleetSpec.max_running,
+                    help="state slots per replica (SGLang --max-running-requests; KDA states)")
     ap.add_argument("--policies", nargs="+", default=ORDER, choices=list(POLICIES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", type=Path, help="JSONL trace instead of the generator")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     "middle rate instead of the policy comparison")
     args = ap.parse_args(argv)
 
-    fleet = FleetSpec(replicas=args.replicas)
+    fleet = FleetSpec(replicas=args.replicas, max_running=args.max_running)
     workload = WorkloadSpec(duration_s=args.duration, seed=args.seed)
     settings = RouterSettings(share_prefix=True)  # SGLang engines: radix prefix cache
     slo = SLO()
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = ratios(rows)
     print(f"fleet: {args.replicas} x ({fleet.model} + {fleet.draft} on {fleet.nodes}x"
           f"{fleet.gpus_per_node} {fleet.gpu}, KV {fleet.kv_dtype}): {cost.kv_tokens:,} KV tokens "
-          f"per replica; prefill of 1M tokens {cost.prefill_s(1 << 20):.0f} s")
+          f"and {fleet.max_running} state slots per replica; prefill of 1M tokens "
+          f"{cost.prefill_s(1 << 20):.0f} s")
     print(f"SLOs: {asdict(slo)}; {time.perf_counter() - started:.0f} s wall\n")
     print(table(rows))
     print()

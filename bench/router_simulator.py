@@ -7,6 +7,11 @@ position costs what it costs there), decode step seconds and tokens per step wit
 speculation (`decode_step`), and KV tokens per replica (`memory_per_gpu`: free pool per GPU over
 bytes per cached token, after reserving the per-request KDA states of the running slots).
 
+Each replica has two resources, as in the Serve app: KV tokens and `max_running` state slots
+(one per running request: its KDA state, one of SGLang's --max-running-requests places). The
+policy is told both (`add_replica(name, kv_tokens, slots)`), so the kv_aware router holds in its
+own queue what would otherwise wait in an engine's waiting queue for a slot.
+
 Engine model (SGLang-like, one scheduler per replica): a waiting queue; admission into KV when
 prompt + max_tokens fit (uncached blocks only; an LRU radix-style prefix cache of whole blocks,
 unreferenced blocks evicted first); at most `max_running` requests; each iteration runs one
@@ -291,6 +296,9 @@ class SimReplica:
         self.cost = cost
         self.bs = block_size
         self.kv_total = cost.kv_tokens
+        self.slots_total = cost.spec.max_running  # state slots: running requests at once
+        self.max_running = 0  # peak running requests (never above slots_total)
+        self.slot_waits = 0  # admission passes that left a routed request waiting for a slot
         self.cache: OrderedDict[int, int] = OrderedDict()  # block -> running holders (LRU)
         self.ref_blocks = 0
         self.private = 0
@@ -308,8 +316,7 @@ class SimReplica:
         return self.ref_blocks * self.bs + self.private
 
     def _try_admit(self, now: float) -> None:
-        cap = self.cost.spec.max_running
-        while self.waiting and len(self.prefilling) + len(self.decoding) < cap:
+        while self.waiting and len(self.prefilling) + len(self.decoding) < self.slots_total:
             job = self.waiting[0]
             r = job.req
             blocks = r.blocks
@@ -349,6 +356,9 @@ class SimReplica:
             assert self.referenced() <= self.kv_total, "KV capacity exceeded"
             self.max_used = max(self.max_used, self.referenced())
             self.prefilling.append(job)
+            self.max_running = max(self.max_running, len(self.prefilling) + len(self.decoding))
+        if self.waiting and len(self.prefilling) + len(self.decoding) >= self.slots_total:
+            self.slot_waits += 1  # routed here, KV or not, and no slot: waits invisibly
 
     def _release(self, job: _Job) -> None:
         self.private -= job.private
@@ -438,7 +448,7 @@ def simulate(requests: Sequence[SimRequest], cost: CostModel, policy: Policy,
     bs = policy.s.block_size
     replicas = {f"r{i}": SimReplica(f"r{i}", cost, bs) for i in range(cost.spec.replicas)}
     for name, rep in replicas.items():
-        policy.add_replica(name, rep.kv_total)
+        policy.add_replica(name, rep.kv_total, rep.slots_total)
     outcomes = {r.request_id: Outcome(r.request_id, r.cls, r.arrival, r.prompt_tokens,
                                       r.output_tokens) for r in requests}
     by_id = {r.request_id: r for r in requests}
@@ -574,6 +584,9 @@ def summarize(res: RunResult, cost: CostModel, slo: SLO) -> dict[str, Any]:
     row["queue_wait_mean_s"] = sum(waits) / max(1, len(waits))
     row["queue_wait_p99_s"] = _pct(waits, 99)
     row["router_queue_peak"] = res.queue_peak
+    # Routed to a replica whose state slots were all taken (it waited there, unseen by the
+    # router): the baselines do it; kv_aware, told each replica's slots, should not.
+    row["engine_slot_waits"] = sum(r.slot_waits for r in res.replicas)
     for status in ("rejected_429", "rejected_400", "timeout_503", "unfinished"):
         row[status] = sum(1 for o in outs if o.status == status)
     return row

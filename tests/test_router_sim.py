@@ -53,12 +53,31 @@ def test_every_request_accounted_and_capacity_never_exceeded(cost: CostModel, na
     assert len(outs) == len(reqs)
     assert {o.status for o in outs} <= {"ok", "rejected_429", "rejected_400", "timeout_503"}
     assert all(r.max_used <= r.kv_total for r in reps)  # the engine also asserts it per admit
+    assert all(r.max_running <= r.slots_total == FLEET.max_running for r in reps)
     for o in outs:
         if o.status == "ok":
             assert o.arrival <= o.routed_at <= o.admitted_at <= o.first_token <= o.finished
     if name == "kv_aware":
-        # With admission nothing waits for KV inside an engine.
+        # With admission nothing waits for KV or a state slot inside an engine.
         assert all(not r.waiting for r in reps)
+        assert all(r.slot_waits == 0 for r in reps)
+
+
+def test_kv_aware_holds_what_finds_no_state_slot_baselines_send_it() -> None:
+    """Two state slots per replica (max running requests) and KV for many more: the
+    baselines send requests to replicas whose slots are taken (they wait inside the engine,
+    unseen by the router); kv_aware, told each replica's slots, holds them in its own queue
+    and still serves every request."""
+    fleet = FleetSpec(replicas=2, max_running=2)
+    cost = CostModel(fleet)
+    s = RouterSettings()
+    reqs = generate_workload(WORK, s.block_size, 1 << 20)
+    _, base, _, _ = simulate(reqs, cost, make_policy(s, "round_robin"), drain_s=1800)
+    assert sum(r.slot_waits for r in base) > 0
+    outs, reps, _, peak = simulate(reqs, cost, make_policy(s, "kv_aware"), drain_s=1800)
+    assert all(o.status == "ok" for o in outs)
+    assert all(r.slot_waits == 0 and r.max_running <= 2 for r in reps)
+    assert peak > 0  # they waited in the router instead
 
 
 def test_seeded_runs_are_deterministic() -> None:
