@@ -15,6 +15,7 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Any
 
+from capacity.errors import CapacityError
 from capacity.formats import KV_DTYPE_BYTES, KvDtype, WeightFormat, matrix_bytes
 
 KDA_STATE_BYTES = 4  # the KDA recurrent state is kept in FP32 by the Kimi Linear kernels
@@ -269,15 +270,47 @@ class ModelDescriptor:
         per_layer = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
         return per_layer * self.mla_layers * KV_DTYPE_BYTES[kv_dtype]
 
-    def kda_state_bytes(self) -> int:
-        """Recurrent KDA state of one request across all KDA layers, before TP: constant in
-        context length."""
+    def _kda_heads_per_rank(self, attention_tp: int) -> int:
+        assert self.kda is not None
+        if attention_tp <= 0 or self.kda.heads % attention_tp:
+            raise CapacityError(
+                f"attention_tp ({attention_tp}) must divide {self.name}'s {self.kda.heads} KDA "
+                "heads"
+            )
+        return self.kda.heads // attention_tp
+
+    def kda_layer_conv_bytes(self, conv_bytes: int = CONV_STATE_BYTES,
+                             attention_tp: int = 1) -> int:
+        """Short-conv state of one KDA layer on one attention-TP rank: the last K - 1 raw
+        q|k|v projection rows, [K - 1, 3 x heads x head_dim / tp] (SGLang's
+        KimiLinearStateShape.create, configs/mamba_utils.py)."""
         if self.kda is None:
             return 0
-        channels = self.kda.heads * self.kda.head_dim
-        recurrent = self.kda.heads * self.kda.head_dim * self.kda.head_dim * KDA_STATE_BYTES
-        conv = 3 * channels * (self.kda.conv_kernel - 1) * CONV_STATE_BYTES  # q, k and v convs
-        return (recurrent + conv) * self.kda_layers
+        channels = 3 * self._kda_heads_per_rank(attention_tp) * self.kda.head_dim  # q, k, v
+        return (self.kda.conv_kernel - 1) * channels * conv_bytes
+
+    def kda_layer_ssm_bytes(self, ssm_bytes: int = KDA_STATE_BYTES, attention_tp: int = 1) -> int:
+        """Recurrent (SSM) state of one KDA layer on one attention-TP rank:
+        [heads / tp, head_dim, head_dim]."""
+        if self.kda is None:
+            return 0
+        return (self._kda_heads_per_rank(attention_tp) * self.kda.head_dim * self.kda.head_dim
+                * ssm_bytes)
+
+    def kda_layer_state_bytes(self, conv_bytes: int = CONV_STATE_BYTES,
+                              ssm_bytes: int = KDA_STATE_BYTES, attention_tp: int = 1) -> int:
+        """Complete state (conv + SSM) of one KDA layer for one request on one attention-TP
+        rank."""
+        return (self.kda_layer_conv_bytes(conv_bytes, attention_tp)
+                + self.kda_layer_ssm_bytes(ssm_bytes, attention_tp))
+
+    def kda_state_bytes(self, conv_bytes: int = CONV_STATE_BYTES,
+                        ssm_bytes: int = KDA_STATE_BYTES, attention_tp: int = 1) -> int:
+        """Recurrent KDA state of one request across all KDA layers on one attention-TP rank
+        (the whole state with the default attention_tp = 1): constant in context length. The
+        defaults are SGLang's dtypes (conv BF16, SSM FP32); an engine keeping FP32 conv state
+        passes conv_bytes=4. Raises CapacityError when attention_tp does not divide the heads."""
+        return self.kda_layer_state_bytes(conv_bytes, ssm_bytes, attention_tp) * self.kda_layers
 
     def gqa_kv_bytes_per_token(self, kv_dtype: KvDtype = KvDtype.BF16) -> int:
         """K and V for every GQA layer and KV head (the whole group, before any TP split)."""

@@ -90,6 +90,34 @@ def test_kda_state(k3):
 
 
 @pytest.mark.parametrize(
+    ("tp", "conv", "ssm", "total_mb", "bf16_ssm_mb"),
+    # kimi-k3-architecture.md section 2's table (conv BF16, SSM FP32, 69 KDA layers).
+    [(1, 221_184, 6_291_456, 449.4, 232.3), (8, 27_648, 786_432, 56.2, 29.0),
+     (16, 13_824, 393_216, 28.1, 14.5)],
+)
+def test_kda_state_per_attention_tp_rank(k3, tp, conv, ssm, total_mb, bf16_ssm_mb):
+    assert k3.kda_layer_conv_bytes(attention_tp=tp) == conv
+    assert k3.kda_layer_ssm_bytes(attention_tp=tp) == ssm
+    assert k3.kda_layer_state_bytes(attention_tp=tp) == conv + ssm
+    assert k3.kda_state_bytes(attention_tp=tp) == 69 * (conv + ssm)
+    assert round(k3.kda_state_bytes(attention_tp=tp) / 1e6, 1) == total_mb
+    assert round(k3.kda_state_bytes(ssm_bytes=2, attention_tp=tp) / 1e6, 1) == bf16_ssm_mb
+
+
+def test_kda_state_element_sizes(k3, k2):
+    # The CPU reference engine keeps its conv state in FP32: twice the conv bytes.
+    assert k3.kda_state_bytes(conv_bytes=4) == 69 * (96 * 128 * 128 * 4 + 3 * 12288 * 3 * 4)
+    assert k3.kda_state_bytes(4, 4, 8) == k3.kda_state_bytes(conv_bytes=4) // 8
+    # The defaults are the unchanged SGLang dtypes.
+    assert k3.kda_state_bytes() == k3.kda_state_bytes(2, 4, 1)
+    with pytest.raises(CapacityError, match="attention_tp \\(5\\) must divide Kimi-K3's 96 KDA"):
+        k3.kda_state_bytes(attention_tp=5)
+    with pytest.raises(CapacityError, match="attention_tp \\(0\\)"):
+        k3.kda_layer_state_bytes(attention_tp=0)
+    assert k2.kda_state_bytes(attention_tp=5) == 0 == k2.kda_layer_state_bytes()
+
+
+@pytest.mark.parametrize(
     ("fmt", "expected"),
     [
         (WeightFormat.BF16, 2 * 256 * 64),
