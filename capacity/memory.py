@@ -24,7 +24,14 @@ from types import MappingProxyType
 from capacity.config import Layout, Speculation, Workload
 from capacity.errors import CapacityError
 from capacity.formats import KV_DTYPE_BYTES, WeightFormat
-from capacity.model import COMPONENT_SHARDING, Component, ModelDescriptor, Sharding
+from capacity.model import (
+    COMPONENT_SHARDING,
+    CONV_STATE_BYTES,
+    KDA_STATE_BYTES,
+    Component,
+    ModelDescriptor,
+    Sharding,
+)
 from capacity.tables import GIB, GpuSpec
 
 # NVIDIA aiconfigurator's runtime overhead per GPU: about 3.5 GiB "other" + 0.34-0.39 GB NCCL
@@ -44,6 +51,13 @@ KV_PAGE_TOKENS = 64
 # is sized for the cap (kimi-k3-serving.md).
 DSPARK_MAX_RUNNING_REQUESTS = 48
 DEFAULT_MAX_RUNNING_REQUESTS = 1024
+# How a speculative verify rolls the KDA state back (see kda_rollback_costs): SGLang's default
+# per-position scratch, or ReplaySSM's ring (--enable-linear-replayssm-spec).
+KDA_ROLLBACKS = ("scratch", "replay")
+DEFAULT_KDA_ROLLBACK = "scratch"
+# --linear-replayssm-cache-len's default (arg_groups/fields/exec_.py:582-585).
+DEFAULT_REPLAY_RING_LEN = 16
+FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -217,6 +231,7 @@ def _stage_needs(
     model: ModelDescriptor, draft: ModelDescriptor | None, verify_rows: int | None,
     fmt_key: str | None, pipeline_stages: int, attention_tp: int, expert_parallel: int,
     moe_tp: int, kv_bytes: int, context_length: int, kda_state_slots: int,
+    kda_rollback: str = DEFAULT_KDA_ROLLBACK, ring_len: int = DEFAULT_REPLAY_RING_LEN,
 ) -> tuple[_StageNeeds, ...]:
     """What each stage's GPU holds, independent of which GPU it is: a sweep asks for the same
     shape on every GPU type and memory fraction. `verify_rows` is None without speculation."""
@@ -238,9 +253,17 @@ def _stage_needs(
             "mla_kv": cached_tokens * mla_per_layer_token * mla_here,
             "kda_state": ceil(kda_per_layer * kda_here * kda_state_slots / attention_tp),
         }
-        if verify_rows is not None and kda_here:
+        if verify_rows is not None and kda_here and kda_rollback == "replay":
+            # ReplaySSM: the verify keeps only the conv windows per verified position; each
+            # of the request's state slots carries a ring of the window's inputs.
+            costs = kda_rollback_costs(model, verify_rows, attention_tp, kda_rollback, ring_len,
+                                       kda_state_slots, kda_layers=kda_here)
+            per_request["kda_verify_conv_windows"] = costs.per_request_conv_bytes
+            per_request["kda_replay_ring"] = costs.per_slot_ring_bytes * kda_state_slots
+        elif verify_rows is not None and kda_here:
             # Hybrid linear-attention models keep one state per verified position so a
-            # rejected draft can be rolled back (SGLang's intermediate SSM state cache; inferred).
+            # rejected draft can be rolled back (SGLang's intermediate_ssm and
+            # intermediate_conv_window, see kda_rollback_costs).
             per_request["kda_verify_states"] = ceil(
                 kda_per_layer * kda_here * verify_rows / attention_tp
             )
@@ -268,13 +291,18 @@ def memory_per_gpu(
     gpu: GpuSpec,
     draft: ModelDescriptor | None = None,
     speculation: Speculation | None = None,
+    kda_rollback: str = DEFAULT_KDA_ROLLBACK,
+    ring_len: int = DEFAULT_REPLAY_RING_LEN,
 ) -> MemoryReport:
     """Per-GPU memory of `layout` serving `model` (and `draft`) at the workload's context,
-    with the largest number of concurrent requests that fits."""
+    with the largest number of concurrent requests that fits. `kda_rollback` is how the
+    speculative verify rolls the KDA state back ("scratch" or "replay" with a ring of
+    `ring_len`, see kda_rollback_costs)."""
     check_context(model, workload.context_length)
     check_layout(model, layout)
     if draft is not None and speculation is None:
         speculation = Speculation.for_draft(draft)
+    check_kda_rollback(kda_rollback, speculation.gamma + 1 if speculation else 0, ring_len)
     kv_bytes = KV_DTYPE_BYTES[layout.kv_dtype]
     verify_rows = (speculation.gamma + 1) if speculation else 1
     capacity = gpu.memory_bytes
@@ -290,7 +318,7 @@ def memory_per_gpu(
         model, draft, verify_rows if speculation else None,
         layout.weight_format.value if layout.weight_format else None, layout.pipeline_stages,
         layout.attention_tp, layout.expert_parallel, layout.moe_tp, kv_bytes,
-        workload.context_length, workload.kda_state_slots,
+        workload.context_length, workload.kda_state_slots, kda_rollback, ring_len,
     )
     stages = [
         StageMemory(stage=index, first_layer=n.first_layer, last_layer=n.last_layer,
@@ -350,6 +378,155 @@ MAMBA_SLOTS_PER_RUNNING_REQUEST = 3 + 2
 # Each pool also keeps one padding slot.
 
 
+# --- speculative verify on the hybrid: how a rejected draft is rolled back --------------------
+
+# SGLang 0.5.23 keeps the KDA state of the last accepted draft one of two ways:
+# - "scratch" (the default): verify writes the full state after every verified position,
+#   intermediate_ssm [layers, R + 1, D, h/t, V, K] in the SSM dtype and intermediate_conv_window
+#   [layers, R + 1, D, K - 1, 3P/t] in the conv dtype (dense for KDA: the window dedup is off),
+#   and commit copies the accepted one back (mem_cache/memory_pool.py:864-965). The configurator
+#   reserves mamba_cache_per_req x D x (R + 1) for both (kv_cache_configurator.py:3297-3374).
+# - "replay" (--enable-linear-replayssm-spec): no intermediate_ssm (memory_pool.py:880-882);
+#   verify logs each step's inputs into a ring of L positions attached to EVERY mamba slot, the
+#   pool's padding slot included (memory_pool.py:767-771; kv_cache_configurator.py:3263-3290,
+#   3404-3409), and commit replays the accepted prefix into the FP32 state in place. The conv
+#   windows stay (conv rollback still reads them), though the configurator does not reserve
+#   them under ReplaySSM (reserves_spec_state, kv_cache_configurator.py:3294-3298): the planner
+#   counts them anyway, they are allocated.
+# R = running requests per attention-DP rank, D = speculative_num_draft_tokens (gamma + 1).
+
+
+def replay_ring_bytes_per_layer(model: ModelDescriptor, ring_len: int = DEFAULT_REPLAY_RING_LEN,
+                                attention_tp: int = 1,
+                                conv_bytes: int = CONV_STATE_BYTES) -> int:
+    """The ReplaySSM ring of one mamba slot in one KDA layer on one attention-TP rank,
+    BaseLinearStateParams.replayssm_ring_bytes_per_req's KDA branch (configs/mamba_utils.py:
+    127-157), hv = h_k = heads / tp (K3 has as many key heads as heads), V = K = head_dim:
+    raw v and pre-norm raw k (conv dtype), beta and the per-K log-gate g (FP32), and the d and k
+    decode rings, kept allocated for KDA (conv dtype, memory_pool.py:784-803)."""
+    if model.kda is None:
+        return 0
+    # kda_layer_ssm_bytes raises unless attention_tp divides the heads.
+    heads = model.kda_layer_ssm_bytes(1, attention_tp) // (model.kda.head_dim ** 2)
+    dim = model.kda.head_dim
+    raw_v = heads * ring_len * dim * conv_bytes
+    raw_k = heads * ring_len * dim * conv_bytes
+    beta = heads * ring_len * FP32_BYTES
+    gate = heads * ring_len * dim * FP32_BYTES
+    d_ring = heads * ring_len * dim * conv_bytes
+    k_ring = heads * ring_len * dim * conv_bytes
+    return raw_v + raw_k + beta + gate + d_ring + k_ring
+
+
+def check_kda_rollback(strategy: str, draft_tokens: int, ring_len: int) -> None:
+    """SGLang's own checks on the strategy: the ring is at least 1 long (arg check,
+    arg_groups/attention_hook.py:434-438) and, for KDA, a power of two of at least twice the
+    draft tokens (the pool's backstop, memory_pool.py:818-834)."""
+    if strategy not in KDA_ROLLBACKS:
+        raise CapacityError(f"kda_rollback must be one of {', '.join(KDA_ROLLBACKS)}, got "
+                            f"{strategy!r}")
+    if draft_tokens < 0:
+        raise CapacityError(f"draft tokens must not be negative, got {draft_tokens}")
+    if strategy != "replay":
+        return
+    if draft_tokens < 1:
+        raise CapacityError("kda_rollback 'replay' is the speculative verify's rollback: it "
+                            "needs a draft (speculation)")
+    if ring_len < 1 or ring_len & (ring_len - 1):
+        raise CapacityError(f"replay ring length (--linear-replayssm-cache-len) must be a power "
+                            f"of two, got {ring_len}")
+    if ring_len < 2 * draft_tokens:
+        raise CapacityError(f"replay ring length (--linear-replayssm-cache-len) {ring_len} is "
+                            f"below 2 x {draft_tokens} draft tokens (SGLang's early-flush margin)")
+
+
+@dataclass(frozen=True)
+class KdaRollbackCosts:
+    """Per GPU (one attention-TP rank, `kda_layers` KDA layers): the KDA bytes a running request
+    holds under one rollback strategy. `per_request_bytes` is the verify scratch one running
+    request's row holds (D full states for scratch, D conv windows for replay);
+    `per_slot_ring_bytes` the replay ring of one mamba slot (0 for scratch)."""
+
+    strategy: str
+    draft_tokens: int
+    attention_tp: int
+    ring_len: int
+    kda_layers: int
+    mamba_slots_per_request: int
+    state_slot_bytes: int  # one persistent mamba slot: conv + SSM state of every KDA layer
+    per_request_ssm_bytes: int  # intermediate_ssm of one request row (0 for replay)
+    per_request_conv_bytes: int  # intermediate_conv_window of one request row
+    per_slot_ring_bytes: int
+
+    @property
+    def per_request_bytes(self) -> int:
+        return self.per_request_ssm_bytes + self.per_request_conv_bytes
+
+    @property
+    def rollback_bytes_per_request(self) -> int:
+        """What the strategy adds per running request: its verify row and its slots' rings."""
+        return self.per_request_bytes + self.mamba_slots_per_request * self.per_slot_ring_bytes
+
+    @property
+    def rollback_padding_bytes(self) -> int:
+        """The padding row of the verify buffers and the padding slot's ring."""
+        return self.per_request_bytes + self.per_slot_ring_bytes
+
+    def rollback_bytes(self, running: int) -> int:
+        """The strategy's bytes per GPU with `running` requests on this attention-DP rank,
+        padding included (the scratch default at TP8, R = 48: 49 x 449 MB = 22.0 GB)."""
+        return running * self.rollback_bytes_per_request + self.rollback_padding_bytes
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """Every KDA byte one running request holds: its mamba slots (with their rings) and its
+        verify row."""
+        return self.mamba_slots_per_request * self.state_slot_bytes + self.rollback_bytes_per_request
+
+    @property
+    def state_padding_bytes(self) -> int:
+        """The pools' padding: one mamba slot (with its ring) and one verify row."""
+        return self.state_slot_bytes + self.rollback_padding_bytes
+
+    def state_bytes(self, running: int) -> int:
+        """All KDA bytes per GPU (persistent slots, rollback, padding) for `running` requests."""
+        return running * self.state_bytes_per_request + self.state_padding_bytes
+
+
+def kda_rollback_costs(
+    model: ModelDescriptor,
+    draft_tokens: int,
+    attention_tp: int = 1,
+    strategy: str = DEFAULT_KDA_ROLLBACK,
+    ring_len: int = DEFAULT_REPLAY_RING_LEN,
+    mamba_slots_per_request: int = MAMBA_SLOTS_PER_RUNNING_REQUEST,
+    *,
+    kda_layers: int | None = None,
+    conv_bytes: int = CONV_STATE_BYTES,
+    ssm_bytes: int = KDA_STATE_BYTES,
+) -> KdaRollbackCosts:
+    """The KDA state and verify scratch of one running request per GPU under a rollback
+    strategy ("scratch" or "replay", see KDA_ROLLBACKS), from SGLang 0.5.23's own formulas.
+    `draft_tokens` is speculative_num_draft_tokens (gamma + 1; 0 without speculation),
+    `kda_layers` the KDA layers on the GPU's pipeline stage (default: all of them). Raises
+    CapacityError on a strategy SGLang refuses (see check_kda_rollback) or heads TP does not
+    divide."""
+    check_kda_rollback(strategy, draft_tokens, ring_len)
+    layers = model.kda_layers if kda_layers is None else kda_layers
+    conv = model.kda_layer_conv_bytes(conv_bytes, attention_tp)
+    ssm = model.kda_layer_ssm_bytes(ssm_bytes, attention_tp)
+    replay = strategy == "replay"
+    return KdaRollbackCosts(
+        strategy=strategy, draft_tokens=draft_tokens, attention_tp=attention_tp,
+        ring_len=ring_len, kda_layers=layers, mamba_slots_per_request=mamba_slots_per_request,
+        state_slot_bytes=(conv + ssm) * layers,
+        per_request_ssm_bytes=0 if replay else draft_tokens * ssm * layers,
+        per_request_conv_bytes=draft_tokens * conv * layers,
+        per_slot_ring_bytes=(replay_ring_bytes_per_layer(model, ring_len, attention_tp, conv_bytes)
+                             * layers if replay else 0),
+    )
+
+
 @dataclass(frozen=True)
 class RunningFit:
     """One deployment as SGLang sizes its pools, on the busiest GPU of a replica: the static
@@ -365,6 +542,23 @@ class RunningFit:
     max_running_requests: int  # per replica (0: not even one full-context request fits)
     full_context_requests: int  # full-context requests whose KV fits beside those states
     attention_dp: int
+    kda_rollback: str = DEFAULT_KDA_ROLLBACK
+    rollback: KdaRollbackCosts | None = None  # the busiest stage's KDA costs
+
+    @property
+    def running_per_rank(self) -> int:
+        return self.max_running_requests // self.attention_dp
+
+    @property
+    def state_bytes(self) -> int:
+        """Per GPU, the KDA states (slots, verify scratch or replay rings, padding) of the
+        running requests."""
+        return self.running_per_rank * self.state_bytes_per_request + self.state_padding_bytes
+
+    @property
+    def kv_room_bytes(self) -> int:
+        """Per GPU, what the static pool leaves for MLA (+ draft) KV beside those states."""
+        return self.free_bytes - self.state_bytes
 
     @property
     def fits(self) -> bool:
@@ -390,27 +584,34 @@ def running_fit(
     speculation: Speculation | None = None,
     running_cap: int | None = None,
     running: int | None = None,
+    kda_rollback: str = DEFAULT_KDA_ROLLBACK,
+    ring_len: int = DEFAULT_REPLAY_RING_LEN,
 ) -> RunningFit:
     """How many requests a deployment may run at once and how many of them may be at full
     context: the most running requests (up to SGLang's cap, `max_running_requests(draft)`) whose
     KDA states still leave the KV of one full-context request, and how many full-context
     requests' KV then fit. `max_running_requests` 0 means one full-context request does not fit
     even alone. With `running` given (a deployment's setting), that many run: how many of them
-    may be at full context."""
+    may be at full context. `kda_rollback` ("scratch", SGLang's default, or "replay" with a
+    ring of `ring_len`) is how the verify rolls KDA states back (kda_rollback_costs)."""
     if draft is not None and speculation is None:
         speculation = Speculation.for_draft(draft)
     report = memory_per_gpu(model, layout, Workload(context_length=context_length), gpu, draft,
-                            speculation)
+                            speculation, kda_rollback, ring_len)
     draft_tokens = speculation.gamma + 1 if speculation else 0
     cap = running_cap if running_cap is not None else max_running_requests(draft)
     per_rank_cap = max(1, cap // layout.attention_dp)
     ok = True
     shapes: list[tuple[StageMemory, int, int, int]] = []  # (stage, kv, state, padding)
+    costs: dict[int, KdaRollbackCosts] = {}
+    attention_layers = _stage_attention_layers(model, layout.pipeline_stages)
     for stage in report.stages:
-        slot = stage.per_request.get("kda_state", 0)  # one state slot (Workload default: 1)
         kv = sum(v for k, v in stage.per_request.items() if k.endswith("_kv"))
-        shapes.append((stage, kv, slot * (MAMBA_SLOTS_PER_RUNNING_REQUEST + draft_tokens),
-                       slot * (1 + draft_tokens)))
+        # One state slot per mamba slot (the Workload default: 1), a verify row per request.
+        cost = costs[stage.stage] = kda_rollback_costs(
+            model, draft_tokens, layout.attention_tp, kda_rollback, ring_len,
+            kda_layers=attention_layers[stage.stage][1])
+        shapes.append((stage, kv, cost.state_bytes_per_request, cost.state_padding_bytes))
         # Activations and the runtime must fit outside the static pool.
         ok = ok and sum(stage.outside_pool.values()) <= report.capacity_bytes - stage.budget
 
@@ -442,5 +643,6 @@ def running_fit(
         state_bytes_per_request=state, state_padding_bytes=padding,
         max_running_requests=per_rank * layout.attention_dp,
         full_context_requests=full_requests(worst) * layout.attention_dp,
-        attention_dp=layout.attention_dp,
+        attention_dp=layout.attention_dp, kda_rollback=kda_rollback,
+        rollback=costs[stage.stage] if model.kda_layers else None,
     )

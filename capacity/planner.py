@@ -12,9 +12,12 @@ from capacity.config import Layout, Speculation, Workload
 from capacity.errors import CapacityError
 from capacity.formats import KvDtype, WeightFormat
 from capacity.memory import (
+    DEFAULT_KDA_ROLLBACK,
+    DEFAULT_REPLAY_RING_LEN,
     MAMBA_SLOTS_PER_RUNNING_REQUEST,
     MemoryReport,
     check_context,
+    check_kda_rollback,
     max_running_requests,
     memory_per_gpu,
 )
@@ -227,8 +230,12 @@ def plan(
     speculation: Speculation | None = None,
     constants: TimeConstants = DEFAULT_CONSTANTS,
     require_price: bool = False,
+    kda_rollback: str = DEFAULT_KDA_ROLLBACK,
+    ring_len: int = DEFAULT_REPLAY_RING_LEN,
 ) -> PlanResult:
-    """Ranked feasible fleets (cheapest per million output tokens first)."""
+    """Ranked feasible fleets (cheapest per million output tokens first). `kda_rollback` is how
+    the speculative verify rolls the KDA state back (memory.kda_rollback_costs); the time model
+    does not depend on it."""
     check_context(model, context_length)
     if concurrency is not None and concurrency <= 0:
         raise CapacityError(f"concurrency must be positive, got {concurrency}")
@@ -238,6 +245,7 @@ def plan(
         raise CapacityError(f"max nodes must be positive, got {max_nodes}")
     if draft is not None and speculation is None:
         speculation = Speculation.for_draft(draft)
+    check_kda_rollback(kda_rollback, speculation.gamma + 1 if speculation else 0, ring_len)
     names = allowed_gpus or [g.gpu for g in gpus.values()]
     specs = [gpu_spec(gpus, n) for n in names]
     best_price = cheapest_prices(prices)
@@ -258,7 +266,8 @@ def plan(
         for layout in _candidate_layouts(model, spec, max_nodes, tuple(weight_formats),
                                          tuple(kv_dtypes), mem_fraction):
             evaluated += 1
-            report = memory_per_gpu(model, layout, workload, spec, draft, speculation)
+            report = memory_per_gpu(model, layout, workload, spec, draft, speculation,
+                                    kda_rollback, ring_len)
             if not report.fits:
                 free = report.worst_stage.free_for_requests
                 if spec.gpu not in rejected or free > rejected[spec.gpu][0]:

@@ -168,3 +168,120 @@ def test_running_fit_counts_sglangs_kda_state_pools() -> None:
                        draft, running=48).full_context_requests == 0
     # Short contexts: the cap (48 with DSPARK) binds.
     assert running_fit(k3, lay, h200, 8192, draft).max_running_requests == 48
+
+
+def test_kda_rollback_costs_reproduce_the_architecture_notes() -> None:
+    """kimi-k3-architecture.md section 3, from SGLang 0.5.23's formulas: the default scratch
+    keeps D = 8 full states per request (intermediate_ssm + intermediate_conv_window); ReplaySSM
+    keeps the conv windows and a ring of L = 16 positions on every mamba slot instead."""
+    from capacity import describe_model
+    from capacity.memory import MAMBA_SLOTS_PER_RUNNING_REQUEST, kda_rollback_costs
+
+    k3 = describe_model("kimi-k3")
+    scratch = kda_rollback_costs(k3, 8, 8)
+    assert scratch.strategy == "scratch" and scratch.per_slot_ring_bytes == 0
+    assert scratch.state_slot_bytes == k3.kda_state_bytes(attention_tp=8) == 56_171_520
+    assert scratch.per_request_ssm_bytes == 69 * 8 * 12 * 128 * 128 * 4  # 434.1 MB
+    assert scratch.per_request_conv_bytes == 69 * 8 * 3 * 3 * 12 * 128 * 2  # 15.3 MB
+    assert round(scratch.per_request_ssm_bytes / 1e6, 1) == 434.1
+    assert round(scratch.per_request_conv_bytes / 1e6, 1) == 15.3
+    assert scratch.per_request_bytes == 8 * scratch.state_slot_bytes  # 8x the committed state
+    assert round(scratch.per_request_bytes / 1e6) == 449
+    # x 49 (R = 48 + the padding row): 22.0 GB per GPU; 11.4 GB with BF16 SSM; 11.0 GB at TP16.
+    assert scratch.rollback_bytes(48) == 49 * scratch.per_request_bytes
+    assert round(scratch.rollback_bytes(48) / 1e9, 1) == 22.0
+    assert round(kda_rollback_costs(k3, 8, 8, ssm_bytes=2).rollback_bytes(48) / 1e9, 1) == 11.4
+    assert round(kda_rollback_costs(k3, 8, 16).rollback_bytes(48) / 1e9, 1) == 11.0
+
+    replay = kda_rollback_costs(k3, 8, 8, "replay", 16)
+    # mamba_utils.py:127-157, KDA: raw v, raw k, d, k (BF16), per-K gate g, beta (FP32);
+    # 12 heads per rank, V = K = 128.
+    per_layer = 12 * 16 * 128 * (2 + 2 + 2 + 2 + 4) + 12 * 16 * 4
+    assert replay.per_slot_ring_bytes == 69 * per_layer == 20_401_920  # about 20.4 MB
+    assert replay.per_request_ssm_bytes == 0  # no intermediate_ssm
+    assert replay.per_request_conv_bytes == scratch.per_request_conv_bytes  # the windows stay
+    # The ring rides on every mamba slot: 5 per running request and the padding slot.
+    assert replay.rollback_bytes(48) == (
+        49 * replay.per_request_conv_bytes
+        + (48 * MAMBA_SLOTS_PER_RUNNING_REQUEST + 1) * replay.per_slot_ring_bytes)
+    assert round(replay.rollback_bytes(48) / 1e9, 2) == 5.66
+    assert round(kda_rollback_costs(k3, 8, 16, "replay").rollback_bytes(48) / 1e9, 2) == 2.83
+    assert replay.state_bytes(48) == (
+        (48 * MAMBA_SLOTS_PER_RUNNING_REQUEST + 1) * (replay.state_slot_bytes
+                                                      + replay.per_slot_ring_bytes)
+        + 49 * replay.per_request_conv_bytes)
+    # The ring scales with L.
+    assert kda_rollback_costs(k3, 8, 8, "replay", 32).per_slot_ring_bytes == 2 * 20_401_920
+
+
+def test_kda_rollback_is_checked_as_sglang_does(tiny) -> None:
+    from capacity.memory import kda_rollback_costs
+
+    with pytest.raises(CapacityError, match="one of scratch, replay"):
+        kda_rollback_costs(tiny, 4, strategy="undo")
+    with pytest.raises(CapacityError, match="power of two, got 12"):
+        kda_rollback_costs(tiny, 4, strategy="replay", ring_len=12)
+    with pytest.raises(CapacityError, match="8 is below 2 x 8 draft tokens"):
+        kda_rollback_costs(tiny, 8, strategy="replay", ring_len=8)
+    with pytest.raises(CapacityError, match="needs a draft"):
+        kda_rollback_costs(tiny, 0, strategy="replay")
+    with pytest.raises(CapacityError, match="attention_tp \\(3\\) must divide"):
+        kda_rollback_costs(tiny, 4, 3)
+    with pytest.raises(CapacityError, match="needs a draft"):
+        memory_per_gpu(tiny, layout(1), Workload(context_length=1000), GPU, kda_rollback="replay")
+    # Without speculation the default costs nothing beyond the slots.
+    none = kda_rollback_costs(tiny, 0)
+    assert none.rollback_bytes(10) == 0 and none.state_padding_bytes == none.state_slot_bytes
+
+
+def test_replay_rollback_per_request_terms(tiny, tiny_draft):
+    """Tiny hybrid (3 KDA layers, 4 heads x 8): at TP2 the ring of one slot is
+    (4 x 16 x 8 x 2 B x 4 rings + 4 x 16 x 8 x 4 B gate + 4 x 16 x 4 B beta) / 2 per layer."""
+    spec = Speculation(gamma=3, acceptance_length=2.0)
+    scratch = run(tiny, layout(2), draft=tiny_draft, spec=spec).stages[0]
+    replay = memory_per_gpu(tiny, layout(2), Workload(context_length=1000, kda_state_slots=5),
+                            GPU, tiny_draft, spec, kda_rollback="replay").stages[0]
+    assert "kda_verify_states" not in replay.per_request
+    # Four conv windows (gamma + 1) of 3 x 32 channels x 2 B per layer, split by TP.
+    assert replay.per_request["kda_verify_conv_windows"] == 3 * 4 * 576 // 2
+    assert replay.per_request["kda_replay_ring"] == 5 * 3 * (4096 + 2048 + 256) // 2
+    assert replay.per_request["kda_state"] == 5 * 3 * 1600 // 2
+    for key in ("mla_kv", "draft_kv"):
+        assert replay.per_request[key] == scratch.per_request[key]
+    assert replay.weights == scratch.weights
+    # The default is unchanged by the option.
+    same = memory_per_gpu(tiny, layout(2), Workload(context_length=1000), GPU, tiny_draft, spec,
+                          kda_rollback="scratch").stages[0]
+    assert dict(same.per_request) == dict(scratch.per_request)
+
+
+def test_running_fit_honours_the_kda_rollback() -> None:
+    """K3 + DSpark on 2 x 8 H200 (TP16), FP8 KV at 1M: the scratch default runs 15 requests;
+    replay's smaller verify memory lets 28 run beside one full-context request, and at 48
+    running it leaves 11.4 GB of KV per GPU where the scratch leaves 3.2 GB."""
+    from capacity import describe_model, load_gpus
+    from capacity.formats import KvDtype
+    from capacity.memory import kda_rollback_costs, running_fit
+
+    k3, draft, h200 = describe_model("kimi-k3"), describe_model("kimi-k3-dspark"), load_gpus()["H200"]
+    lay = Layout(gpu="H200", gpus_per_node=8, nodes=2, attention_tp=16, expert_parallel=16,
+                 kv_dtype=KvDtype.FP8)
+    default = running_fit(k3, lay, h200, 1_048_576, draft)
+    scratch = running_fit(k3, lay, h200, 1_048_576, draft, kda_rollback="scratch")
+    assert default == scratch and default.kda_rollback == "scratch"
+    assert default.rollback == kda_rollback_costs(k3, 8, 16)
+    slot = memory_per_gpu(k3, lay, Workload(context_length=1_048_576), h200, draft
+                          ).stages[0].per_request["kda_state"]
+    assert default.rollback.state_slot_bytes == slot
+    replay = running_fit(k3, lay, h200, 1_048_576, draft, kda_rollback="replay")
+    assert (replay.max_running_requests, replay.full_context_requests) == (28, 1)
+    assert replay.rollback == kda_rollback_costs(k3, 8, 16, "replay")
+    assert replay.state_bytes_per_request == replay.rollback.state_bytes_per_request
+    for strategy, room, full in (("scratch", 3.18, 0), ("replay", 11.36, 0)):
+        at48 = running_fit(k3, lay, h200, 1_048_576, draft, running=48, kda_rollback=strategy)
+        assert at48.state_bytes == at48.rollback.state_bytes(48)
+        assert at48.kv_room_bytes == at48.free_bytes - at48.state_bytes
+        assert (round(at48.kv_room_bytes / 1e9, 2), at48.full_context_requests) == (room, full)
+    # At 128K, 48 running requests leave room for 1 (scratch) or 5 (replay) full-context ones.
+    assert [running_fit(k3, lay, h200, 131_072, draft, running=48, kda_rollback=s
+                        ).full_context_requests for s in ("scratch", "replay")] == [1, 5]
