@@ -20,7 +20,17 @@ from capacity.config import Layout, Speculation, Workload, validated
 from capacity.errors import CapacityError
 from capacity.families import describe_model
 from capacity.formats import KvDtype, WeightFormat, parse_kv_dtype, parse_weight_format
-from capacity.memory import MAMBA_SLOTS_PER_RUNNING_REQUEST, max_running_requests, memory_per_gpu
+from capacity.memory import (
+    DEFAULT_KDA_ROLLBACK,
+    DEFAULT_REPLAY_RING_LEN,
+    KDA_ROLLBACKS,
+    MAMBA_SLOTS_PER_RUNNING_REQUEST,
+    RunningFit,
+    check_kda_rollback,
+    max_running_requests,
+    memory_per_gpu,
+    running_fit,
+)
 from capacity.model import Component, ModelDescriptor
 from capacity.planner import DEFAULT_MAX_NODES, explain_infeasible, plan
 from capacity.tables import (
@@ -124,6 +134,64 @@ PricesOpt = Annotated[Path | None, typer.Option("--prices", help="price CSV (def
 GpusOpt = Annotated[Path | None, typer.Option("--gpu-table", help="GPU spec CSV (default: packaged)")]
 AcceptOpt = Annotated[float, typer.Option("--acceptance", help="draft acceptance length")]
 GammaOpt = Annotated[int | None, typer.Option("--gamma", help="drafts per step (default: block_size)")]
+RollbackOpt = Annotated[str, typer.Option(
+    "--kda-rollback", help="how the speculative verify rolls the KDA state back: scratch "
+    "(SGLang's default, a full state per verified position) or replay "
+    "(--enable-linear-replayssm-spec, a ring of the window's inputs per state slot)")]
+RingLenOpt = Annotated[int, typer.Option(
+    "--replay-ring-len", help="replay's ring length (SGLang's --linear-replayssm-cache-len)")]
+
+
+def _check_rollback(strategy: str, spec: Speculation | None, ring_len: int) -> None:
+    if strategy not in KDA_ROLLBACKS:
+        raise CapacityError(f"--kda-rollback must be one of {', '.join(KDA_ROLLBACKS)}, got "
+                            f"{strategy!r}")
+    if strategy == "replay" and spec is None:
+        raise CapacityError("--kda-rollback replay rolls back a speculative verify: it needs "
+                            "--draft")
+    check_kda_rollback(strategy, spec.gamma + 1 if spec else 0, ring_len)
+
+
+def _rollback_data(fit: RunningFit) -> dict[str, Any] | None:
+    costs = fit.rollback
+    if costs is None or costs.draft_tokens == 0:
+        return None
+    running = fit.running_per_rank
+    return {
+        "strategy": costs.strategy, "draft_tokens": costs.draft_tokens,
+        "ring_len": costs.ring_len if costs.strategy == "replay" else None,
+        "running_per_gpu": running,
+        "verify_ssm_mb_per_request": costs.per_request_ssm_bytes / 1e6,
+        "verify_conv_mb_per_request": costs.per_request_conv_bytes / 1e6,
+        "ring_mb_per_state_slot": costs.per_slot_ring_bytes / 1e6,
+        "rollback_gb_per_gpu": costs.rollback_bytes(running) / 1e9,
+        "kda_states_gb_per_gpu": fit.state_bytes / 1e9,
+        "kv_room_gb_per_gpu": fit.kv_room_bytes / 1e9,
+        "full_context_requests": fit.full_context_requests,
+    }
+
+
+def _rollback_line(fit: RunningFit) -> str | None:
+    """One line: what the KDA rollback strategy costs per GPU at the running requests and what
+    it leaves for KV."""
+    data = _rollback_data(fit)
+    if data is None:
+        return None
+    costs = fit.rollback
+    assert costs is not None
+    if costs.strategy == "replay":
+        how = (f"replay (--enable-linear-replayssm-spec, ring of {costs.ring_len}): "
+               f"{data['verify_conv_mb_per_request']:.1f} MB of conv windows per running request "
+               f"+ a {data['ring_mb_per_state_slot']:.1f} MB ring on each of its "
+               f"{costs.mamba_slots_per_request} state slots")
+    else:
+        how = (f"scratch (SGLang's default, {costs.draft_tokens} states per request): "
+               f"{costs.per_request_bytes / 1e6:.1f} MB per running request")
+    return (f"KDA rollback {how}, {data['rollback_gb_per_gpu']:.2f} GB per GPU at "
+            f"{data['running_per_gpu']} running (+ padding); KDA states in all "
+            f"{data['kda_states_gb_per_gpu']:.2f} GB, leaving {data['kv_room_gb_per_gpu']:.2f} GB "
+            f"of KV: {fit.full_context_requests} full-context ({fit.context_length:,}-token) "
+            "requests")
 
 
 @app.command("model")
@@ -246,6 +314,8 @@ def plan_cmd(
     gpu_table: GpusOpt = None,
     top: Annotated[int, typer.Option(help="rows to show")] = 10,
     per_gpu: Annotated[int | None, typer.Option(help="at most this many rows per GPU type")] = None,
+    kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
+    replay_ring_len: RingLenOpt = DEFAULT_REPLAY_RING_LEN,
     as_json: Annotated[bool, typer.Option("--json")] = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="print a markdown table")] = False,
     csv_path: Annotated[Path | None, typer.Option("--csv", help="write all rows to CSV")] = None,
@@ -258,6 +328,7 @@ def plan_cmd(
         raise CapacityError(f"--mem-fraction must be in (0, 0.98], got {mem_fraction}")
     target = describe_model(model)
     draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    _check_rollback(kda_rollback, spec, replay_ring_len)
     gpu_specs, price_rows = _tables(gpu_table, prices)
     allowed = _split(gpus) or None
     for name in allowed or []:
@@ -267,7 +338,7 @@ def plan_cmd(
         allowed_gpus=allowed, concurrency=concurrency, target_tokens_s=target_tps,
         min_user_tokens_s=min_user_tps, weight_formats=_formats(weights),
         kv_dtypes=_kv_dtypes(kv), max_nodes=max_nodes, mem_fraction=mem_fraction,
-        speculation=spec,
+        speculation=spec, kda_rollback=kda_rollback, ring_len=replay_ring_len,
     )
     if not result.rows:
         raise CapacityError(explain_infeasible(result, max_nodes))
@@ -303,6 +374,13 @@ def plan_cmd(
     if spec:
         out.print(f"speculation: gamma {spec.gamma}, acceptance {spec.acceptance_length}; "
                   "tok/s are steady decode at full context; TTFT is one prompt alone")
+        top_row = shown[0]
+        line = _rollback_line(running_fit(
+            target, top_row.layout, gpu_spec(gpu_specs, top_row.layout.gpu),
+            result.context_length, draft_model, spec, running=top_row.concurrency_per_replica,
+            kda_rollback=kda_rollback, ring_len=replay_ring_len))
+        if line:
+            out.print(f"#1 {top_row.layout.label()}: {line}", soft_wrap=True, highlight=False)
     if result.rejected:
         for gpu, why in sorted(result.rejected.items()):
             out.print(f"[dim]{gpu}: no layout fits: {why}[/dim]", soft_wrap=True)
@@ -352,12 +430,15 @@ def explain_cmd(
     concurrency: Annotated[int | None, typer.Option(help="default: most that fits")] = None,
     acceptance: AcceptOpt = 3.45,
     gamma: GammaOpt = None,
+    kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
+    replay_ring_len: RingLenOpt = DEFAULT_REPLAY_RING_LEN,
     gpu_table: GpusOpt = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Full memory and time breakdown of one layout."""
     target = describe_model(model)
     draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    _check_rollback(kda_rollback, spec, replay_ring_len)
     gpu_specs = load_gpus(gpu_table)
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
                                   mem_fraction)
@@ -365,10 +446,13 @@ def explain_cmd(
     tokens = parse_tokens(context)
     report = memory_per_gpu(target, layout, validated(
         Workload, context_length=tokens, kda_state_slots=MAMBA_SLOTS_PER_RUNNING_REQUEST),
-        spec_gpu, draft_model, spec)
+        spec_gpu, draft_model, spec, kda_rollback, replay_ring_len)
     running = concurrency or min(max(1, report.max_concurrent), max_running_requests(draft_model))
     if concurrency is not None and concurrency <= 0:
         raise CapacityError(f"--concurrency must be positive, got {concurrency}")
+    rollback_fit = running_fit(target, layout, spec_gpu, tokens, draft_model, spec,
+                               running=running, kda_rollback=kda_rollback,
+                               ring_len=replay_ring_len)
     rate = decode_rate(target, layout, spec_gpu, running, tokens, draft_model, spec)
     ttft = prefill_seconds(target, layout, spec_gpu, tokens, 1)
     data = {
@@ -394,6 +478,9 @@ def explain_cmd(
             "prefill_s_one_prompt": ttft,
         },
     }
+    rollback = _rollback_data(rollback_fit)
+    if rollback is not None:
+        data["kda_rollback"] = rollback
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -418,6 +505,9 @@ def explain_cmd(
         out.print(table)
     verdict = "fits" if report.fits else "does NOT fit: " + "; ".join(report.reasons)
     out.print(f"max concurrent requests: {report.max_concurrent} ({verdict})", soft_wrap=True)
+    line = _rollback_line(rollback_fit)
+    if line:
+        out.print(line, soft_wrap=True, highlight=False)
     t = data["time"]
     out.print(
         f"decode at {running} concurrent: step {t['step_ms']:.2f} ms = max(memory "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,63 @@ def test_explain_json_breakdown():
     assert stage["per_request_gb"]["mla_kv"] == pytest.approx(27_648 * 131_136 / 1e9, rel=1e-6)
     assert stage["weights_gb"]["routed_experts"] == pytest.approx(1446.46 / 16, rel=0.01)
     assert data["time"]["step_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    ("strategy", "line"),
+    [
+        ("scratch", "KDA rollback scratch (SGLang's default, 8 states per request): 224.7 MB per "
+                    "running request, 11.01 GB per GPU at 48 running (+ padding); KDA states in "
+                    "all 17.78 GB, leaving 3.18 GB of KV: 1 full-context (131,072-token) requests"),
+        ("replay", "KDA rollback replay (--enable-linear-replayssm-spec, ring of 16): 7.6 MB of "
+                   "conv windows per running request + a 10.2 MB ring on each of its 5 state "
+                   "slots, 2.83 GB per GPU at 48 running (+ padding); KDA states in all 9.60 GB, "
+                   "leaving 11.36 GB of KV: 5 full-context (131,072-token) requests"),
+    ],
+)
+def test_explain_prints_the_kda_rollback_line(strategy: str, line: str):
+    """K3 + DSpark on 2 x 8 H200 (TP16), FP8 KV, 48 running at 128K (memory.running_fit)."""
+    args = ("explain", "--gpu", "H200", "--nodes", "2", "--draft", "kimi-k3-dspark", "--context",
+            "128K", "--kv", "fp8", "--concurrency", "48", "--kda-rollback", strategy)
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert line in result.output
+    data = json.loads(invoke(*args, "--json").output)
+    rollback = data["kda_rollback"]
+    assert rollback["strategy"] == strategy and rollback["running_per_gpu"] == 48
+    assert rollback["ring_len"] == (16 if strategy == "replay" else None)
+    per_request = data["stages"][0]["per_request_gb"]
+    assert ("kda_replay_ring" in per_request) == (strategy == "replay")
+    assert ("kda_verify_states" in per_request) == (strategy == "scratch")
+
+
+def test_explain_defaults_to_scratch_and_plan_takes_the_option():
+    base = ("explain", "--gpu", "H200", "--nodes", "2", "--draft", "kimi-k3-dspark", "--json")
+    assert (json.loads(invoke(*base).output)
+            == json.loads(invoke(*base, "--kda-rollback", "scratch").output))
+    # Without a draft there is no verify to roll back: no line.
+    plain = invoke("explain", "--gpu", "H200", "--nodes", "2")
+    assert plain.exit_code == 0 and "KDA rollback" not in plain.output
+    result = invoke("plan", "--draft", "kimi-k3-dspark", "--context", "1M", "--gpus", "H200",
+                    "--kv", "fp8", "--max-nodes", "2", "--top", "1", "--kda-rollback", "replay")
+    assert result.exit_code == 0, result.output
+    # The line sizes the top row's layout at its running requests.
+    assert re.search(r"#1 2x8 H200 [^:]+: KDA rollback replay \(--enable-linear-replayssm-spec, "
+                     r"ring of 16\)", result.output), result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--kda-rollback", "undo"), "--kda-rollback must be one of scratch, replay, got 'undo'"),
+        (("--kda-rollback", "replay", "--replay-ring-len", "24"), "power of two, got 24"),
+        (("--kda-rollback", "replay", "--replay-ring-len", "8"), "below 2 x 8 draft tokens"),
+    ],
+)
+def test_bad_kda_rollback_is_one_line(args, fragment):
+    for command in (("explain", "--gpu", "H200", "--nodes", "2"), ("plan",)):
+        assert_user_error(invoke(*command, "--draft", "kimi-k3-dspark", *args), fragment)
+    assert_user_error(invoke("plan", "--kda-rollback", "replay"), "it needs --draft")
 
 
 def test_calibrate_lists_every_anchor():
