@@ -247,6 +247,9 @@ class ReferenceEngineConfig(BaseModel):
     kv_capacity_tokens: int = Field(default=16384, gt=0)
     page_size: int = Field(default=16, gt=0)
     max_batch_size: int = Field(default=32, gt=0)
+    state_slots: int | None = Field(default=None, gt=0, description=(
+        "KDA state slots of a hybrid (Kimi K3) target, one per running request, allocated up "
+        "front; default max_batch_size. Ignored for a K2-layout target"))
     prefill_chunk_tokens: int = Field(default=512, gt=0)
     max_prefill_tokens_per_request: int | None = Field(default=None, gt=0, description=(
         "the most prompt tokens one request prefills in a step, so that short prompts are not "

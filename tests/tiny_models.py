@@ -197,3 +197,63 @@ def random_k3(config: Any = None, seed: int = 0) -> Any:
     model = K3ForCausalLM(config or K3Config.from_file(MINI_K3_CONFIG)).eval()
     randomize(model, seed)
     return model
+
+
+def tiny_k3_config(vocab_size: int = 256, **overrides: Any) -> Any:
+    """The mini K3's layout (8 layers: KDA except layers 3 and 7, AttnRes blocks of 3, dense
+    layer 0 then latent MoE) at test-suite widths, so engine tests run in seconds."""
+    import json
+
+    from serve_app.models.k3_config import K3Config
+
+    raw = json.loads(MINI_K3_CONFIG.read_text())
+    text = raw["text_config"]
+    text.update({
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32,
+        "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+        "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 16,
+        "routed_expert_hidden_size": 32, "num_shared_experts": 1,
+        "bos_token_id": 1, "eos_token_id": vocab_size - 2, "pad_token_id": 0,
+        "media_placeholder_token_id": vocab_size - 3,
+    })
+    text["linear_attn_config"] = {**text["linear_attn_config"], "num_heads": 2, "head_dim": 16}
+    text.update(overrides)
+    raw.update({k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    raw["media_placeholder_token_id"] = text["media_placeholder_token_id"]
+    return K3Config.from_dict(raw, "tiny K3")
+
+
+def k3_draft_config(target: Any, block_size: int = 7, mask_token_id: int | None = None,
+                    **overrides: Any) -> DSparkConfig:
+    """A small DSpark draft for a K3-layout target, tapping it as K3's draft does: the outputs
+    (0-based, no shift) of MLA layers and one KDA layer, the last layer's via the output read."""
+    n = target.num_hidden_layers
+    raw: dict[str, Any] = {
+        "hidden_size": target.hidden_size, "intermediate_size": 2 * target.hidden_size,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": target.vocab_size, "max_position_embeddings": 4096,
+        "block_size": block_size, "num_target_layers": n, "rms_norm_eps": 1e-5,
+        "dtype": "float32",
+        "dflash_config": {
+            "target_layer_ids": sorted({*target.mla_layers, 1, n - 1}),
+            "mask_token_id": target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            "markov_rank": 8},
+    }
+    raw.update(overrides)
+    return DSparkConfig.from_dict(raw, "K3 draft")
+
+
+def write_random_k3_pair(folder: Path, config: Any = None, seed: int = 0,
+                         block_size: int = 7) -> tuple[Path, Path]:
+    """A random K3-layout target (the mini config by default) and its DSpark draft, saved as
+    the engine loads them (K3's config.json layout and names; the published DSpark format)."""
+    from serve_app.models.k3_weights import save_k3
+
+    target = random_k3(config, seed)
+    torch.manual_seed(seed + 1)
+    draft = DSparkDraft(k3_draft_config(target.config, block_size))
+    _spread(draft, 1.0)
+    save_k3(target, folder / "target")
+    save_dspark(draft, folder / "draft")
+    return folder / "target", folder / "draft"

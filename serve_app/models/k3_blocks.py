@@ -52,6 +52,7 @@ from torch import nn
 
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kimi import TPContext
+from serve_app.models.kv_cache import PagedBatch
 from serve_app.models.layers import MLAProjections, RMSNorm, noaux_tc_topk
 
 __all__ = [
@@ -315,8 +316,21 @@ class K3MLA(MLAProjections):
         pos = past + torch.arange(t, device=x.device).repeat(self.num_heads)
         mask = torch.arange(past + t, device=x.device)[None, :] <= pos[:, None]
         o = self.attend(q_nope, q_pe, cache.to(x.dtype), mask)  # [B, T, n·dv]
+        return self._output(o, x), cache
+
+    def forward_paged(self, x: torch.Tensor, batch: PagedBatch, pool: torch.Tensor) -> torch.Tensor:
+        """The engine's form: x [B, T, H] right-padded new rows of requests whose entries live
+        in this layer's paged pool [slots, rkv + dr] (the valid new entries are written in
+        place, at `batch.slots`)."""
+        q_nope, q_pe = self.query(x).split([self.nope, self.rope], dim=-1)
+        new = self.latent(x).to(pool.dtype)
+        pool[batch.slots] = new[batch.valid]
+        keys = torch.cat([pool[batch.context_index], new], dim=1).to(x.dtype)
+        return self._output(self.attend(q_nope, q_pe, keys, batch.mask), x)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, T, n·dv] -> [B, T, H]: the output gate (§1.4 step 5: from the attention's own
+        input x, multiplied in head space right before o_proj; σ, not SiTU), then o_proj."""
         if self.g_proj is not None:
-            # Output gate (§1.4 step 5): from the attention's own input x, multiplied in head
-            # space right before o_proj. σ, not SiTU.
             o = o * torch.sigmoid(self.g_proj(x))
-        return self.tp.all_reduce(self.o_proj(o)), cache
+        return self.tp.all_reduce(self.o_proj(o))

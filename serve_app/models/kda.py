@@ -164,6 +164,35 @@ class KDAWindowStates:
         return KDAState(self.conv[rows, step], self.ssm[rows, step])
 
 
+@dataclass
+class KDAWindowLog:
+    """A verify window's recurrence inputs instead of its states (SGLang's ReplaySSM, §3): the
+    committed state plus the accepted prefix of these rebuild the state after any position.
+
+    k: [B, T, h, D] (l2-normalised), v: [B, T, h, D], g: [B, T, h, D] log-decay, beta: [B, T, h],
+    all fp32; rows: [B, K−1+T, 3P] the raw q|k|v rows (the committed conv window, then the T
+    tokens'), from which any position's conv window is a slice. SGLang's ring keeps the raw v
+    and the pre-norm k instead (its kernel normalises on replay); the information is the same.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    rows: torch.Tensor
+
+    def replay(self, row: int, ssm: torch.Tensor, step: int) -> KDAState:
+        """Request `row`'s state after window tokens 0..step (accepting step + 1 tokens), from
+        its committed recurrent state ssm [h, D, D]: step + 1 recurrence steps, no output."""
+        S = ssm[None].float()
+        for t in range(step + 1):
+            S = delta_rule_step(S, self.k[row:row + 1, t], self.v[row:row + 1, t],
+                                self.g[row:row + 1, t], self.beta[row:row + 1, t])
+        kernel_rows = self.rows.shape[1] - self.k.shape[1]  # K − 1
+        conv = self.rows[row:row + 1, step + 1:step + 1 + kernel_rows].clone()
+        return KDAState(conv=conv, ssm=S)
+
+
 # --- the pieces, as plain functions ------------------------------------------------------------
 
 
@@ -228,16 +257,23 @@ def recurrent_gated_delta_rule(
     S = state.float().clone()
     outs, states = [], []
     for t in range(q.shape[1]):
-        S = S * g[:, t].exp()[..., None]                    # decay each K row
-        k_t = k[:, t]
-        pred = torch.einsum("bhkv,bhk->bhv", S, k_t)        # Sᵀk: what S recalls for k
-        u = beta[:, t, :, None] * (v[:, t] - pred)          # the delta-rule correction
-        S = S + k_t[..., None] * u[..., None, :]
+        S = delta_rule_step(S, k[:, t], v[:, t], g[:, t], beta[:, t])
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
         if keep_all_states:
             states.append(S)
     o = torch.stack(outs, dim=1)
     return o, (torch.stack(states, dim=1) if keep_all_states else S)
+
+
+def delta_rule_step(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule: S [B, h, K, V] fp32 -> the state after the token
+    with k [B, h, K], v [B, h, V], log-decay g [B, h, K], beta [B, h]. The recurrence and
+    ReplaySSM's replay share it, so a replayed state is bit-identical to the verified one."""
+    S = S * g.exp()[..., None]                        # decay each K row
+    pred = torch.einsum("bhkv,bhk->bhv", S, k)        # Sᵀk: what S recalls for k
+    u = beta[..., None] * (v - pred)                  # the delta-rule correction
+    return S + k[..., None] * u[..., None, :]
 
 
 def chunked_gated_delta_rule(
@@ -446,3 +482,13 @@ class KimiDeltaAttention(nn.Module):
         # the K−1 rows of the committed window): [B, T, 3P, K−1] → [B, T, K−1, 3P].
         windows = rows[:, 1:].unfold(1, self.conv_kernel - 1, 1).transpose(-1, -2).contiguous()
         return self._output(o, x), KDAWindowStates(conv=windows, ssm=all_S)
+
+    def forward_logged(
+        self, x: torch.Tensor, state: KDAState
+    ) -> tuple[torch.Tensor, KDAWindowLog]:
+        """A verify window as ReplaySSM runs it: the same outputs as `forward_window`, but the
+        recurrence keeps only its running state and the window's inputs are logged; commit
+        with `log.replay`. `state` is not modified."""
+        q, k, v, g, beta, rows = self._inputs(x, state)
+        o, _ = recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm)
+        return self._output(o, x), KDAWindowLog(k=k, v=v, g=g, beta=beta, rows=rows)

@@ -290,6 +290,15 @@ class KimiForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = DeepseekRotary(config)
 
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The embedding the DSpark draft shares (as `lm_head_weight`)."""
+        return self.model.embed_tokens.weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
     # --- cache -------------------------------------------------------------------------------
 
     def new_cache(
@@ -318,10 +327,12 @@ class KimiForCausalLM(nn.Module):
         rids: Sequence[Hashable],
         num_new: torch.Tensor,
         capture_layers: Sequence[int] = (),
+        verify: bool = False,
     ) -> KimiOutput:
         """Append num_new[b] tokens (row b of input_ids, right-padded) to each request at
         positions cache.length(rids[b]) + arange(num_new[b]); attend causally over the cached
-        tokens and the new ones; cache the new tokens' latents."""
+        tokens and the new ones; cache the new tokens' latents. A verify window (`verify`)
+        needs nothing more here: the latent cache rolls back by truncation."""
         b, t = input_ids.shape
         counts = [int(n) for n in torch.as_tensor(num_new).tolist()]
         layers = list(capture_layers)

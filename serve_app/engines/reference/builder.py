@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,9 @@ from serve_app.engines.reference.sequence import Detokenize
 from serve_app.engines.reference.tensor_parallel import shard_dspark
 from serve_app.models.dspark import load_dspark
 from serve_app.models.dspark_config import check_pair
+from serve_app.models.k3_paged import PagedK3
+from serve_app.models.k3_weights import load_k3
+from serve_app.models.kimi import KimiForCausalLM, TPContext
 from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_cache import PagedAllocator
 
@@ -49,6 +54,35 @@ def release_tensor_parallel() -> None:
         dist.destroy_process_group()
 
 
+# config.json model types of the hybrid (KDA + MLA) family: K3's wrapper, or its bare text model.
+HYBRID_MODEL_TYPES = ("kimi_k3", "kimi_linear")
+
+
+def is_hybrid(target_path: str | os.PathLike[str]) -> bool:
+    """Whether a checkpoint folder holds a Kimi K3-layout target (by its config.json)."""
+    try:
+        raw = json.loads((Path(target_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # the loader names what is wrong with the folder
+    return isinstance(raw, dict) and raw.get("model_type") in HYBRID_MODEL_TYPES
+
+
+def load_target(
+    target_path: str | os.PathLike[str], config: ReferenceEngineConfig,
+    device: torch.device | str, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None,
+) -> KimiForCausalLM | PagedK3:
+    """The target, by its config.json: K2 layout (MLA + MoE), or the K3 hybrid with its KDA
+    state slots and the configured rollback strategy."""
+    dtype = DTYPES[config.dtype]
+    if not is_hybrid(target_path):
+        return load_kimi(target_path, dtype=dtype, device=device, tp_rank=tp_rank,
+                         tp_size=tp_size, group=group)
+    model = load_k3(target_path, dtype=dtype, device=device,
+                    tp=TPContext(tp_rank, tp_size, group))
+    return PagedK3(model.eval(), config.state_slots or config.max_batch_size,
+                   config.speculation.kda_rollback)
+
+
 def build_runner(
     target_path: str | os.PathLike[str],
     draft_path: str | os.PathLike[str] | None,
@@ -62,16 +96,14 @@ def build_runner(
     if config.device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = DTYPES[config.dtype]
-    target = load_kimi(target_path, dtype=dtype, device=device, tp_rank=tp_rank,
-                       tp_size=tp_size, group=group)
+    target = load_target(target_path, config, device, tp_rank, tp_size, group)
     allocator = PagedAllocator(config.kv_capacity_tokens, config.page_size)
     proposer = None
     if draft_path is not None:
         draft = load_dspark(draft_path, dtype=dtype, device=device)
         check_pair(target.config, draft.config, config.speculation.gamma)
         draft = shard_dspark(draft, tp_rank, tp_size, group)
-        proposer = DSparkProposer(draft, target.model.embed_tokens.weight,
-                                  target.lm_head.weight, allocator)
+        proposer = DSparkProposer(draft, target.embed_weight, target.lm_head_weight, allocator)
     return ModelRunner(target, proposer, allocator, tp_rank, tp_size, group)
 
 
@@ -83,8 +115,10 @@ def build_engine(
 ) -> EngineCore:
     """Rank 0's engine around its runner."""
     target_cfg = runner.target.config
+    config_eos = getattr(target_cfg, "eos_token_id", None)
     eos = eos_token_ids if eos_token_ids is not None else (
-        [target_cfg.eos_token_id] if getattr(target_cfg, "eos_token_id", None) is not None else [])
+        [] if config_eos is None else list(config_eos) if isinstance(config_eos, list)
+        else [config_eos])
     return EngineCore(
         runner,
         eos_token_ids=eos,

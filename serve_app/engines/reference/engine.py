@@ -105,6 +105,7 @@ class EngineCore:
             runner.allocator.capacity_tokens, max_batch_size, prefill_chunk_tokens,
             headroom_tokens=self.gamma + 1, page_size=runner.allocator.page_size,
             max_prefill_tokens_per_request=max_prefill_tokens_per_request,
+            state_slots=runner.state_slots,
         )
         self.sequences: dict[str, Sequence] = {}
         self.totals = EngineTotals()
@@ -295,7 +296,8 @@ class EngineCore:
             k = int(min(counts[b], remaining - 1))
             drafts.append(proposal.tokens[b, :k].tolist())
         rows = [[s.anchor, *d] for s, d in zip(seqs, drafts, strict=True)]
-        logits = self.runner.forward(rows, [s.request_id for s in seqs], capture=True)
+        logits = self.runner.forward(rows, [s.request_id for s in seqs], capture=True,
+                                     verify=True)
         end_ns = time.time_ns()
         ok, lengths, tap_rows = [], [], []
         for b, seq in enumerate(seqs):

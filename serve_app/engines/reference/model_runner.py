@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from serve_app.engines.reference.proposer import Proposer
+from serve_app.models.k3_paged import HybridCache
 from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
 
 
@@ -30,7 +31,7 @@ class ModelRunner:
         self.target = target
         self.proposer = proposer
         self.allocator = allocator
-        self.cache: PagedKVCache = target.new_cache(
+        self.cache: PagedKVCache | HybridCache = target.new_cache(
             allocator.capacity_tokens, allocator.page_size, allocator=allocator
         )
         self.tp_rank = tp_rank
@@ -42,6 +43,11 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return self.cache.device
+
+    @property
+    def state_slots(self) -> int | None:
+        """The hybrid target's KDA state slots (one per running request), or None (K2)."""
+        return getattr(self.cache, "state_slots", None)
 
     # --- the protocol between rank 0 and followers ------------------------------------------
 
@@ -92,16 +98,19 @@ class ModelRunner:
         self.allocator.free(rid)
 
     def forward(
-        self, rows: Sequence[Sequence[int]], rids: Sequence[Hashable], capture: bool
+        self, rows: Sequence[Sequence[int]], rids: Sequence[Hashable], capture: bool,
+        verify: bool = False,
     ) -> torch.Tensor:
         """Append `rows[i]` to request rids[i] in the target cache and return logits
-        [B, T, V] (float32). With `capture`, the proposer's tap rows are kept for `commit`."""
-        self._broadcast("forward", [list(r) for r in rows], list(rids), capture)
-        return self._forward(rows, rids, capture)
+        [B, T, V] (float32). With `capture`, the proposer's tap rows are kept for `commit`;
+        `verify` marks a speculative window, of which `commit` keeps a prefix."""
+        self._broadcast("forward", [list(r) for r in rows], list(rids), capture, verify)
+        return self._forward(rows, rids, capture, verify)
 
     @torch.no_grad()
     def _forward(
-        self, rows: Sequence[Sequence[int]], rids: Sequence[Hashable], capture: bool
+        self, rows: Sequence[Sequence[int]], rids: Sequence[Hashable], capture: bool,
+        verify: bool = False,
     ) -> torch.Tensor:
         width = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -110,7 +119,7 @@ class ModelRunner:
         num_new = torch.tensor([len(r) for r in rows], dtype=torch.long)
         layers = self.proposer.tap_layers if capture and self.proposer is not None else ()
         out = self.target(ids.to(self.device), self.cache, list(rids), num_new.to(self.device),
-                          capture_layers=layers)
+                          capture_layers=layers, verify=verify)
         self._taps = out.taps
         self._tap_rids = list(rids)
         return out.logits

@@ -1,0 +1,282 @@
+"""Kimi K3 as the reference engine runs it: MLA latents in the paged KV pool, KDA states in fixed
+per-request slots, and a verify window whose KDA state is rolled back at commit.
+
+`PagedK3` puts a K3ForCausalLM behind the engine's target interface (KimiForCausalLM's:
+`new_cache`, and a forward over right-padded rows of many requests that appends to the cache).
+Its cache, `HybridCache`, holds per request
+
+- the MLA layers' latent entries [kv_lora_rank + qk_rope_head_dim] per token, in pages shared
+  with the DSpark draft's context cache (one allocator, as for K2);
+- one slot of the `KDAStatePool`: every KDA layer's conv window and recurrent state (§2),
+  constant in context length, taken at admission and given back at finish or abort.
+
+A forward's attention layers read and write these through `PagedStates` (k3.py's LayerStates
+seam). A prefill chunk or a plain decode step writes the KDA states in place (the chunk is
+always committed whole). A verify window (`verify=True`) leaves the slots untouched and keeps
+what commit needs to pick the state after the last accepted position, by one of SGLang's two
+strategies (`rollback`, architecture notes §3):
+
+- "scratch": the state after every window position (`forward_window`); commit copies the
+  accepted position's state and conv window into the slot (scatter_mamba_states_after_mtp_verify).
+- "replay": the window's inputs only (`forward_logged`); commit replays the accepted prefix
+  from the slot's state (--enable-linear-replayssm-spec). Less scratch, more work at commit.
+
+`HybridCache.truncate(rid, n)` is the commit: keep n tokens, where n lies in the last verify
+window (the MLA latents roll back by truncation, like K2's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Literal
+
+import torch
+
+from serve_app.models.k3 import K3ForCausalLM
+from serve_app.models.k3_blocks import K3MLA
+from serve_app.models.kda import KDAState, KDAWindowLog, KDAWindowStates, KimiDeltaAttention
+from serve_app.models.kimi import KimiOutput
+from serve_app.models.kv_cache import PagedAllocator, PagedBatch, PagedKVCache
+from serve_app.models.kv_capacity import KVCapacityError
+
+Rollback = Literal["scratch", "replay"]
+
+
+class KDAStatePool:
+    """`num_slots` complete KDA states (every KDA layer of this rank's heads): per layer a
+    KDAState of conv [slots, K−1, 3P/t] in the weights' dtype and ssm [slots, h/t, D, D] fp32,
+    SGLang's MambaPool layout. A slot is zeroed when it is taken (a fresh request)."""
+
+    def __init__(self, model: K3ForCausalLM, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"state slots must be positive, got {num_slots}")
+        self.num_slots = num_slots
+        device = model.model.embed_tokens.weight.device
+        self.layers: dict[int, KDAState] = {
+            i: layer.self_attn.new_state(num_slots, device)
+            for i, layer in enumerate(model.model.layers)
+            if isinstance(layer.self_attn, KimiDeltaAttention)
+        }
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._slot: dict[Hashable, int] = {}
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """What one request's state occupies on this rank (conv + recurrent, all KDA layers)."""
+        return sum((s.conv[0].nbytes + s.ssm[0].nbytes) for s in self.layers.values())
+
+    @property
+    def used(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._slot
+
+    def slot(self, rid: Hashable) -> int:
+        return self._slot[rid]
+
+    def take(self, rid: Hashable) -> int:
+        if rid in self._slot:
+            raise KeyError(f"request {rid!r} already holds state slot {self._slot[rid]}")
+        if not self._free:
+            raise KVCapacityError(f"all {self.num_slots} KDA state slots are in use")
+        slot = self._free.pop()
+        for state in self.layers.values():
+            state.conv[slot].zero_()
+            state.ssm[slot].zero_()
+        self._slot[rid] = slot
+        return slot
+
+    def give_back(self, rid: Hashable) -> None:
+        self._free.append(self._slot.pop(rid))
+
+    def read(self, layer: int, slots: torch.Tensor) -> KDAState:
+        """The states of `slots` [B] at one layer (a copy)."""
+        state = self.layers[layer]
+        return KDAState(state.conv[slots], state.ssm[slots])
+
+    def write(self, layer: int, slots: torch.Tensor, new: KDAState) -> None:
+        state = self.layers[layer]
+        state.conv[slots] = new.conv.to(state.conv.dtype)
+        state.ssm[slots] = new.ssm
+
+
+class HybridCache:
+    """The paged MLA latent cache and the KDA state pool of one rank (see the module doc)."""
+
+    def __init__(self, model: K3ForCausalLM, capacity_tokens: int, page_size: int,
+                 allocator: PagedAllocator | None, state_slots: int, rollback: Rollback) -> None:
+        config = model.config
+        w = model.model.embed_tokens.weight
+        self.mla_index = {layer: i for i, layer in enumerate(config.mla_layers)}
+        self.latent = PagedKVCache(len(self.mla_index), {"latent": (config.mla_cache_dim,)},
+                                   capacity_tokens, page_size, dtype=w.dtype, device=w.device,
+                                   allocator=allocator)
+        self.states = KDAStatePool(model, state_slots)
+        self.rollback: Rollback = rollback
+        # The last verify forward's KDA windows, per layer, and each of its requests' (row,
+        # length before the window): what `truncate` commits from.
+        self.windows: dict[int, KDAWindowStates | KDAWindowLog] = {}
+        self.window_rows: dict[Hashable, tuple[int, int]] = {}
+
+    @property
+    def allocator(self) -> PagedAllocator:
+        return self.latent.allocator
+
+    @property
+    def device(self) -> torch.device:
+        return self.latent.device
+
+    @property
+    def state_slots(self) -> int:
+        return self.states.num_slots
+
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self.latent
+
+    def length(self, rid: Hashable) -> int:
+        return self.latent.length(rid)
+
+    def add(self, rid: Hashable) -> None:
+        """A new request: its page table and a zeroed state slot."""
+        self.states.take(rid)
+        self.latent.add(rid)
+
+    def free(self, rid: Hashable) -> None:
+        self.window_rows.pop(rid, None)
+        self.latent.free(rid)
+        self.states.give_back(rid)
+
+    def truncate(self, rid: Hashable, length: int) -> None:
+        """Commit `length` tokens of `rid`. After a verify window: the KDA state after the
+        window's position length − start − 1 goes into the slot (copied, or replayed); the
+        latents past `length` are forgotten. Otherwise `length` must be what the last forward
+        left (a KDA state cannot go back without its window)."""
+        window = self.window_rows.pop(rid, None)
+        if window is None:
+            if length != self.latent.length(rid):
+                raise ValueError(f"request {rid!r}: a KDA state cannot roll back from "
+                                 f"{self.latent.length(rid)} to {length} tokens outside a "
+                                 "verify window")
+            return
+        row, start = window
+        step = length - start - 1
+        if not 0 <= step < self.latent.length(rid) - start:
+            raise ValueError(f"request {rid!r}: commit of {length} tokens is outside its "
+                             f"verify window ({start}, {self.latent.length(rid)}]")
+        slot = torch.tensor([self.states.slot(rid)], device=self.device)
+        for layer, win in self.windows.items():
+            if isinstance(win, KDAWindowStates):
+                new = KDAState(win.conv[row:row + 1, step], win.ssm[row:row + 1, step])
+            else:
+                new = win.replay(row, self.states.layers[layer].ssm[slot[0]], step)
+            self.states.write(layer, slot, new)
+        self.latent.truncate(rid, length)
+
+    def begin(self, rids: Sequence[Hashable], starts: Sequence[int], verify: bool) -> None:
+        """A forward starts: the previous window is dropped (every request of it has been
+        committed or freed), and a verify forward records its rows."""
+        self.windows = {}
+        self.window_rows = (
+            {rid: (b, s) for b, (rid, s) in enumerate(zip(rids, starts, strict=True))}
+            if verify else {}
+        )
+
+
+class PagedStates:
+    """k3.LayerStates over a HybridCache for one forward of right-padded rows."""
+
+    def __init__(self, cache: HybridCache, rids: Sequence[Hashable], counts: list[int],
+                 batch: PagedBatch, verify: bool) -> None:
+        self.cache, self.counts, self.batch, self.verify = cache, counts, batch, verify
+        self.slots = torch.tensor([cache.states.slot(r) for r in rids], dtype=torch.long,
+                                  device=cache.device)
+
+    def mla(self, layer: int, attn: K3MLA, x: torch.Tensor) -> torch.Tensor:
+        pool = self.cache.latent.buffers["latent"][self.cache.mla_index[layer]]
+        return attn.forward_paged(x, self.batch, pool)
+
+    def kda(self, layer: int, attn: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
+        pool = self.cache.states
+        state = pool.read(layer, self.slots)
+        t = x.shape[1]
+        if self.verify:
+            # Right padding is harmless here: the recurrence is causal, and commit picks a
+            # position inside each row's own tokens.
+            if self.cache.rollback == "scratch":
+                y, self.cache.windows[layer] = attn.forward_window(x, state)
+            else:
+                y, self.cache.windows[layer] = attn.forward_logged(x, state)
+            return y
+        if all(c == t for c in self.counts):
+            y, new = attn(x, state, algorithm="recurrent" if t == 1 else "chunked")
+            pool.write(layer, self.slots, new)
+            return y
+        # A ragged extend (prefill chunks of different lengths): one request at a time, since
+        # the final state of a padded row would have run over its padding.
+        y = torch.zeros_like(x)
+        for b, c in enumerate(self.counts):
+            if c == 0:
+                continue
+            yb, new = attn(x[b:b + 1, :c], state.rows([b]),
+                           algorithm="recurrent" if c == 1 else "chunked")
+            y[b, :c] = yb[0]
+            pool.write(layer, self.slots[b:b + 1], new)
+        return y
+
+
+class PagedK3:
+    """A K3ForCausalLM behind the reference engine's target interface (see the module doc)."""
+
+    def __init__(self, model: K3ForCausalLM, state_slots: int, rollback: Rollback = "scratch"
+                 ) -> None:
+        if rollback not in ("scratch", "replay"):
+            raise ValueError(f"rollback must be 'scratch' or 'replay', not {rollback!r}")
+        self.model = model
+        self.config = model.config
+        self.state_slots = state_slots
+        self.rollback: Rollback = rollback
+        self.mla_heads = next(m.num_heads for m in model.modules() if isinstance(m, K3MLA))
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.model.embed_tokens.weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        head = self.model.lm_head
+        return self.embed_weight if head is None else head.weight
+
+    def new_cache(self, capacity_tokens: int, page_size: int = 16,
+                  allocator: PagedAllocator | None = None) -> HybridCache:
+        return HybridCache(self.model, capacity_tokens, page_size, allocator, self.state_slots,
+                           self.rollback)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cache: HybridCache,
+        rids: Sequence[Hashable],
+        num_new: torch.Tensor,
+        capture_layers: Sequence[int] = (),
+        verify: bool = False,
+    ) -> KimiOutput:
+        """Append num_new[b] tokens (row b of input_ids [B, T], right-padded) to each request;
+        with `verify`, keep the KDA window for `cache.truncate` to commit from."""
+        b, t = input_ids.shape
+        counts = [int(n) for n in torch.as_tensor(num_new).tolist()]
+        if len(rids) != b or len(counts) != b or any(not 0 <= n <= t for n in counts):
+            raise ValueError(f"{len(rids)} rids and num_new {counts} for input [{b}, {t}]")
+        dev = cache.device
+        starts = [cache.length(r) for r in rids]
+        # Reserve first: a KVCapacityError leaves the cache untouched and costs no compute.
+        slots = cache.latent.reserve_append(rids, counts).to(dev)
+        batch = cache.latent.batch(rids, starts, counts, slots, t, self.mla_heads)
+        cache.begin(rids, starts, verify)
+        states = PagedStates(cache, rids, counts, batch, verify)
+        ids = torch.where(batch.valid, input_ids.to(dev), 0)
+        layers = list(capture_layers)
+        h, taps = self.model.model.run(ids, states, layers)
+        cat = torch.cat([taps[i] for i in layers], dim=-1) if layers else None
+        return KimiOutput(logits=self.model.logits(h), taps=cat)
