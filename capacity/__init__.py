@@ -5,7 +5,14 @@ from capacity.config import Layout, Speculation, Workload
 from capacity.errors import CapacityError
 from capacity.families import describe_model
 from capacity.formats import KvDtype, WeightFormat
-from capacity.memory import MemoryReport, memory_per_gpu
+from capacity.memory import (
+    KdaRollbackCosts,
+    MemoryReport,
+    RunningFit,
+    kda_rollback_costs,
+    memory_per_gpu,
+    running_fit,
+)
 from capacity.model import ModelDescriptor
 from capacity.planner import PlanResult, PlanRow, plan
 from capacity.tables import GpuSpec, PriceRow, load_gpus, load_prices
@@ -15,6 +22,7 @@ __all__ = [
     "DEFAULT_CONSTANTS",
     "CapacityError",
     "GpuSpec",
+    "KdaRollbackCosts",
     "KvDtype",
     "Layout",
     "MemoryReport",
@@ -22,15 +30,18 @@ __all__ = [
     "PlanResult",
     "PlanRow",
     "PriceRow",
+    "RunningFit",
     "Speculation",
     "TimeConstants",
     "WeightFormat",
     "Workload",
     "decode_rate",
     "describe_model",
+    "kda_rollback_costs",
     "load_gpus",
     "load_prices",
     "memory_per_gpu",
     "plan",
     "prefill_seconds",
+    "running_fit",
 ]
