@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from ray import serve
 from tiny_models import served, write_tiny_serving_pair
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-kimi-dspark"
 KV = 1024  # tokens per replica: two 420-token requests fit, a third does not
+SLOTS = 2  # state slots per replica (the reference engine's max_batch_size): running requests
 QUEUE = 4
 
 
@@ -27,7 +29,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     cfg = AppConfig.model_validate({
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
                    "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": KV, "speculation": {"enabled": True}}},
+        "engine": {"reference": {"kv_capacity_tokens": KV, "max_batch_size": SLOTS,
+                                 "speculation": {"enabled": True}}},
         "parallelism": {"tp": 1},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},
         "ingress": {"default_max_tokens": 16, "max_tokens_limit": 1500},
@@ -59,6 +62,8 @@ def test_router_knows_both_replicas_capacity(server: httpx.Client) -> None:
     assert state["policy"] == "kv_aware"
     assert len(state["replicas"]) == 2
     assert all(r["kv_tokens_total"] == KV for r in state["replicas"].values())
+    # The second resource, from each engine's capacity(): its state slots.
+    assert all(r["state_slots_total"] == SLOTS for r in state["replicas"].values())
 
 
 def test_shared_long_prefix_lands_on_one_replica(server: httpx.Client) -> None:
@@ -126,3 +131,85 @@ def test_engine_capacity_stays_within_bounds_during_load(server: httpx.Client,
             time.sleep(0.1)
     assert all(f.result().status_code == 200 for f in futures)
     assert seen > 0
+
+
+def _idle(client: httpx.Client) -> dict[str, Any]:
+    """The router state once nothing is reserved (earlier tests' requests have finished)."""
+    deadline = time.monotonic() + 60
+    while True:
+        state = client.get("/v1/router").json()
+        if state["queued"] == 0 and all(r["state_slots_reserved"] == 0
+                                        for r in state["replicas"].values()):
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+
+
+def test_a_replica_with_kv_room_but_no_free_slot_gets_no_new_request(
+        server: httpx.Client) -> None:
+    """Two slots per replica. X runs one long stream (620 KV tokens); Y runs two streams
+    (600 KV tokens together, so Y has more KV free and less committed than X, and by KV alone
+    would be chosen). A new request goes to X; when X's second slot is taken too, the next
+    request waits in the router (queued, both replicas with KV room) and is served when a
+    slot frees. The engines agree: none ever runs more than its slots."""
+    _idle(server)
+    oai = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+                        timeout=180)
+    handle = serve.get_deployment_handle("TargetDeployment", app_name="kimi")
+
+    def stream(first_token: int, max_tokens: int) -> tuple[Any, str]:
+        s = oai.completions.create(model=MODEL, prompt=list(range(first_token, first_token + 20)),
+                                   max_tokens=max_tokens, temperature=0, stream=True,
+                                   extra_body={"ignore_eos": True})
+        first = next(iter(s))  # the first token: prefilled, decoding
+        return s, first.id
+
+    def finish(s: Any) -> None:
+        reasons = [c.choices[0].finish_reason for c in s if c.choices]
+        assert reasons and reasons[-1] == "length", reasons[-3:]
+
+    streams = []
+    big, big_id = stream(100, 600)
+    streams.append(big)
+    x = _replica_of(server, big_id)
+    for start in (130, 160):
+        s, rid = stream(start, 280)
+        streams.append(s)
+        assert _replica_of(server, rid) != x  # less work and less committed than X
+    y = next(r for r in server.get("/v1/router").json()["replicas"] if r != x)
+    assert _replica_of(server, rid) == y
+    state = server.get("/v1/router").json()["replicas"]
+    assert (state[y]["state_slots_reserved"], state[y]["state_slots_total"]) == (SLOTS, SLOTS)
+    assert state[y]["kv_tokens_committed"] == 600 < state[x]["kv_tokens_committed"] == 620
+    # Y has 424 KV tokens free, X 404: by KV alone Y would take the next request.
+    probe = _complete(server, list(range(190, 210)), 16)
+    assert probe.status_code == 200, probe.text
+    assert _replica_of(server, probe.json()["id"]) == x
+    # Every slot taken: the next request waits in the router, though both have KV room.
+    s3, rid3 = stream(220, 280)
+    streams.append(s3)
+    assert _replica_of(server, rid3) == x
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_complete, server, list(range(250, 270)), 16)
+        seen_queued = False
+        deadline = time.monotonic() + 10
+        while not waiting.done() and time.monotonic() < deadline:
+            state = server.get("/v1/router").json()
+            reps = state["replicas"]
+            assert all(r["state_slots_reserved"] <= SLOTS for r in reps.values()), state
+            for info in handle.broadcast("routing_info").results(timeout_s=30):
+                assert info["state_slots_used"] <= info["state_slots_total"] == SLOTS, info
+            if state["queued"] == 1:
+                assert all(r["state_slots_reserved"] == SLOTS for r in reps.values()), state
+                assert all(r["kv_tokens_total"] - r["kv_tokens_committed"] >= 36
+                           for r in reps.values()), state
+                seen_queued = True
+                break
+            time.sleep(0.05)
+        assert seen_queued, "the request was not held in the router while every slot was taken"
+        for s in streams:  # the streams end; a slot frees; the waiting request is served
+            finish(s)
+        served = waiting.result()
+    assert served.status_code == 200, served.text
+    assert served.json()["usage"]["completion_tokens"] == 16
+    _idle(server)
