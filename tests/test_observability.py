@@ -148,6 +148,10 @@ def documented_metrics() -> list[str]:
     return [name + "_count" if kind == "histogram" else name for name, kind in rows]
 
 
+SLOT_METRICS = ["ray_kimi_max_running_requests", "ray_kimi_router_state_slots_reserved",
+                "ray_kimi_router_kv_tokens_committed"]
+
+
 def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) -> None:
     base, port = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
@@ -161,6 +165,8 @@ def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) ->
         client.completions.create(model="nope", prompt="x", max_tokens=2)
     names = documented_metrics()
     assert "ray_kimi_router_decisions_total" in names
+    # State slots, the router's second resource: the engine's bound, the router's reservations.
+    names += [n for n in SLOT_METRICS if n not in names]
     deadline = time.time() + 60
     text = ""
     while time.time() < deadline:
@@ -183,6 +189,9 @@ def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) ->
     assert accept_count >= 3 and 1.0 <= accept_sum / accept_count <= 8.0
     assert 0.0 <= _value(text, "ray_kimi_spec_accept_rate") <= 1.0
     assert _value(text, "ray_kimi_max_total_num_tokens") == 4096
+    assert _value(text, "ray_kimi_max_running_requests") == 32  # max_batch_size's default
+    assert 0 <= _value(text, "ray_kimi_router_state_slots_reserved") <= 32
+    assert 0 <= _value(text, "ray_kimi_router_kv_tokens_committed") <= 4096
     # One routing decision per admitted request, labelled by the kv_aware policy's reason.
     reasons = set(re.findall(r'^ray_kimi_router_decisions_total\{[^}]*reason="([^"]+)"', text,
                              re.M))
