@@ -567,4 +567,9 @@ def test_sglang_reports_its_resolved_max_running_requests_as_slots() -> None:
     assert cap == {"kv_tokens_total": 1000, "kv_tokens_used": 1000, "kv_tokens_free": 0,
                    "kv_tokens_reserved": 1000, "state_slots_total": 4, "state_slots_used": 3,
                    "state_slots_free": 1, "state_slots_reserved": 3, "max_req_input_len": 900}
-    assert capacity_report(1000, 10, None, 3, 900)["state_slots_free"] is None
+    # No bound known: no slot keys, which the router reads as unbounded.
+    unknown = capacity_report(1000, 10, None, 3, 900)
+    assert not any(k.startswith("state_slots") for k in unknown)
+    from serve_app.routing.admission import _resources
+
+    assert _resources(unknown) == (1000, None) and _resources(cap) == (1000, 4)

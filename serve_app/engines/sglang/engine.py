@@ -51,25 +51,27 @@ def slot_bound(info: dict[str, Any], server_args: dict[str, Any],
 
 
 def capacity_report(kv_tokens_total: int, kv_tokens_used: int, state_slots_total: int | None,
-                    in_flight: int, max_req_input_len: int) -> dict[str, Any]:
+                    in_flight: int, max_req_input_len: int) -> dict[str, int]:
     """The engine interface's capacity() from what this backend knows: KV tokens of the
     requests in flight (an upper bound: SGLang's prefix cache shares pages) and one state slot
     per request in flight (running or in SGLang's own waiting queue: either way a router must
-    not send more). SGLang does not expose its reservations, so reserved = used. An unknown
-    slot bound is None (unbounded), and so is its free count."""
+    not send more). SGLang does not expose its reservations, so reserved = used. With no slot
+    bound known the state_slots_* keys are left out: the router then treats the replica as
+    unbounded in slots, as it does an engine that predates them."""
     used = min(kv_tokens_used, kv_tokens_total)
-    slots_free = None if state_slots_total is None else max(state_slots_total - in_flight, 0)
-    return {
+    report = {
         "kv_tokens_total": kv_tokens_total,
         "kv_tokens_used": used,
         "kv_tokens_free": kv_tokens_total - used,
         "kv_tokens_reserved": used,
-        "state_slots_total": state_slots_total,
-        "state_slots_used": in_flight,
-        "state_slots_free": slots_free,
-        "state_slots_reserved": in_flight,
         "max_req_input_len": max_req_input_len,
     }
+    if state_slots_total is not None:
+        report |= {"state_slots_total": state_slots_total,
+                   "state_slots_used": in_flight,
+                   "state_slots_free": max(state_slots_total - in_flight, 0),
+                   "state_slots_reserved": in_flight}
+    return report
 
 
 class SGLangEngine:
@@ -220,7 +222,7 @@ class SGLangEngine:
     def stats(self) -> dict[str, Any]:
         return {**self._totals.stats(len(self._active), self.speculative), "backend": "sglang"}
 
-    def capacity(self) -> dict[str, Any]:
+    def capacity(self) -> dict[str, int]:
         """KV tokens: the pool SGLang reported after start-up; 'used' counts the tokens of the
         requests this replica has in flight (prompt + generated so far), an upper bound on
         what they hold, since SGLang's prefix cache shares pages. State slots: SGLang's
