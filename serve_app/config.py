@@ -9,7 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.kimi_config import KimiConfig
@@ -167,6 +174,19 @@ class SGLangSettings(_Strict):
     speculative_algorithm: Literal["DSPARK"] | None = "DSPARK"
     speculative_dspark_block_size: int = Field(default=7, gt=0, description="gamma: drafts "
                                                "per verify step (window gamma + 1)")
+    # How the speculative verify rolls K3's KDA states back (capacity.memory.kda_rollback_costs,
+    # docs/capacity.md): off, SGLang keeps a full state per verified position (scratch); on,
+    # every mamba slot carries a ring of the window's inputs and the commit replays the accepted
+    # prefix (no intermediate_ssm). Written to the config tree only when on (the serializer
+    # below), so that files generated for the default stay as they were.
+    enable_linear_replayssm_spec: bool = Field(default=False, description=(
+        "SGLang's --enable-linear-replayssm-spec: the KDA verify keeps a per-slot ring of the "
+        "window's raw inputs and replays the accepted prefix at commit, instead of a full state "
+        "per verified position; needs speculative_algorithm"))
+    linear_replayssm_cache_len: int = Field(default=16, ge=1, description=(
+        "SGLang's --linear-replayssm-cache-len: the replay ring's length L per mamba slot; a "
+        "power of two >= 2 x speculative_num_draft_tokens (DSPARK: block_size + 1). Only with "
+        "enable_linear_replayssm_spec"))
     speculative_draft_attention_backend: str | None = None
     moe_runner_backend: str | None = None
     decode_attention_backend: str | None = None
@@ -179,6 +199,57 @@ class SGLangSettings(_Strict):
     planner_draft: str | None = "kimi-k3-dspark"
     extra_server_args: dict[str, Any] = Field(default_factory=dict, description="any other "
                                               "SGLang ServerArgs field; checked against 0.5.23")
+
+    @model_validator(mode="after")
+    def _replayssm_spec(self) -> SGLangSettings:
+        """SGLang 0.5.23's own rules for the ReplaySSM verify (sglang/srt/
+        arg_groups/attention_hook.py:434-525, mem_cache/memory_pool.py:818-834), checked here
+        rather than when the scheduler allocates its pools."""
+        ring = self.linear_replayssm_cache_len
+        field = "engine.sglang.linear_replayssm_cache_len"
+        if not self.enable_linear_replayssm_spec:
+            if ring != 16:
+                raise ValueError(f"{field}={ring} is used only with "
+                                 "engine.sglang.enable_linear_replayssm_spec: true")
+            return self
+        flag = "engine.sglang.enable_linear_replayssm_spec"
+        if self.speculative_algorithm is None:
+            raise ValueError(f"{flag}: true is the speculative verify's rollback: it needs "
+                             "engine.sglang.speculative_algorithm")
+        draft_tokens = self.speculative_dspark_block_size + 1  # DSPARK: gamma + 1
+        if ring & (ring - 1):
+            raise ValueError(f"{field}={ring} must be a power of two (SGLang's KDA ring)")
+        if ring < 2 * draft_tokens:
+            raise ValueError(
+                f"{field}={ring} must be >= 2 x speculative_num_draft_tokens = {2 * draft_tokens} "
+                f"(speculative_dspark_block_size {self.speculative_dspark_block_size} + 1; "
+                "SGLang's early-flush margin)")
+        extra = self.extra_server_args
+        if extra.get("speculative_eagle_topk") not in (None, 1):
+            raise ValueError(f"{flag} needs a linear draft chain: extra_server_args."
+                             f"speculative_eagle_topk={extra['speculative_eagle_topk']!r} is a tree")
+        decode = extra.get("linear_attn_decode_backend") or extra.get("linear_attn_backend",
+                                                                      "triton")
+        if decode == "flashkda" and not extra.get("linear_attn_decode_backend"):
+            decode = "triton"  # FlashKDA is prefill-only: SGLang decodes with triton then
+        if decode not in ("triton", "flashinfer"):
+            raise ValueError(f"{flag} needs the triton or flashinfer linear-attn decode "
+                             f"backend; extra_server_args give {decode!r}")
+        if extra.get("enable_linear_replayssm"):
+            raise ValueError(f"{flag} and extra_server_args.enable_linear_replayssm are mutually "
+                             "exclusive (SGLang: they drive one ring two ways)")
+        if extra.get("disaggregation_mode") == "prefill":
+            raise ValueError(f"{flag} does not apply to a PD prefill server (it never verifies)")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _replayssm_only_when_on(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if not self.enable_linear_replayssm_spec:
+            # Off, both are at their defaults (checked above) and SGLang is not given them.
+            data.pop("enable_linear_replayssm_spec", None)
+            data.pop("linear_replayssm_cache_len", None)
+        return data
 
 
 class RouterConfig(RouterSettings):

@@ -16,8 +16,18 @@ from pydantic import ValidationError
 from sglang_helpers import GOLDEN, ROOT, app_config, rank_plan, serve_files
 
 from serve_app.app import ConfigError, validate
-from serve_app.engines.sglang.args import sampling_params, server_args_cli, sglang_server_args
-from serve_app.engines.sglang.checks import check_server_args, sglang_problems
+from serve_app.engines.sglang.args import (
+    runtime_env_vars,
+    sampling_params,
+    server_args_cli,
+    sglang_server_args,
+)
+from serve_app.engines.sglang.checks import (
+    check_server_args,
+    planner_layout,
+    sglang_problems,
+    startup_problems,
+)
 from serve_app.engines.sglang.flags import FLAGS_FILE, sglang_fields
 from serve_app.engines.sglang.output import OutputTracker, RequestAborted
 from serve_app.engines.spec_stats import SpecStats
@@ -188,6 +198,118 @@ def test_attention_dp_turns_on_the_dp_lm_head() -> None:
     args = sglang_server_args(config)
     assert args["attn_dp_size"] == 2 and args["enable_dp_lm_head"] is True
     assert "enable_dp_attention" not in args  # deprecated in 0.5.23
+
+
+# --- the KDA verify's rollback: SGLang's ReplaySSM (--enable-linear-replayssm-spec) ----------
+
+
+def _replay(**sglang: object) -> dict:
+    return {"sglang": {"enable_linear_replayssm_spec": True, **sglang}}
+
+
+def test_replayssm_flags_reach_sglang_only_when_enabled() -> None:
+    default = app_config(PRODUCTION)
+    args = sglang_server_args(default)
+    assert "enable_linear_replayssm_spec" not in args
+    assert "linear_replayssm_cache_len" not in args
+    # Off, the config tree does not write them either (the shipped files stay as they are).
+    assert "enable_linear_replayssm_spec" not in default.engine.sglang.model_dump()
+
+    config = app_config(PRODUCTION, engine=_replay(linear_replayssm_cache_len=32))
+    args = sglang_server_args(config)
+    assert args["enable_linear_replayssm_spec"] is True
+    assert args["linear_replayssm_cache_len"] == 32
+    assert check_server_args(args) == []
+    argv = server_args_cli(args)
+    assert "--enable-linear-replayssm-spec" in argv
+    assert argv[argv.index("--linear-replayssm-cache-len") + 1] == "32"
+    # On, both are written and read back.
+    dumped = config.engine.sglang.model_dump(mode="json")
+    assert dumped["enable_linear_replayssm_spec"] is True
+    assert dumped["linear_replayssm_cache_len"] == 32
+    assert type(config.engine.sglang).model_validate(dumped) == config.engine.sglang
+    f = sglang_fields()
+    assert f["enable_linear_replayssm_spec"]["flag"] == "--enable-linear-replayssm-spec"
+    assert f["linear_replayssm_cache_len"]["default"] == 16
+
+
+@pytest.mark.parametrize(("sglang", "message"), [
+    (_replay(linear_replayssm_cache_len=24), r"linear_replayssm_cache_len=24 must be a power of "
+                                             r"two"),
+    (_replay(linear_replayssm_cache_len=8), r"linear_replayssm_cache_len=8 must be >= 2 x "
+                                            r"speculative_num_draft_tokens = 16"),
+    (_replay(speculative_dspark_block_size=8), r"linear_replayssm_cache_len=16 must be >= 2 x "
+                                               r"speculative_num_draft_tokens = 18"),
+    (_replay(speculative_algorithm=None), r"enable_linear_replayssm_spec: true is the "
+                                          r"speculative verify's rollback: it needs "
+                                          r"engine.sglang.speculative_algorithm"),
+    ({"sglang": {"linear_replayssm_cache_len": 32}}, r"linear_replayssm_cache_len=32 is used "
+                                                     r"only with .*enable_linear_replayssm_spec"),
+    (_replay(extra_server_args={"linear_attn_decode_backend": "cutedsl"}),
+     r"needs the triton or flashinfer linear-attn decode backend"),
+    (_replay(extra_server_args={"enable_linear_replayssm": True}), r"mutually exclusive"),
+    (_replay(linear_replayssm_cache_len=0), r"engine.sglang.linear_replayssm_cache_len\n.*"
+                                            r"greater than or equal to 1"),
+])
+def test_a_bad_replayssm_setting_is_refused_naming_the_field(sglang: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        app_config(PRODUCTION, engine=sglang)
+
+
+def test_extra_server_args_may_not_set_the_replayssm_fields() -> None:
+    for name, value in (("enable_linear_replayssm_spec", True), ("linear_replayssm_cache_len", 32)):
+        assert f"may not set {name}" in _problems(engine={"sglang": {"extra_server_args": {
+            name: value}}})
+
+
+def test_replayssm_rules_are_sglangs_own() -> None:
+    """The rules SGLangSettings applies are in the 0.5.23 source (line numbers as cited)."""
+    hook = SGLANG_SRC / "srt" / "arg_groups" / "attention_hook.py"
+    if not hook.exists():
+        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    pool = (SGLANG_SRC / "srt" / "mem_cache" / "memory_pool.py").read_text()
+    assert "if L & (L - 1) != 0:" in pool
+    assert "and L < 2 * speculative_num_draft_tokens" in pool
+    rules = hook.read_text()
+    for text in ("if cfg.linear_replayssm_cache_len < 1:",
+                 "--enable-linear-replayssm-spec requires a linear draft chain",
+                 'if decode not in ("triton", "flashinfer"):',
+                 "--enable-linear-replayssm-spec and --enable-linear-replayssm are "):
+        assert text in rules
+    fields = (SGLANG_SRC / "srt" / "arg_groups" / "fields" / "exec_.py").read_text()
+    assert "enable_linear_replayssm_spec: A[" in fields
+    speculative = (SGLANG_SRC / "srt" / "arg_groups" / "speculative_hook.py").read_text()
+    assert "verify_window = int(gamma) + 1" in speculative  # DSPARK's draft tokens
+
+
+def test_replay_lets_more_requests_run_than_scratch_at_start_up() -> None:
+    """The start-up check sizes the deployment for the rollback it runs: the planner's most
+    running requests under replay start with replay and are refused with scratch."""
+    import capacity
+    from capacity.memory import MAMBA_SLOTS_PER_RUNNING_REQUEST, running_fit
+
+    base = app_config(PRODUCTION)
+    s = base.engine.sglang
+    fits = {strategy: running_fit(
+        capacity.describe_model(s.planner_model), planner_layout(base),
+        capacity.load_gpus()["H200"], s.context_length, capacity.describe_model(s.planner_draft),
+        kda_rollback=strategy, ring_len=16) for strategy in ("scratch", "replay")}
+    scratch, replay = fits["scratch"].max_running_requests, fits["replay"].max_running_requests
+    assert scratch == s.max_running_requests  # the shipped file is sized for scratch
+    assert replay > scratch
+    running = {"max_running_requests": replay,
+               "max_mamba_cache_size": replay * MAMBA_SLOTS_PER_RUNNING_REQUEST}
+    env = runtime_env_vars(base)
+    assert startup_problems(app_config(PRODUCTION, engine=_replay(**running)), env) == []
+    refused = "\n".join(startup_problems(app_config(PRODUCTION, engine={"sglang": running}),
+                                         env))
+    assert (f"max_running_requests={replay}: one full-context request's KV needs" in refused
+            and "(scratch rollback)" in refused)
+    # One more than replay's fit is refused under replay too.
+    more = {"max_running_requests": replay + 1,
+            "max_mamba_cache_size": (replay + 1) * MAMBA_SLOTS_PER_RUNNING_REQUEST}
+    assert "(replay rollback)" in "\n".join(startup_problems(
+        app_config(PRODUCTION, engine=_replay(**more)), env))
 
 
 # --- RayEngine's rank layout and SGLang's outputs -----------------------------------------------

@@ -24,7 +24,8 @@ _MANAGED = frozenset({
     "mem_fraction_static", "kv_cache_dtype", "chunked_prefill_size", "max_running_requests",
     "max_mamba_cache_size", "mamba_ssm_dtype", "mamba_radix_cache_strategy",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_dspark_block_size",
-    "speculative_draft_attention_backend", "moe_runner_backend", "decode_attention_backend",
+    "speculative_draft_attention_backend", "enable_linear_replayssm_spec",
+    "linear_replayssm_cache_len", "moe_runner_backend", "decode_attention_backend",
     "enable_metrics", "incremental_streaming_output", "enable_dp_lm_head",
 })
 
@@ -76,6 +77,11 @@ def sglang_server_args(config: AppConfig) -> dict[str, Any]:
         args["speculative_dspark_block_size"] = s.speculative_dspark_block_size
         if s.speculative_draft_attention_backend is not None:
             args["speculative_draft_attention_backend"] = s.speculative_draft_attention_backend
+    if s.enable_linear_replayssm_spec:
+        # The KDA verify's rollback by replay (SGLangSettings checks SGLang's rules on it);
+        # off, SGLang's default per-position state scratch, and neither argument is passed.
+        args["enable_linear_replayssm_spec"] = True
+        args["linear_replayssm_cache_len"] = s.linear_replayssm_cache_len
     if s.moe_runner_backend is not None:
         args["moe_runner_backend"] = s.moe_runner_backend
     if s.decode_attention_backend is not None:

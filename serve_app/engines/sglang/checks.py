@@ -90,6 +90,16 @@ def planner_layout(config: AppConfig) -> Any:
         mem_fraction=s.mem_fraction_static)
 
 
+def kda_rollback(s: Any, draft: Any) -> dict[str, Any]:
+    """The planner's KDA verify rollback options (capacity.memory.running_fit,
+    memory_per_gpu) for engine.sglang: SGLang's ReplaySSM verify when it is on, else its
+    default per-position state scratch. Without a draft descriptor the planner sizes no
+    verify, so there is nothing to roll back (scratch of 0 positions)."""
+    replay = s.enable_linear_replayssm_spec and draft is not None
+    return {"kda_rollback": "replay" if replay else "scratch",
+            "ring_len": s.linear_replayssm_cache_len}
+
+
 def _full_context_problems(model: Any, layout: Any, gpu: Any, draft: Any, s: Any) -> list[str]:
     """The advertised context must be servable: the KV of one full-context request beside the
     KDA states of max_running_requests running requests (SGLang's pools, as the capacity
@@ -98,7 +108,7 @@ def _full_context_problems(model: Any, layout: Any, gpu: Any, draft: Any, s: Any
 
     problems = []
     fit = running_fit(model, layout, gpu, s.context_length, draft,
-                      running=s.max_running_requests)
+                      running=s.max_running_requests, **kda_rollback(s, draft))
     if not fit.fits:
         states = fit.state_bytes_per_request * max(1, s.max_running_requests
                                                    // layout.attention_dp)
@@ -107,7 +117,8 @@ def _full_context_problems(model: Any, layout: Any, gpu: Any, draft: Any, s: Any
             f"{layout.label()} with kv_cache_dtype={s.kv_cache_dtype!r} and "
             f"max_running_requests={s.max_running_requests}: one full-context request's KV needs "
             f"{fit.full_request_kv_bytes / 1e9:.1f} GB per GPU beside {states / 1e9:.1f} GB of "
-            f"KDA state, {fit.free_bytes / 1e9:.1f} GB are free after weights (use "
+            f"KDA state ({fit.kda_rollback} rollback), {fit.free_bytes / 1e9:.1f} GB are free "
+            "after weights (use "
             "kimi-capacity emit: it sizes max_running_requests, or FP8 KV, or a larger layout)")
     needed = s.max_running_requests * MAMBA_SLOTS_PER_RUNNING_REQUEST
     if s.max_mamba_cache_size is None:
@@ -197,7 +208,8 @@ def sglang_problems(config: AppConfig) -> list[str]:
             check_layout(model, layout)
             short = capacity.Workload(context_length=min(s.context_length, 8192),
                                       prefill_chunk_tokens=max(1, s.chunked_prefill_size))
-            report = capacity.memory_per_gpu(model, layout, short, gpu, draft=draft)
+            report = capacity.memory_per_gpu(model, layout, short, gpu, draft=draft,
+                                             **kda_rollback(s, draft))
             if not report.fits:
                 problems.append(f"{model.name} on {layout.label()}: " + "; ".join(report.reasons))
             else:
