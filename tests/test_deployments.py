@@ -13,6 +13,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 from sglang_helpers import ROOT, app_config, generator, load_serve, serve_files
 
+from capacity.errors import CapacityError
 from capacity.ray_env import NOSET_CUDA_ENV, NOSET_HIP_ENV
 from serve_app.app import validate
 
@@ -125,6 +126,44 @@ def test_capacity_writes_the_apps_whole_sglang_section() -> None:
     from serve_app.config import SGLangSettings
 
     assert list(SGLANG_SECTION.items()) == list(SGLangSettings().model_dump(mode="json").items())
+
+
+def test_emit_carries_the_replay_rollback_into_the_sglang_section() -> None:
+    """describe_layout(kda_rollback="replay") sizes the deployment for SGLang's ReplaySSM
+    verify and turns it on in engine.sglang, in the app's field order; the default (scratch)
+    writes neither field."""
+    from capacity import describe_model, emit, load_gpus
+    from capacity.formats import KvDtype
+    from serve_app.config import AppConfig
+    from serve_app.engines.sglang.args import sglang_server_args
+
+    gpu = load_gpus()["H200"]
+    layout = emit.plain_layout(gpu, 2, KvDtype.FP8)
+    model, draft = describe_model("kimi-k3"), describe_model("kimi-k3-dspark")
+
+    def describe(**kw: object) -> emit.ServeDescription:
+        return emit.describe_layout(model, "/models/Kimi-K3", layout, 1_048_576, gpu,
+                                    draft=draft, draft_ref="/models/Kimi-K3-DSpark",
+                                    planner_refs=("kimi-k3", "kimi-k3-dspark"), **kw)
+
+    scratch, replay = describe(), describe(kda_rollback="replay", ring_len=32)
+    assert "enable_linear_replayssm_spec" not in scratch.sglang
+    assert "--kda-rollback" not in scratch.command
+    assert replay.sglang["enable_linear_replayssm_spec"] is True
+    assert replay.sglang["linear_replayssm_cache_len"] == 32
+    assert replay.sglang["max_running_requests"] > scratch.sglang["max_running_requests"]
+    assert "--kda-rollback replay --replay-ring-len 32" in replay.command
+    assert any("ReplaySSM ring of 32" in line for line in replay.notes)
+    config = AppConfig.model_validate(emit.app_args(replay))
+    assert list(config.engine.sglang.model_dump(mode="json").items()) == list(
+        replay.sglang.items())
+    validate(config)  # the app's start-up check sizes it for replay too
+    assert sglang_server_args(config)["linear_replayssm_cache_len"] == 32
+    with pytest.raises(CapacityError, match="must be a power of two"):
+        describe(kda_rollback="replay", ring_len=24)
+    with pytest.raises(CapacityError, match="needs a draft"):
+        emit.describe_layout(model, "/models/Kimi-K3", layout, 1_048_576, gpu,
+                             kda_rollback="replay")
 
 
 @pytest.mark.parametrize("rel", serve_files())
