@@ -1,0 +1,182 @@
+"""Speculative-decoding test helpers shared by the K2-layout and hybrid engine tests: test-only
+proposers behind the draft interface (full, partial and zero acceptance on demand), staggered
+runs, and exact target marginals for the chi-square test. `target` is anything with the
+engine's target interface (KimiForCausalLM, or PagedK3 with enough state slots)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from scipy.stats import chisquare
+
+from serve_app.config import ReferenceEngineConfig, SpeculationConfig
+from serve_app.engines.reference.builder import build_engine, build_runner
+from serve_app.engines.reference.engine import EngineCore, RequestOutput
+from serve_app.engines.reference.model_runner import ModelRunner
+from serve_app.engines.reference.sampling import SamplingParams
+from serve_app.engines.reference.sequence import Sequence
+from serve_app.models.dspark import DraftOutput
+from serve_app.models.kv_cache import PagedAllocator
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, max_tokens=4, ignore_eos=True)
+
+
+def detok(ids: list[int]) -> str:
+    return "".join(chr(48 + i) for i in ids)
+
+
+
+def greedy_continuation(target: Any, ids: list[int], n: int) -> list[int]:
+    cache = target.new_cache(len(ids) + n + 16)
+    cache.add(0)
+    logits = target(torch.tensor([ids]), cache, [0], torch.tensor([len(ids)])).logits
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < n:
+        logits = target(torch.tensor([[out[-1]]]), cache, [0], torch.tensor([1])).logits
+        out.append(int(logits[0, 0].argmax()))
+    return out
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation; `correct` decides how many positions stay
+    right (the rest are replaced by wrong tokens). Deterministic: q is one-hot."""
+
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, target: Any, gamma: int,
+                 correct: Callable[[], int] | None = None) -> None:
+        self.target, self.gamma, self.correct = target, gamma, correct
+        self.vocab = target.config.vocab_size
+
+    def add(self, rid: object) -> None: ...
+    def free(self, rid: object) -> None: ...
+    def commit(self, rids: object, taps: object) -> None: ...
+    def follow_propose(self, rids: object, anchors: object) -> None: ...
+
+    def propose(self, seqs: list[Sequence]) -> DraftOutput:
+        rows = []
+        for s in seqs:
+            row = greedy_continuation(self.target, s.all_ids, self.gamma)
+            n = self.gamma if self.correct is None else self.correct()
+            for j in range(n, self.gamma):
+                row[j] = (row[j] + 1 + j) % self.vocab
+            rows.append(row)
+        return DraftOutput(torch.tensor(rows), None, None, torch.empty(0))
+
+
+class SkewedProposer:
+    """Samples drafts from a fixed, sharply peaked random distribution per position and
+    returns it as q: far from the target's p, so a wrong rejection rule shows."""
+
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, vocab: int, gamma: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.q = torch.softmax(3.0 * torch.randn(gamma, vocab, generator=g), -1)
+        self.gamma = gamma
+
+    def add(self, rid: object) -> None: ...
+    def free(self, rid: object) -> None: ...
+    def commit(self, rids: object, taps: object) -> None: ...
+    def follow_propose(self, rids: object, anchors: object) -> None: ...
+
+    def propose(self, seqs: list[Sequence]) -> DraftOutput:
+        toks = torch.stack([torch.multinomial(self.q, 1, generator=s.generator).squeeze(-1)
+                            for s in seqs])
+        probs = self.q.expand(len(seqs), -1, -1)
+        return DraftOutput(toks, probs, None, torch.empty(0))
+
+
+def engine_with(target: Any, proposer: object | None, *, gamma: int | None = None,
+                capacity: int = 4096, **kwargs: object) -> EngineCore:
+    allocator = PagedAllocator(capacity, 16)
+    runner = ModelRunner(target, proposer, allocator)  # type: ignore[arg-type]
+    return EngineCore(runner, eos_token_ids=[target.config.eos_token_id],
+                      speculation=SpeculationConfig(enabled=proposer is not None, gamma=gamma),
+                      **kwargs)  # type: ignore[arg-type]
+
+
+def engine_from(pair: tuple[Path, Path], draft: bool = True, engine: dict[str, Any] | None = None,
+                **spec: object) -> EngineCore:
+    """The builder's engine for a checkpoint pair; `engine`: more ReferenceEngineConfig fields."""
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **(engine or {}),
+                                speculation=SpeculationConfig(**spec))  # type: ignore[arg-type]
+    return build_engine(build_runner(pair[0], pair[1] if draft else None, cfg), cfg)
+
+
+def run_staggered(engine: EngineCore, prompts: list[list[int]],
+                  params: SamplingParams = GREEDY) -> list[list[int]]:
+    """Half the requests start at once; one more joins after every step."""
+    ids: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    queue = list(prompts)
+    for p in queue[: len(queue) // 2]:
+        ids.append(engine.add_request(p, params))
+    queue = queue[len(queue) // 2:]
+    done: set[str] = set()
+    while len(done) < len(prompts):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                done.add(out.request_id)
+        if queue:
+            ids.append(engine.add_request(queue.pop(0), params))
+    return [tokens[i] for i in ids]
+
+
+def random_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab - 2) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def exact_marginals(target: Any, prompt: list[int], params: SamplingParams
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """P(2nd token) and P(3rd token) by enumerating every first and second token."""
+    from serve_app.engines.reference.sampling import target_probs
+
+    v = target.config.vocab_size
+
+    def next_probs(seqs: list[list[int]]) -> torch.Tensor:
+        cache = target.new_cache(len(seqs) * (len(seqs[0]) + 16))
+        for i in range(len(seqs)):
+            cache.add(i)
+        n = len(seqs[0])
+        logits = target(torch.tensor(seqs), cache, list(range(len(seqs))),
+                        torch.full((len(seqs),), n)).logits[:, -1]
+        return target_probs(logits, params)
+
+    p1 = next_probs([prompt])[0]
+    p2_given = next_probs([[*prompt, a] for a in range(v)])  # [v, v]
+    p2 = p1 @ p2_given
+    seqs = [[*prompt, a, b] for a in range(v) for b in range(v)]
+    p3_given = next_probs(seqs).view(v, v, v)
+    p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    return p2, p3
+
+
+def chi2_pvalue(samples: list[int], probs: torch.Tensor) -> float:
+    n = len(samples)
+    expected = (probs.double() * n).numpy()
+    observed = torch.bincount(torch.tensor(samples), minlength=len(probs)).double().numpy()
+    # Pool the rare outcomes so every cell expects at least 5.
+    keep = expected >= 5
+    exp = [*list(expected[keep]), expected[~keep].sum()]
+    obs = [*list(observed[keep]), observed[~keep].sum()]
+    if exp[-1] == 0:
+        exp, obs = exp[:-1], obs[:-1]
+    scale = sum(obs) / sum(exp)  # float rounding of the exact probabilities
+    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+def sample_many(engine: EngineCore, prompt: list[int], params: SamplingParams, n: int
+                ) -> list[list[int]]:
+    outs: list[RequestOutput] = []
+    for chunk in range(0, n, 500):
+        plist = [SamplingParams(**{**params.__dict__, "seed": chunk + i}) for i in range(500)]
+        outs += engine.generate([prompt] * 500, plist)
+    return [o.token_ids for o in outs]

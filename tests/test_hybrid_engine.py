@@ -1,0 +1,280 @@
+"""The reference engine on the Kimi K3 hybrid (KDA + MLA): lossless speculation with KDA state
+rollback by both strategies, exact sampling, state slots as a resource, and TP over gloo.
+
+The pair is a random K3-layout target at test-suite widths (tiny_models.tiny_k3_config: the mini
+K3's 8-layer layout, AttnRes, latent MoE) and a DSpark draft tapping it by K3's convention."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from spec_helpers import (
+    GREEDY,
+    SAMPLED,
+    OracleProposer,
+    SkewedProposer,
+    chi2_pvalue,
+    engine_from,
+    engine_with,
+    exact_marginals,
+    random_prompts,
+    run_staggered,
+    sample_many,
+)
+from tiny_models import tiny_k3_config, write_random_k3_pair
+
+from capacity.families import descriptor_from_config
+from serve_app.config import ReferenceEngineConfig
+from serve_app.engines.reference.builder import build_engine, build_runner
+from serve_app.engines.reference.sampling import SamplingParams
+from serve_app.models.k3 import kda_sizes
+from serve_app.models.k3_paged import PagedK3
+from serve_app.models.k3_weights import load_k3
+from serve_app.models.kda import KDAState, KimiDeltaAttention
+from serve_app.netutil import free_port
+
+ROLLBACKS = ["scratch", "replay"]
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_random_k3_pair(tmp_path_factory.mktemp("k3pair"), tiny_k3_config(VOCAB))
+
+
+def hybrid(pair: tuple[Path, Path], rollback: str, slots: int = 64) -> PagedK3:
+    return PagedK3(load_k3(pair[0]).eval(), slots, rollback)  # type: ignore[arg-type]
+
+
+def prompts_crossing_chunks() -> list[list[int]]:
+    """Short prompts and three that cross the KDA chunk (64 tokens) under 40-token prefill
+    steps, so chunked prefill carries the state over chunk boundaries of both kinds."""
+    rng = random.Random(5)
+    long = [[rng.randrange(VOCAB - 3) for _ in range(n)] for n in (70, 131, 90)]
+    return random_prompts(5, VOCAB - 2, seed=1) + long
+
+
+CHUNKED = {"prefill_chunk_tokens": 40, "max_prefill_tokens_per_request": 40}
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(pair: tuple[Path, Path]) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = prompts_crossing_chunks()
+    return prompts, run_staggered(engine_from(pair, enabled=False, engine=CHUNKED), prompts)
+
+
+def test_the_builder_serves_the_hybrid_target(pair: tuple[Path, Path]) -> None:
+    engine = engine_from(pair, engine={"state_slots": 5})
+    assert isinstance(engine.runner.target, PagedK3)
+    assert engine.capacity()["state_slots_total"] == 5
+    # The draft taps K3's layers by SGLang's convention (0-based ids, the last via the
+    # output read): its context rows were fed from the target's taps of those layers.
+    draft = json.loads((pair[1] / "config.json").read_text())
+    assert engine.runner.proposer.tap_layers == tuple(draft["dflash_config"]["target_layer_ids"])
+
+
+def test_a_chunked_prefill_equals_one_forward_of_the_whole_prompt(pair: tuple[Path, Path]
+                                                                 ) -> None:
+    prompt = prompts_crossing_chunks()[-2]  # 131 tokens: chunks 0-40-80-120-131
+    whole = engine_from(pair, enabled=False).generate([prompt], GREEDY)[0].token_ids
+    chunked = engine_from(pair, enabled=False, engine=CHUNKED).generate([prompt], GREEDY)
+    assert chunked[0].token_ids == whole
+
+
+@pytest.mark.parametrize("rollback", ROLLBACKS)
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+@pytest.mark.parametrize("threshold", [0.0, 0.6])
+def test_dspark_greedy_is_lossless_on_the_hybrid(pair: tuple[Path, Path],
+                                                 reference_outputs: tuple, rollback: str,
+                                                 gamma: int, threshold: float) -> None:
+    prompts, expected = reference_outputs
+    engine = engine_from(pair, engine=CHUNKED, gamma=gamma, confidence_threshold=threshold,
+                         kda_rollback=rollback)
+    assert engine.runner.target.rollback == rollback
+    assert run_staggered(engine, prompts) == expected
+    assert engine.stats()["spec_verify_ct"] > 0
+
+
+@pytest.mark.parametrize("rollback", ROLLBACKS)
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+@pytest.mark.parametrize("mode", ["oracle", "partial"])
+def test_full_partial_and_zero_acceptance_roll_the_state_back_exactly(
+    pair: tuple[Path, Path], reference_outputs: tuple, rollback: str, gamma: int, mode: str
+) -> None:
+    prompts, expected = reference_outputs
+    if mode == "oracle":  # full acceptance needs few steps to show; two short, two long
+        prompts, expected = prompts[3:7], expected[3:7]
+    target = hybrid(pair, rollback)
+    rng = random.Random(gamma)
+    correct = None if mode == "oracle" else (lambda: rng.randint(0, gamma))
+    engine = engine_with(target, OracleProposer(target, gamma, correct), **CHUNKED)
+    assert run_staggered(engine, prompts) == expected
+    hist = engine.stats()["spec_correct_drafts_histogram"]
+    if mode == "oracle":
+        # Every block fully accepted, except where max_tokens capped the verify width.
+        assert hist[gamma] > 0 and sum(hist[:gamma]) <= len(prompts)
+    else:
+        assert (hist[0] > 0 and hist[gamma] > 0 and sum(hist[1:gamma]) > 0) or gamma == 1
+
+
+def test_replay_rebuilds_exactly_the_state_the_scratch_keeps() -> None:
+    """Both strategies commit bit-identical KDA states for every accepted prefix."""
+    torch.manual_seed(0)
+    attn = KimiDeltaAttention(kda_sizes(tiny_k3_config()))
+    state = KDAState(torch.randn(2, 3, 3 * attn.sizes.projection_size),
+                     torch.randn(2, attn.num_heads, attn.head_dim, attn.head_dim))
+    x = torch.randn(2, 8, attn.sizes.hidden_size)
+    y_scratch, windows = attn.forward_window(x, state)
+    y_replay, log = attn.forward_logged(x, state)
+    assert torch.equal(y_scratch, y_replay)
+    for row in range(2):
+        for step in range(8):
+            replayed = log.replay(row, state.ssm[row], step)
+            assert torch.equal(replayed.ssm[0], windows.ssm[row, step])
+            assert torch.equal(replayed.conv[0], windows.conv[row, step])
+
+
+# --- exact sampling ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> PagedK3:
+    folder = tmp_path_factory.mktemp("k3v16")
+    target_path, _ = write_random_k3_pair(folder, tiny_k3_config(16), seed=3)
+    return PagedK3(load_k3(target_path).eval(), 600, "replay")
+
+
+def test_speculative_sampling_matches_the_target_distribution(small_vocab: PagedK3) -> None:
+    prompt = [1, 2, 3]
+    p2, p3 = exact_marginals(small_vocab, prompt, SAMPLED)
+    engine = engine_with(small_vocab, SkewedProposer(16, gamma=3), max_batch_size=500)
+    outs = sample_many(engine, prompt, SAMPLED, 3000)
+    hist = engine.stats()["spec_correct_drafts_histogram"]
+    assert engine.stats()["spec_accepted_drafts"] > 0 and hist[0] > 0  # accepts and rejects
+    assert chi2_pvalue([o[1] for o in outs], p2) > 1e-3
+    assert chi2_pvalue([o[2] for o in outs], p3) > 1e-3
+
+
+def test_a_wrong_rejection_rule_is_caught(small_vocab: PagedK3) -> None:
+    prompt = [1, 2, 3]
+    p2, _ = exact_marginals(small_vocab, prompt, SAMPLED)
+    engine = engine_with(small_vocab, SkewedProposer(16, gamma=3), max_batch_size=500,
+                         residual_rule=lambda p, q: p)
+    outs = sample_many(engine, prompt, SAMPLED, 3000)
+    assert chi2_pvalue([o[1] for o in outs], p2) < 1e-6
+
+
+# --- state slots ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_state_slot_is_what_the_planner_says_a_request_holds(pair: tuple[Path, Path],
+                                                               dtype: str) -> None:
+    engine = engine_from(pair, engine={"dtype": dtype, "state_slots": 3}, enabled=False)
+    pool = engine.runner.cache.states
+    allocated = sum(s.conv.nbytes + s.ssm.nbytes for s in pool.layers.values())
+    planner = descriptor_from_config(json.loads((pair[0] / "config.json").read_text()),
+                                     "tiny K3", str(pair[0]))
+    conv_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    assert allocated == 3 * planner.kda_state_bytes(conv_bytes=conv_bytes, ssm_bytes=4)
+    assert pool.bytes_per_slot == planner.kda_state_bytes(conv_bytes=conv_bytes)
+
+
+def test_abort_mid_stream_frees_the_slot_and_pages_at_once(pair: tuple[Path, Path]) -> None:
+    engine = engine_from(pair, engine={"state_slots": 2})
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    rid = engine.add_request([5, 6, 7], long)
+    for _ in range(3):
+        engine.step()
+    cap = engine.capacity()
+    assert cap["state_slots_used"] == 1 and cap["kv_tokens_used"] > 0
+    assert engine.runner.cache.states.used == 1
+    assert engine.abort(rid)
+    cap = engine.capacity()
+    assert cap["state_slots_used"] == 0 and cap["kv_tokens_used"] == 0
+    assert engine.runner.cache.states.used == 0 and engine.runner.proposer.cache.allocator.used_tokens == 0
+
+
+def test_a_request_with_kv_room_but_no_slot_waits_for_one(pair: tuple[Path, Path]) -> None:
+    engine = engine_from(pair, engine={"state_slots": 1})
+    first = engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=12,
+                                                         ignore_eos=True))
+    second = engine.add_request([8, 9], GREEDY)
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == [first]
+    cap = engine.capacity()
+    assert cap["kv_tokens_free"] > 1000 and cap["state_slots_free"] == 0
+    finished = []
+    while engine.has_work:
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == [first, second]
+    expected = engine_from(pair, enabled=False).generate([[8, 9]], GREEDY)[0].token_ids
+    assert engine.generate([[8, 9]], GREEDY)[0].token_ids == expected
+
+
+def test_slots_are_never_over_committed_under_a_burst(pair: tuple[Path, Path]) -> None:
+    engine = engine_from(pair, engine={"state_slots": 3, "max_batch_size": 8})
+    prompts = random_prompts(12, VOCAB - 2, seed=4)
+    params = SamplingParams(temperature=0.7, max_tokens=6, seed=1, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: set[str] = set()
+    peak = 0
+    while engine.has_work:
+        done |= {o.request_id for o in engine.step() if o.finished}
+        cap = engine.capacity()
+        peak = max(peak, cap["state_slots_used"])
+        assert cap["state_slots_used"] == engine.runner.cache.states.used <= 3
+    assert done == set(ids) and peak == 3 and engine.runner.cache.states.used == 0
+
+
+# --- tensor parallel -----------------------------------------------------------------------------
+
+
+def _tp_worker(rank: int, size: int, port: int, pair: tuple[Path, Path], prompts: list[list[int]],
+               rollback: str, results: mp.Queue) -> None:
+    from serve_app.engines.reference.builder import init_tensor_parallel, release_tensor_parallel
+
+    torch.set_num_threads(1)
+    group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, size, "gloo")
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **CHUNKED,
+                                speculation={"kda_rollback": rollback})  # type: ignore[arg-type]
+    runner = build_runner(pair[0], pair[1], cfg, rank, size, group)
+    if rank == 0:
+        engine = build_engine(runner, cfg)
+        outs = engine.generate(prompts, GREEDY)
+        runner.shutdown()
+        results.put(([o.token_ids for o in outs], engine.stats(),
+                     runner.cache.states.bytes_per_slot))
+        del engine
+    else:
+        runner.follow()
+    del runner, group
+    release_tensor_parallel()
+
+
+@pytest.mark.slow
+def test_tp2_over_gloo_matches_tp1_on_the_hybrid(pair: tuple[Path, Path]) -> None:
+    prompts = prompts_crossing_chunks()[3:7]
+    single = engine_from(pair, engine=CHUNKED, kda_rollback="replay")
+    expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, pair, prompts, "replay", results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    tokens, stats, slot_bytes = results.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert tokens == expected
+    for key in ("spec_verify_ct", "spec_correct_drafts_histogram", "spec_accepted_drafts"):
+        assert stats[key] == single.stats()[key]
+    # Each rank holds half of every KDA layer's heads.
+    assert 2 * slot_bytes == single.runner.cache.states.bytes_per_slot
