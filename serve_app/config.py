@@ -19,7 +19,9 @@ from pydantic import (
 )
 
 from serve_app.models.dspark_config import DSparkConfig
+from serve_app.models.k3_config import K3Config
 from serve_app.models.kimi_config import KimiConfig
+from serve_app.models.target_config import load_target_config
 from serve_app.observability.tracing import TracingConfig
 from serve_app.routing.settings import RouterSettings
 
@@ -412,12 +414,13 @@ class ConfigError(ValueError):
     pass
 
 
-def model_configs(config: AppConfig) -> tuple[KimiConfig, DSparkConfig | None]:
-    """The target's and the draft's config.json, each missing file named by its field."""
+def model_configs(config: AppConfig) -> tuple[KimiConfig | K3Config, DSparkConfig | None]:
+    """The target's (K2 or K3 layout) and the draft's config.json, each missing file named by
+    its field."""
     target_path = config.models.target_path()
     if not (target_path / "config.json").exists():
         raise ConfigError(f"models.target: no config.json in {target_path}")
-    target = KimiConfig.from_file(target_path)
+    target = load_target_config(target_path)
     draft_path = config.models.draft_path()
     draft = None
     if draft_path is not None:

@@ -17,6 +17,7 @@ from capacity.errors import CapacityError
 from serve_app.models.config_files import read_config_json, validate_fields
 
 if TYPE_CHECKING:
+    from serve_app.models.k3_config import K3Config
     from serve_app.models.kimi_config import KimiConfig
 
 
@@ -156,7 +157,7 @@ def _resolve_dspark_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return flat
 
 
-def check_pair(t: KimiConfig, d: DSparkConfig, gamma: int | None = None) -> None:
+def check_pair(t: KimiConfig | K3Config, d: DSparkConfig, gamma: int | None = None) -> None:
     """The draft must fit the target it runs beside; every mismatch is named."""
     problems = []
     bad = [i for i in d.target_layer_ids if i >= t.num_hidden_layers]

@@ -329,6 +329,7 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp or TPContext()
+        config.validate_tp(self.tp.size)
         self.model = K3Model(config, self.tp)
         self.lm_head = (
             None if config.tie_word_embeddings

@@ -284,6 +284,23 @@ class K3Config(BaseModel):
         """The shared experts form ONE MLP of this width (moe_intermediate_size x count)."""
         return self.moe_intermediate_size * self.num_shared_experts
 
+    def validate_tp(self, tp_size: int) -> None:
+        """Every size tensor parallelism splits (heads of KDA and MLA, the dense MLP and the
+        shared experts' width, the routed experts) must divide evenly; all problems at once."""
+        if tp_size < 1:
+            raise K3ConfigError(f"tp_size={tp_size} must be >= 1")
+        checks = {
+            "linear_attn_config.num_heads": self.kda_num_heads,
+            "num_attention_heads": self.num_attention_heads,
+            "intermediate_size": self.intermediate_size,
+            "num_experts": self.num_experts,
+            "moe_intermediate_size * num_shared_experts": self.shared_intermediate_size,
+        }
+        bad = [f"{k}={v} is not divisible by tp_size={tp_size}" for k, v in checks.items()
+               if v % tp_size]
+        if bad:
+            raise K3ConfigError("tensor parallelism: " + "; ".join(bad))
+
     @property
     def has_e_score_correction_bias(self) -> bool:
         """`mlp.gate.e_score_correction_bias [E]` exists under noaux_tc routing."""

@@ -138,9 +138,13 @@ class HybridCache:
         return self.latent.length(rid)
 
     def add(self, rid: Hashable) -> None:
-        """A new request: its page table and a zeroed state slot."""
+        """A new request: its page table and a zeroed state slot (both, or neither)."""
         self.states.take(rid)
-        self.latent.add(rid)
+        try:
+            self.latent.add(rid)
+        except BaseException:
+            self.states.give_back(rid)
+            raise
 
     def free(self, rid: Hashable) -> None:
         self.window_rows.pop(rid, None)
@@ -228,10 +232,13 @@ class PagedStates:
 class PagedK3:
     """A K3ForCausalLM behind the reference engine's target interface (see the module doc)."""
 
-    def __init__(self, model: K3ForCausalLM, state_slots: int, rollback: Rollback = "scratch"
-                 ) -> None:
+    def __init__(self, model: K3ForCausalLM, state_slots: int, rollback: Rollback = "scratch",
+                 planned_slot_bytes: int | None = None) -> None:
+        """`planned_slot_bytes`: what the capacity planner says one request's state takes on
+        this rank; a pool that disagrees is refused (one source of truth for its size)."""
         if rollback not in ("scratch", "replay"):
             raise ValueError(f"rollback must be 'scratch' or 'replay', not {rollback!r}")
+        self.planned_slot_bytes = planned_slot_bytes
         self.model = model
         self.config = model.config
         self.state_slots = state_slots
@@ -249,8 +256,13 @@ class PagedK3:
 
     def new_cache(self, capacity_tokens: int, page_size: int = 16,
                   allocator: PagedAllocator | None = None) -> HybridCache:
-        return HybridCache(self.model, capacity_tokens, page_size, allocator, self.state_slots,
-                           self.rollback)
+        cache = HybridCache(self.model, capacity_tokens, page_size, allocator,
+                            self.state_slots, self.rollback)
+        planned, allocated = self.planned_slot_bytes, cache.states.bytes_per_slot
+        if planned is not None and planned != allocated:
+            raise ValueError(f"KDA state slot of {allocated} B disagrees with the capacity "
+                             f"planner's {planned} B per request for this config.json")
+        return cache
 
     @torch.no_grad()
     def __call__(

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from capacity.families import describe_model
 from serve_app.config import ReferenceEngineConfig
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.model_runner import ModelRunner
@@ -24,6 +23,7 @@ from serve_app.models.k3_weights import load_k3
 from serve_app.models.kimi import KimiForCausalLM, TPContext
 from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_cache import PagedAllocator
+from serve_app.models.target_config import is_hybrid
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,19 +54,6 @@ def release_tensor_parallel() -> None:
         dist.destroy_process_group()
 
 
-# config.json model types of the hybrid (KDA + MLA) family: K3's wrapper, or its bare text model.
-HYBRID_MODEL_TYPES = ("kimi_k3", "kimi_linear")
-
-
-def is_hybrid(target_path: str | os.PathLike[str]) -> bool:
-    """Whether a checkpoint folder holds a Kimi K3-layout target (by its config.json)."""
-    try:
-        raw = json.loads((Path(target_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False  # the loader names what is wrong with the folder
-    return isinstance(raw, dict) and raw.get("model_type") in HYBRID_MODEL_TYPES
-
-
 def load_target(
     target_path: str | os.PathLike[str], config: ReferenceEngineConfig,
     device: torch.device | str, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None,
@@ -79,8 +66,12 @@ def load_target(
                          tp_size=tp_size, group=group)
     model = load_k3(target_path, dtype=dtype, device=device,
                     tp=TPContext(tp_rank, tp_size, group))
+    # One source of truth for what a request's state costs: the pool's slot must be what the
+    # capacity planner computes for the same config.json (conv in the weights' dtype, SSM fp32).
+    planned = describe_model(target_path).kda_state_bytes(
+        conv_bytes=dtype.itemsize, ssm_bytes=4, attention_tp=tp_size)
     return PagedK3(model.eval(), config.state_slots or config.max_batch_size,
-                   config.speculation.kda_rollback)
+                   config.speculation.kda_rollback, planned_slot_bytes=planned)
 
 
 def build_runner(
