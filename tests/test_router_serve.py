@@ -1,4 +1,5 @@
-"""The router for real: Ray, Serve, two target replicas (tiny random pair, TP 1, CPU), HTTP."""
+"""The router for real: Ray, Serve, two target replicas (a tiny random K3-layout hybrid pair, whose
+state slots are real KDA state slots; TP 1, CPU), HTTP."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 import openai
 import pytest
 from ray import serve
-from tiny_models import served, write_tiny_serving_pair
+from tiny_models import served, write_k3_serving_pair
 
 from serve_app.config import AppConfig
 
@@ -19,17 +20,17 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-kimi-dspark"
 KV = 1024  # tokens per replica: two 420-token requests fit, a third does not
-SLOTS = 2  # state slots per replica (the reference engine's max_batch_size): running requests
+SLOTS = 2  # KDA state slots per replica (engine.reference.state_slots): running requests
 QUEUE = 4
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    paths = write_tiny_serving_pair(tmp_path_factory.mktemp("router"))
+    paths = write_k3_serving_pair(tmp_path_factory.mktemp("router"), tiny=True)
     cfg = AppConfig.model_validate({
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
                    "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": KV, "max_batch_size": SLOTS,
+        "engine": {"reference": {"kv_capacity_tokens": KV, "state_slots": SLOTS,
                                  "speculation": {"enabled": True}}},
         "parallelism": {"tp": 1},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},

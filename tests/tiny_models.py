@@ -199,29 +199,42 @@ def random_k3(config: Any = None, seed: int = 0) -> Any:
     return model
 
 
-def tiny_k3_config(vocab_size: int = 256, **overrides: Any) -> Any:
-    """The mini K3's layout (8 layers: KDA except layers 3 and 7, AttnRes blocks of 3, dense
-    layer 0 then latent MoE) at test-suite widths, so engine tests run in seconds."""
+def mini_k3_config(**text_overrides: Any) -> Any:
+    """The mini K3 config (tests/data/mini-k3-config.json) with text_config fields replaced; the
+    wrapper's special token ids follow the text model's, and the media placeholder is the last
+    id of the vocabulary."""
     import json
 
     from serve_app.models.k3_config import K3Config
 
     raw = json.loads(MINI_K3_CONFIG.read_text())
     text = raw["text_config"]
-    text.update({
+    text.update(text_overrides)
+    raw.update({k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    raw["media_placeholder_token_id"] = text["vocab_size"] - 1
+    return K3Config.from_dict(raw, "mini K3")
+
+
+def tiny_k3_config(vocab_size: int = 256, **overrides: Any) -> Any:
+    """The mini K3's layout (8 layers: KDA except layers 3 and 7, AttnRes blocks of 3, dense
+    layer 0 then latent MoE) at test-suite widths, so engine tests run in seconds."""
+    return mini_k3_config(**{
         "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32,
         "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
         "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 16,
         "routed_expert_hidden_size": 32, "num_shared_experts": 1,
         "bos_token_id": 1, "eos_token_id": vocab_size - 2, "pad_token_id": 0,
-        "media_placeholder_token_id": vocab_size - 3,
+        "linear_attn_config": {**_mini_text()["linear_attn_config"], "num_heads": 2,
+                               "head_dim": 16},
+        **overrides,
     })
-    text["linear_attn_config"] = {**text["linear_attn_config"], "num_heads": 2, "head_dim": 16}
-    text.update(overrides)
-    raw.update({k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
-    raw["media_placeholder_token_id"] = text["media_placeholder_token_id"]
-    return K3Config.from_dict(raw, "tiny K3")
+
+
+def _mini_text() -> dict[str, Any]:
+    import json
+
+    return json.loads(MINI_K3_CONFIG.read_text())["text_config"]
 
 
 def k3_draft_config(target: Any, block_size: int = 7, mask_token_id: int | None = None,
@@ -245,15 +258,32 @@ def k3_draft_config(target: Any, block_size: int = 7, mask_token_id: int | None 
 
 
 def write_random_k3_pair(folder: Path, config: Any = None, seed: int = 0,
-                         block_size: int = 7) -> tuple[Path, Path]:
+                         block_size: int = 7, mask_token_id: int | None = None
+                         ) -> tuple[Path, Path]:
     """A random K3-layout target (the mini config by default) and its DSpark draft, saved as
     the engine loads them (K3's config.json layout and names; the published DSpark format)."""
     from serve_app.models.k3_weights import save_k3
 
     target = random_k3(config, seed)
     torch.manual_seed(seed + 1)
-    draft = DSparkDraft(k3_draft_config(target.config, block_size))
+    draft = DSparkDraft(k3_draft_config(target.config, block_size, mask_token_id))
     _spread(draft, 1.0)
     save_k3(target, folder / "target")
     save_dspark(draft, folder / "draft")
     return folder / "target", folder / "draft"
+
+
+def write_k3_serving_pair(folder: Path, seed: int = 0, tiny: bool = False) -> dict[str, Path]:
+    """The random miniature K3 pair (the mini config, or with `tiny` tiny_k3_config's widths;
+    its vocabulary a real tokenizer's) for the Serve app; the tokenizer lives in the target
+    folder."""
+    vocab = write_tiny_tokenizer(folder / "target")
+    from serve_app.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(folder / "target")
+    make = tiny_k3_config if tiny else mini_k3_config
+    config = make(vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=tokenizer.bos_token_id, pad_token_id=0)
+    target, draft = write_random_k3_pair(folder, config, seed,
+                                         mask_token_id=tokenizer.mask_token_id)
+    return {"target": target, "draft": draft}
