@@ -600,6 +600,8 @@ def emit_cmd(
     out_dir: Annotated[Path, typer.Option(help="folder for the two YAML files")] = Path("."),
     acceptance: AcceptOpt = 3.45,
     gamma: GammaOpt = None,
+    kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
+    replay_ring_len: RingLenOpt = DEFAULT_REPLAY_RING_LEN,
 ) -> None:
     """Write a validated Serve config and cluster-launcher config for one layout."""
     from capacity.emit import emit
@@ -621,7 +623,8 @@ def emit_cmd(
     # which one request of the advertised context does not fit (capacity.emit.describe_layout).
     result = emit(out_dir, target, model_ref or target.name, layout, tokens, spec_gpu, replicas,
                   draft_model, draft_ref or (draft_model.name if draft_model else None), spec,
-                  auth_mode, planner_refs=(model, draft))
+                  auth_mode, planner_refs=(model, draft), kda_rollback=kda_rollback,
+                  ring_len=replay_ring_len)
     running = result.serve_config["applications"][0]["args"]["engine"]["sglang"][
         "max_running_requests"]
     out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "

@@ -258,6 +258,30 @@ def test_emitted_files_start_a_replica(tmp_path: Path, gpu: str, vendor_env: set
     validate_cluster_config(cluster)
 
 
+def test_emit_replay_rollback_runs_its_own_header_command(tmp_path: Path):
+    """`emit --kda-rollback replay` writes SGLang's ReplaySSM settings, sizes more running
+    requests than the default scratch (less verify memory), and the header's command is one
+    this CLI accepts."""
+    args = ["emit", "--gpu", "H200", "--nodes", "2", "--draft", "kimi-k3-dspark", "--kv", "fp8",
+            "--context", "1M", "--model-ref", "/models/Kimi-K3"]
+    runs = {}
+    for mode in ("scratch", "replay"):
+        out = tmp_path / mode
+        result = invoke(*args, "--kda-rollback", mode, "--out-dir", str(out))
+        assert result.exit_code == 0, result.output
+        text = (out / "serve-h200-2x8.yaml").read_text()
+        runs[mode] = (text, yaml.safe_load(text)["applications"][0]["args"]["engine"]["sglang"])
+    (_, scratch), (replay_text, replay) = runs["scratch"], runs["replay"]
+    assert "enable_linear_replayssm_spec" not in scratch
+    assert replay["enable_linear_replayssm_spec"] is True
+    assert replay["max_running_requests"] > scratch["max_running_requests"]
+    header = next(line for line in replay_text.splitlines() if "kimi-capacity emit" in line)
+    again = tmp_path / "again"
+    rerun = invoke(*header.split("kimi-capacity ")[1].split(), "--out-dir", str(again))
+    assert rerun.exit_code == 0, rerun.output
+    assert (again / "serve-h200-2x8.yaml").read_text() == replay_text
+
+
 def test_emit_validation_rejects_broken_configs():
     from capacity import CapacityError
 
