@@ -24,12 +24,30 @@ DSpark speculation, alternating, `--repeats` times. Reported:
 `--pair random` builds a target and a draft of the same shapes with random weights on the fly:
 its acceptance is meaningless (about 1) and it is labelled as such; it shows the engine's cost
 of speculation when nothing is accepted.
+
+`--pair random-k3` is the Kimi K3 hybrid (KDA + MLA): the tests' random mini K3 and its DSpark
+draft (tests/tiny_models.py write_random_k3_pair), `--k3-prompts` seeded random-token prompts
+of `--prompt-min`..`--prompt-max` tokens, decoded target-only and speculatively with each KDA
+rollback strategy (`speculation.kda_rollback` scratch and replay), variant order alternating
+across prompts and repeats, greedy by default. Overhead only (random weights); to make commit
+roll back partially, `--proposer oracle-partial` (the default here) keeps the DSpark draft
+running (timed) but replaces its tokens by the target's greedy continuation with a uniform
+0..gamma of them right (`--proposer dspark`: the random draft's own, ~0 accepted). Reported per
+variant: tok/s, acceptance, lossless, per step (full verify windows) the verify forward, the
+commit split into HybridCache.truncate (the KDA state copy or replay) and the rest (the draft
+context append), the verify scratch per request measured from the windows' tensors beside the
+state slot; then what the capacity planner says each strategy costs for the real K3 on
+2 x 8 H200 (TP16). A table, then the report as one JSON line.
+
+    python bench/spec_decode.py --pair random-k3                     # about 4 min on 2 cores
+    python bench/spec_decode.py --pair random-k3 --repeats 1 --max-tokens 16   # < 1 min
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -92,11 +110,10 @@ class CallTimer:
                 for k, v in sorted(self.times.items())}
 
 
-def _forward_kind(rows: Any, rids: Any, capture: bool) -> str:
-    width = max(len(r) for r in rows)
-    if width == 1:
-        return "target_decode_forward"
-    return "verify_forward" if capture and width <= 16 else "prefill_forward"
+def _forward_kind(rows: Any, rids: Any, capture: bool, verify: bool = False) -> str:
+    if verify:  # the engine marks its verify windows (ModelRunner.forward's `verify`)
+        return "verify_forward"
+    return "target_decode_forward" if max(len(r) for r in rows) == 1 else "prefill_forward"
 
 
 def make_engine(target: Path, draft: Path, speculative: bool, timer: CallTimer) -> EngineCore:
@@ -248,11 +265,419 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"  {mode:<12} {parts}")
 
 
+# --- --pair random-k3: the hybrid target, KDA rollback by scratch vs replay -------------------
+
+K3_VARIANTS = ("target_only", "scratch", "replay")
+
+
+def random_k3_pair(folder: Path, seed: int = 0) -> tuple[Path, Path]:
+    """The tests' random mini K3 target and its DSpark draft (tests/tiny_models.py, as
+    bench/k3_model.py uses it), written as the engine loads them."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import write_random_k3_pair
+
+    return write_random_k3_pair(folder, seed=seed)
+
+
+def random_prompts(n: int, vocab: int, low: int, high: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `low`..`high` uniform random tokens, clear of the special ids (bos 1,
+    eos 2, pad 0 below; media placeholder / mask at the top of the vocabulary)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab - 8) for _ in range(rng.randint(low, high))]
+            for _ in range(n)]
+
+
+def window_bytes(windows: dict[int, Any]) -> tuple[int, int, int]:
+    """(batch rows, the tensors' nbytes, their distinct storages' bytes) of a HybridCache's
+    last verify windows: KDAWindowStates (scratch) or KDAWindowLog (replay), every layer."""
+    logical, storages, rows = 0, {}, 0
+    for win in windows.values():
+        for t in vars(win).values():
+            if isinstance(t, torch.Tensor):
+                rows = t.shape[0]
+                logical += t.nbytes
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+    return rows, logical, sum(storages.values())
+
+
+class OracleDrafts:
+    """`--proposer oracle-partial`: the draft still runs (its propose and its context append are
+    timed as for DSpark), then its tokens are replaced by the target's own greedy continuation
+    (a reference decoded once per prompt, target-only), of which the first n stay right and
+    the rest are made wrong; n is uniform in 0..gamma, a function of (prompt, position) only,
+    so every variant does the same work. The idea of tests/spec_helpers.py's OracleProposer
+    with a lookup instead of a greedy decode per step. Greedy only: at T > 0 the drafts are the
+    greedy path's tokens (one-hot q), accepted at the target's probability of them."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        self.vocab, self.seed = vocab, seed
+        self.reference: dict[tuple[int, ...], list[int]] = {}
+
+    def wrap(self, propose: Callable[..., Any]) -> Callable[..., Any]:
+        from serve_app.models.dspark import DraftOutput
+
+        def oracle(seqs: Any) -> Any:
+            out = propose(seqs)
+            gamma = out.tokens.shape[1]
+            rows = []
+            for s in seqs:
+                key, pos = tuple(s.prompt_ids), len(s.output_ids)
+                ref = self.reference[key][pos:pos + gamma]
+                ref += [3] * (gamma - len(ref))  # past the reference: never verified
+                n = random.Random(hash((self.seed, key, pos))).randint(0, gamma)
+                rows.append([t if j < n else (t + 1 + j) % self.vocab
+                             for j, t in enumerate(ref)])
+            return DraftOutput(torch.tensor(rows), None, out.confidence, out.logits)
+        return oracle
+
+
+class StepLog:
+    """Per verify step (batch 1): the verify forward's time and width, the commit's time split
+    into HybridCache.truncate (the KDA state copy or replay, and the latent truncation) and the
+    rest (allocator truncation, the draft's context append), the drafts accepted; and the
+    verify scratch the windows hold per request, by window width."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self.scratch: dict[int, dict[str, int]] = {}  # window width -> bytes per request
+        self._pending: dict[str, float] | None = None
+        self._truncate: list[tuple[float, int]] = []
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self._pending, self._truncate = None, []
+
+    def instrument(self, runner: Any) -> None:
+        forward, commit, cache = runner.forward, runner.commit, runner.cache
+        truncate = cache.truncate
+
+        def timed_forward(rows: Any, rids: Any, capture: bool, verify: bool = False) -> Any:
+            t0 = time.perf_counter()
+            out = forward(rows, rids, capture, verify)
+            dt = time.perf_counter() - t0
+            if verify:
+                width = max(len(r) for r in rows)
+                self._pending = {"verify_s": dt, "width": width}
+                if width not in self.scratch:  # the same for every window of that width
+                    b, logical, storage = window_bytes(cache.windows)
+                    self.scratch[width] = {"tensor_bytes": logical // b,
+                                           "storage_bytes": storage // b}
+            return out
+
+        def timed_truncate(rid: Any, length: int) -> None:
+            window = cache.window_rows.get(rid)
+            t0 = time.perf_counter()
+            truncate(rid, length)
+            accepted = length - window[1] - 1 if window is not None else -1
+            self._truncate.append((time.perf_counter() - t0, accepted))
+
+        def timed_commit(rids: Any, lengths: Any, tap_rows: Any) -> None:
+            self._truncate = []
+            t0 = time.perf_counter()
+            commit(rids, lengths, tap_rows)
+            dt = time.perf_counter() - t0
+            if self._pending is not None:  # not a prefill chunk's commit
+                trunc = sum(t for t, _ in self._truncate)
+                self.steps.append({**self._pending, "commit_s": dt, "truncate_s": trunc,
+                                   "commit_rest_s": dt - trunc,
+                                   "accepted": sum(a for _, a in self._truncate)})
+            self._pending = None
+
+        runner.forward = timed_forward
+        runner.commit = timed_commit
+        cache.truncate = timed_truncate
+
+
+def make_k3_engine(target: Path, draft: Path, rollback: str | None, timer: CallTimer,
+                   log: StepLog, oracle: OracleDrafts | None) -> EngineCore:
+    """The builder's engine for the K3 pair: target-only (rollback None) or speculative with
+    `kda_rollback` = rollback; fp32 on CPU."""
+    from serve_app.config import ReferenceEngineConfig, SpeculationConfig
+    from serve_app.engines.reference.builder import build_engine, build_runner
+
+    speculative = rollback is not None
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, max_batch_size=4, speculation=(
+        SpeculationConfig(enabled=speculative, kda_rollback=rollback or "scratch")))
+    engine = build_engine(build_runner(target, draft if speculative else None, cfg), cfg)
+    runner = engine.runner
+    log.instrument(runner)  # innermost: the step log's times exclude the timer's bookkeeping
+    runner.forward = timer.wrap("forward", runner.forward, _forward_kind)  # type: ignore[method-assign]
+    if speculative:
+        propose = oracle.wrap(runner.propose) if oracle is not None else runner.propose
+        runner.propose = timer.wrap("draft_propose", propose)  # type: ignore[method-assign]
+        runner.commit = timer.wrap("commit", runner.commit)  # type: ignore[method-assign]
+        runner.cache.truncate = timer.wrap(  # type: ignore[method-assign]
+            "commit_kda_truncate", runner.cache.truncate)
+        assert runner.proposer is not None
+        runner.proposer.commit = timer.wrap(  # type: ignore[method-assign]
+            "commit_draft_append", runner.proposer.commit)
+    return engine
+
+
+def _median_ms(values: list[float]) -> float | None:
+    return 1e3 * statistics.median(values) if values else None
+
+
+def planner_rollback(ring_len: int = 16) -> dict[str, Any]:
+    """What the capacity planner says each strategy costs for the real K3 + DSpark on the
+    flagship deployment (deployments/kimi_dspark.yaml: 2 x 8 H200, TP16 EP16, FP8 KV, 1M)."""
+    from capacity import Layout, Speculation, describe_model, load_gpus
+    from capacity.formats import KvDtype
+    from capacity.memory import kda_rollback_costs, running_fit
+
+    k3, draft, h200 = describe_model("kimi-k3"), describe_model("kimi-k3-dspark"), load_gpus()["H200"]
+    layout = Layout(gpu="H200", gpus_per_node=8, nodes=2, attention_tp=16, expert_parallel=16,
+                    kv_dtype=KvDtype.FP8)
+    context = 1_048_576
+    spec = Speculation.for_draft(draft)
+    out: dict[str, Any] = {"deployment": "2 x 8 H200, TP16 EP16, FP8 KV, 1M context "
+                                         "(deployments/kimi_dspark.yaml)",
+                           "draft_tokens": spec.gamma + 1, "ring_len": ring_len,
+                           "strategies": {}}
+    for strategy in ("scratch", "replay"):
+        cost = kda_rollback_costs(k3, spec.gamma + 1, layout.attention_tp, strategy, ring_len)
+        fit = running_fit(k3, layout, h200, context, draft, spec, kda_rollback=strategy,
+                          ring_len=ring_len)
+        at48 = running_fit(k3, layout, h200, context, draft, spec, running=48,
+                           kda_rollback=strategy, ring_len=ring_len)
+        out["strategies"][strategy] = {
+            "state_slot_bytes": cost.state_slot_bytes,
+            "rollback_bytes_per_request": cost.rollback_bytes_per_request,
+            "state_bytes_per_request": cost.state_bytes_per_request,
+            "rollback_bytes_per_gpu_at_48": cost.rollback_bytes(48),
+            "state_bytes_per_gpu_at_48": cost.state_bytes(48),
+            "max_running_requests": fit.max_running_requests,
+            "kv_room_bytes_at_max_running": fit.kv_room_bytes,
+            "full_context_requests_at_max_running": fit.full_context_requests,
+            "kv_room_bytes_at_48": at48.kv_room_bytes,
+            "full_context_requests_at_48": at48.full_context_requests,
+        }
+    return out
+
+
+def run_k3(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    proposer = args.proposer or "oracle-partial"
+    tmp = tempfile.TemporaryDirectory()
+    target, draft = random_k3_pair(Path(tmp.name))
+    from serve_app.models.target_config import load_target_config
+
+    tcfg = load_target_config(target)
+    prompts = random_prompts(args.k3_prompts, tcfg.vocab_size, args.prompt_min,
+                             args.prompt_max, args.prompt_seed)
+    oracle = OracleDrafts(tcfg.vocab_size) if proposer == "oracle-partial" else None
+    label = ("RANDOM-WEIGHT mini K3 target + random DSpark draft (overhead only: random "
+             "weights, acceptance meaningless); drafts: " + (
+                 "oracle-partial (the target's greedy continuation, a uniform 0..gamma of "
+                 "them kept right; the DSpark draft still runs and is timed)"
+                 if oracle else "the random DSpark draft (accepts ~0: commit keeps 1 position)"))
+    report: dict[str, Any] = {
+        "pair": "random-k3", "label": label, "proposer": proposer, "threads": args.threads,
+        "max_tokens": args.max_tokens, "prompts": len(prompts),
+        "prompt_tokens": [len(p) for p in prompts], "repeats": args.repeats, "batch_size": 1,
+        "results": [],
+    }
+    timers = {v: CallTimer() for v in K3_VARIANTS}
+    logs = {v: StepLog() for v in K3_VARIANTS}
+    engines = {v: make_k3_engine(target, draft, None if v == "target_only" else v, timers[v],
+                                 logs[v], oracle) for v in K3_VARIANTS}
+    runner = engines["scratch"].runner
+    gamma = runner.proposer.gamma  # type: ignore[union-attr]
+    report["gamma"] = gamma
+    report["state_slot_bytes"] = runner.cache.states.bytes_per_slot  # type: ignore[union-attr]
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens + gamma + 1,
+                            ignore_eos=True)
+    if oracle is not None:  # the reference continuations (not timed)
+        for p in prompts:
+            oracle.reference[tuple(p)] = engines["target_only"].generate([p], greedy)[0].token_ids
+    for e in engines.values():  # warm-up: first calls allocate and fault in pages
+        e.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for temperature in args.temperatures:
+        for v in K3_VARIANTS:
+            timers[v].times.clear()
+            logs[v].clear()
+        rows = []
+        for i, prompt in enumerate(prompts):
+            times: dict[str, list[float]] = {v: [] for v in K3_VARIANTS}
+            outputs: dict[str, list[list[int]]] = {v: [] for v in K3_VARIANTS}
+            spec: dict[str, dict[str, Any]] = {v: {"verify_ct": 0, "tokens": 0, "hist": []}
+                                               for v in K3_VARIANTS[1:]}
+            for r in range(args.repeats):
+                params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                        ignore_eos=True, seed=1000 * i + r)
+                order = K3_VARIANTS if (i + r) % 2 == 0 else K3_VARIANTS[::-1]
+                for v in order:
+                    t0 = time.perf_counter()
+                    out = engines[v].generate([prompt], params)[0]
+                    times[v].append(time.perf_counter() - t0)
+                    outputs[v].append(out.token_ids)
+                    if out.spec is not None:
+                        s = spec[v]
+                        s["verify_ct"] += out.spec["spec_verify_ct"]
+                        s["tokens"] += out.completion_tokens
+                        s["hist"] = add_histograms(s["hist"],
+                                                   out.spec["spec_correct_drafts_histogram"])
+            n_tok = len(outputs["target_only"][0])
+            rows.append({
+                "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n_tok,
+                **{f"{v}_tok_s": n_tok / statistics.median(times[v]) for v in K3_VARIANTS},
+                "time_s": {v: sum(t) for v, t in times.items()},
+                "tokens": {v: sum(map(len, o)) for v, o in outputs.items()},
+                "identical": {v: outputs[v] == outputs["target_only"] for v in K3_VARIANTS[1:]}
+                if temperature == 0 else None,
+                "spec": spec,
+            })
+        report["results"].append(summarize_k3(temperature, rows, timers, logs, gamma))
+    report["planner"] = planner_rollback()
+    tmp.cleanup()
+    return report
+
+
+def summarize_k3(temperature: float, rows: list[dict[str, Any]], timers: dict[str, CallTimer],
+                 logs: dict[str, StepLog], gamma: int) -> dict[str, Any]:
+    agg = {v: sum(r["tokens"][v] for r in rows) / sum(r["time_s"][v] for r in rows)
+           for v in K3_VARIANTS}
+    variants: dict[str, Any] = {}
+    for v in K3_VARIANTS:
+        calls = timers[v].summary()
+        # Full windows only (1 + gamma rows, or the widest there was): the last steps before
+        # max_tokens verify fewer drafts.
+        width = max((s["width"] for s in logs[v].steps), default=gamma + 1)
+        full = [s for s in logs[v].steps if s["width"] == width]
+        entry: dict[str, Any] = {
+            "tok_s": {"median": statistics.median(r[f"{v}_tok_s"] for r in rows),
+                      "aggregate": agg[v]},
+            "call_times": calls,
+        }
+        if v != "target_only":
+            verify_ct = sum(r["spec"][v]["verify_ct"] for r in rows)
+            hist: list[int] = []
+            for r in rows:
+                hist = add_histograms(hist, r["spec"][v]["hist"])
+            entry.update({
+                "spec_accept_length": sum(r["spec"][v]["tokens"] for r in rows) / verify_ct,
+                "spec_verify_ct": verify_ct,
+                "spec_correct_drafts_histogram": hist,
+                "lossless_identical": (all(r["identical"][v] for r in rows)
+                                       if temperature == 0 else None),
+                "window_rows": int(width), "full_window_steps": len(full),
+                "step_ms": {k: _median_ms([s[f"{k}_s"] for s in full])
+                            for k in ("verify", "commit", "truncate", "commit_rest")},
+                "verify_plus_commit_ms": _median_ms([s["verify_s"] + s["commit_s"]
+                                                     for s in full]),
+                "scratch_bytes_per_request": logs[v].scratch.get(width),
+            })
+        variants[v] = entry
+    sc, rp = variants["scratch"], variants["replay"]
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    return {
+        "temperature": temperature, "variants": variants,
+        "replay_over_scratch": {
+            "verify_plus_commit_ms": ratio(rp["verify_plus_commit_ms"],
+                                           sc["verify_plus_commit_ms"]),
+            "verify_ms": ratio(rp["step_ms"]["verify"], sc["step_ms"]["verify"]),
+            "truncate_ms": ratio(rp["step_ms"]["truncate"], sc["step_ms"]["truncate"]),
+            "tok_s_aggregate": ratio(rp["tok_s"]["aggregate"], sc["tok_s"]["aggregate"]),
+            "tok_s_median_per_prompt": statistics.median(
+                r["replay_tok_s"] / r["scratch_tok_s"] for r in rows),
+        },
+        "speedup_vs_target_only": {v: ratio(variants[v]["tok_s"]["aggregate"],
+                                            variants["target_only"]["tok_s"]["aggregate"])
+                                   for v in K3_VARIANTS[1:]},
+        "per_prompt": [{k: x for k, x in r.items() if k not in ("time_s", "tokens")}
+                       for r in rows],
+    }
+
+
+def _fmt_ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _fmt_x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}x"
+
+
+def print_k3_table(report: dict[str, Any]) -> None:
+    print(f"\n{report['label']}")
+    print(f"{report['prompts']} random-token prompts ({min(report['prompt_tokens'])}-"
+          f"{max(report['prompt_tokens'])} tokens) x {report['max_tokens']} new tokens, batch 1, "
+          f"gamma {report['gamma']}, {report['repeats']} repeats (variant order alternating), "
+          f"{report['threads']} threads; medians")
+    for r in report["results"]:
+        vs = r["variants"]
+        print(f"\nT={r['temperature']}")
+        head = (f"{'variant':<12} {'tok/s med':>9} {'(aggr.)':>8} {'vs target':>9} "
+                f"{'acc.len':>7} {'lossless':>8} {'propose':>8} {'verify':>8} {'commit':>8} "
+                f"{'truncate':>8} {'rest':>6} {'v+c/step':>8} {'decode':>7}")
+        print(head)
+        print("-" * len(head))
+        for v, e in vs.items():
+            calls = e["call_times"]
+            if v == "target_only":
+                dec = calls.get("target_decode_forward", {}).get("median_ms")
+                print(f"{v:<12} {e['tok_s']['median']:>9.1f} {e['tok_s']['aggregate']:>8.1f} "
+                      f"{'1.00x':>9} {'-':>7} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
+                      f"{'-':>6} {'-':>8} {_fmt_ms(dec):>7}")
+                continue
+            lossless = {True: "yes", False: "NO", None: "n/a"}[e["lossless_identical"]]
+            st = e["step_ms"]
+            print(f"{v:<12} {e['tok_s']['median']:>9.1f} {e['tok_s']['aggregate']:>8.1f} "
+                  f"{r['speedup_vs_target_only'][v]:>8.2f}x {e['spec_accept_length']:>7.2f} "
+                  f"{lossless:>8} {_fmt_ms(calls['draft_propose']['median_ms']):>8} "
+                  f"{_fmt_ms(st['verify']):>8} {_fmt_ms(st['commit']):>8} "
+                  f"{_fmt_ms(st['truncate']):>8} {_fmt_ms(st['commit_rest']):>6} "
+                  f"{_fmt_ms(e['verify_plus_commit_ms']):>8} {'-':>7}")
+        print(f"ms per call; verify/commit/truncate/rest/v+c: full windows "
+              f"({vs['scratch']['window_rows']} rows) only; "
+              "truncate = HybridCache.truncate (KDA state copy or replay + latent truncation), "
+              "rest = the rest of commit (allocator truncation, draft context append)")
+        for v in ("scratch", "replay"):
+            e = vs[v]
+            sb = e["scratch_bytes_per_request"] or {}
+            print(f"  {v:<8} histogram {e['spec_correct_drafts_histogram']} "
+                  f"({e['full_window_steps']} full-window steps); verify scratch per request "
+                  f"{sb.get('tensor_bytes', 0) / 1e6:.3f} MB (tensors) / "
+                  f"{sb.get('storage_bytes', 0) / 1e6:.3f} MB (storages held), "
+                  f"state slot {report['state_slot_bytes'] / 1e6:.3f} MB")
+        q = r["replay_over_scratch"]
+        print(f"  replay / scratch: verify+commit per step {_fmt_x(q['verify_plus_commit_ms'])} "
+              f"(verify {_fmt_x(q['verify_ms'])}, truncate {_fmt_x(q['truncate_ms'])}); tok/s "
+              f"{_fmt_x(q['tok_s_aggregate'])} aggregate, {_fmt_x(q['tok_s_median_per_prompt'])} "
+              "median per prompt")
+    p = report["planner"]
+    print(f"\nplanner, real K3 + DSpark on {p['deployment']}, draft tokens "
+          f"{p['draft_tokens']}, replay ring {p['ring_len']} (capacity.memory):")
+    cols = ("rollback/req", "KDA/req", "rollback@48", "KDA@48", "KV room@48", "full@48",
+            "max running", "KV room@max", "full@max")
+    head = f"{'strategy':<8} " + " ".join(f"{c:>11}" for c in cols)
+    print(head)
+    print("-" * len(head))
+    for s, c in p["strategies"].items():
+        cells = (f"{c['rollback_bytes_per_request'] / 1e6:.1f} MB",
+                 f"{c['state_bytes_per_request'] / 1e6:.1f} MB",
+                 f"{c['rollback_bytes_per_gpu_at_48'] / 1e9:.2f} GB",
+                 f"{c['state_bytes_per_gpu_at_48'] / 1e9:.2f} GB",
+                 f"{c['kv_room_bytes_at_48'] / 1e9:.2f} GB",
+                 str(c["full_context_requests_at_48"]), str(c["max_running_requests"]),
+                 f"{c['kv_room_bytes_at_max_running'] / 1e9:.2f} GB",
+                 str(c["full_context_requests_at_max_running"]))
+        print(f"{s:<8} " + " ".join(f"{x:>11}" for x in cells))
+    print("per GPU; /req: one running request (verify row + its 5 mamba slots' rings; KDA: "
+          "+ the slots); @48: 48 running + padding; KV room: static pool after weights minus "
+          "every KDA state; full: full-context (1M) requests whose KV fits in it")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", choices=["embedded", "random"], default="embedded")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument("--pair", choices=["embedded", "random", "random-k3"],
+                        default="embedded")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=None,
+                        help="default 0 0.7 (random-k3: 0, the oracle drafts are greedy)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--completion-prompts", type=int, default=None,
@@ -263,7 +688,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads (1: batch-1 decode gains nothing from more)")
     parser.add_argument("--show-text", action="store_true", help="add a decoded sample")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON here")
+    k3 = parser.add_argument_group("--pair random-k3")
+    k3.add_argument("--proposer", choices=["dspark", "oracle-partial"], default=None,
+                    help="drafts: the random DSpark draft's, or the target's greedy "
+                         "continuation partly kept right (default for random-k3)")
+    k3.add_argument("--k3-prompts", type=int, default=8, help="random-token prompts")
+    k3.add_argument("--prompt-min", type=int, default=32, help="shortest prompt, tokens")
+    k3.add_argument("--prompt-max", type=int, default=200, help="longest prompt, tokens")
+    k3.add_argument("--prompt-seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.temperatures is None:
+        args.temperatures = [0.0] if args.pair == "random-k3" else [0.0, 0.7]
+    if args.pair != "random-k3" and args.proposer not in (None, "dspark"):
+        parser.error("--proposer oracle-partial is for --pair random-k3")
+    if args.pair == "random-k3":
+        report = run_k3(args)
+        print_k3_table(report)
+        print(json.dumps(report, separators=(",", ":")))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     report = run(args)
     print_table(report)
     text = json.dumps(report, indent=2)
