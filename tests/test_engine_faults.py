@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from scipy.stats import chisquare
-from tiny_models import write_tiny_pair
+from tiny_models import tiny_k3_config, write_random_k3_pair, write_tiny_pair
 
 import serve_app.engines.reference.engine as engine_module
 from serve_app.config import ReferenceEngineConfig, SpeculationConfig
@@ -55,6 +55,12 @@ HOSTILE_SEEDS = [-(2**63), 2**63 - 1]
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny K3-layout pair: a failure must also leave the KDA state slots exact."""
+    return write_random_k3_pair(tmp_path_factory.mktemp("k3"), tiny_k3_config(64))
 
 
 def detok(ids: list[int]) -> str:
@@ -315,13 +321,15 @@ def batch() -> dict[str, tuple[list[int], SamplingParams]]:
     }
 
 
-@pytest.mark.parametrize(("stage", "speculative"), [
-    ("sample", False), ("verify", True), ("append", True), ("append", False),
-    ("text_delta", True),
+@pytest.mark.parametrize(("stage", "speculative", "family"), [
+    ("sample", False, "k2"), ("verify", True, "k2"), ("append", True, "k2"),
+    ("append", False, "k2"), ("text_delta", True, "k2"),
+    ("sample", False, "k3"), ("verify", True, "k3"), ("append", True, "k3"),
 ])
 def test_one_failing_request_leaves_the_batch_exact(
-        pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture, stage: str, speculative: bool) -> None:
+        request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, stage: str, speculative: bool, family: str) -> None:
+    pair = request.getfixturevalue("pair" if family == "k2" else "hybrid_pair")
     requests = batch()
     clean = run(engine_from(pair, speculative, detokenize=detok), requests)
     engine = engine_from(pair, speculative, detokenize=detok)
@@ -353,6 +361,9 @@ def test_one_failing_request_leaves_the_batch_exact(
     assert not engine.sequences and not engine.scheduler.running
     assert engine.capacity()["kv_tokens_used"] == 0
     assert engine.capacity()["kv_tokens_reserved"] == 0
+    assert engine.capacity()["state_slots_used"] == 0
+    pool = getattr(engine.runner.cache, "states", None)  # the hybrid's KDA state slots
+    assert pool is None or pool.used == 0
     assert engine.stats()["requests_failed"] == 1
     assert engine.stats()["requests_finished"] == len(requests) - 1
     again = run(engine, {"again": requests["a"]})["again"]
