@@ -268,9 +268,9 @@ class TargetReplica:
         return self.engine.capacity()
 
     def routing_info(self) -> dict[str, Any]:
-        """Who this replica is (Serve's unique id, as the request router sees it) and its KV
-        capacity: the router's admission stage asks every replica for it
-        (serve_app.routing.admission)."""
+        """Who this replica is (Serve's unique id, as the request router sees it) and its
+        capacity (KV tokens and state slots): the router's admission stage asks every replica
+        for it (serve_app.routing.admission)."""
         return {"replica": serve.get_replica_context().replica_id.unique_id,
                 **self.engine.capacity()}
 
