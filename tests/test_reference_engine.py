@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from spec_helpers import (
     run_staggered,
     sample_many,
 )
-from tiny_models import write_tiny_pair
+from tiny_models import tiny_k3_config, write_random_k3_pair, write_tiny_pair
 
 from serve_app.config import ReferenceEngineConfig
 from serve_app.engines.reference.builder import (
@@ -33,6 +34,8 @@ from serve_app.engines.reference.builder import (
 )
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.engines.reference.sequence import Sequence
+from serve_app.models.k3_paged import PagedK3
+from serve_app.models.k3_weights import load_k3
 from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_capacity import KVCapacityError
@@ -93,13 +96,19 @@ def test_test_proposers_exercise_full_partial_and_zero_acceptance(
 # --- exact sampling ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> KimiForCausalLM:
-    target_path, _ = write_tiny_pair(tmp_path_factory.mktemp("v16"), seed=3, vocab_size=16)
-    return load_kimi(target_path)
+@pytest.fixture(scope="module", params=["k2", "k3"])
+def small_vocab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                ) -> KimiForCausalLM | PagedK3:
+    """A 16-token target of each family: the K2 layout, and the K3 hybrid (whose verify
+    rolls the KDA state back; `replay`, the strategy whose commit does the most work)."""
+    folder = tmp_path_factory.mktemp("v16")
+    if request.param == "k2":
+        return load_kimi(write_tiny_pair(folder, seed=3, vocab_size=16)[0])
+    target_path, _ = write_random_k3_pair(folder, tiny_k3_config(16), seed=3)
+    return PagedK3(load_k3(target_path).eval(), 600, "replay")
 
 
-def test_speculative_sampling_matches_the_target_distribution(small_vocab: KimiForCausalLM) -> None:
+def test_speculative_sampling_matches_the_target_distribution(small_vocab: Any) -> None:
     prompt = [1, 2, 3]
     p2, p3 = exact_marginals(small_vocab, prompt, SAMPLED)
     engine = engine_with(small_vocab, SkewedProposer(16, gamma=3), max_batch_size=500)
@@ -110,7 +119,7 @@ def test_speculative_sampling_matches_the_target_distribution(small_vocab: KimiF
     assert chi2_pvalue([o[2] for o in outs], p3) > 1e-3
 
 
-def test_a_wrong_rejection_rule_is_caught(small_vocab: KimiForCausalLM) -> None:
+def test_a_wrong_rejection_rule_is_caught(small_vocab: Any) -> None:
     prompt = [1, 2, 3]
     p2, _ = exact_marginals(small_vocab, prompt, SAMPLED)
     # Wrong: at a rejection, resample from p instead of normalize(max(p - q, 0)).
