@@ -244,3 +244,28 @@ def test_tp2_over_gloo_matches_tp1_on_the_hybrid(pair: tuple[Path, Path]) -> Non
         assert stats[key] == single.stats()[key]
     # Each rank holds half of every KDA layer's heads.
     assert 2 * slot_bytes == single.runner.cache.states.bytes_per_slot
+
+
+# --- CUDA ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rollback", ROLLBACKS)
+def test_the_hybrid_on_cuda_is_lossless(pair: tuple[Path, Path],
+                                        reference_outputs: tuple, rollback: str) -> None:
+    """fp32 on CUDA: the staggered batch equals the CUDA target-only run. bf16: per request
+    at batch 1, since in bf16 a target-only output already depends on what it is batched with
+    (on CPU too: a 5-request batch changed one request's 20th token with speculation off)."""
+    prompts, _ = reference_outputs
+    cuda = {**CHUNKED, "device": "cuda"}
+    expected = run_staggered(engine_from(pair, enabled=False, engine=cuda), prompts)
+    engine = engine_from(pair, engine=cuda, kda_rollback=rollback)
+    assert engine.runner.cache.device.type == "cuda"
+    assert run_staggered(engine, prompts) == expected
+    bf16 = {**cuda, "dtype": "bfloat16"}
+    plain = engine_from(pair, enabled=False, engine=bf16)
+    spec = engine_from(pair, engine=bf16, kda_rollback=rollback)
+    for prompt in prompts:
+        assert (spec.generate([prompt], GREEDY)[0].token_ids
+                == plain.generate([prompt], GREEDY)[0].token_ids)
