@@ -39,7 +39,7 @@ context append), the verify scratch per request measured from the windows' tenso
 state slot; then what the capacity planner says each strategy costs for the real K3 on
 2 x 8 H200 (TP16). A table, then the report as one JSON line.
 
-    python bench/spec_decode.py --pair random-k3                     # about 4 min on 2 cores
+    python bench/spec_decode.py --pair random-k3                     # about 3 min on 2 cores
     python bench/spec_decode.py --pair random-k3 --repeats 1 --max-tokens 16   # < 1 min
 """
 
@@ -456,6 +456,24 @@ def planner_rollback(ring_len: int = 16) -> dict[str, Any]:
     return out
 
 
+def planner_mini(target: Path, draft_tokens: int, ring_len: int = 16) -> dict[str, Any]:
+    """The planner's formulas for this run's mini K3 (TP1, conv and SSM fp32 as run here), to
+    set beside the measured windows: SGLang's buffers, not this engine's (replay here logs the
+    window's inputs per request; SGLang keeps a ring per mamba slot)."""
+    from capacity import describe_model
+    from capacity.memory import kda_rollback_costs
+
+    model = describe_model(target)
+    out = {}
+    for strategy in ("scratch", "replay"):
+        c = kda_rollback_costs(model, draft_tokens, 1, strategy, ring_len, conv_bytes=4,
+                               ssm_bytes=4)
+        out[strategy] = {"state_slot_bytes": c.state_slot_bytes,
+                         "verify_row_bytes": c.per_request_bytes,
+                         "ring_bytes_per_slot": c.per_slot_ring_bytes}
+    return out
+
+
 def run_k3(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     proposer = args.proposer or "oracle-partial"
@@ -486,6 +504,7 @@ def run_k3(args: argparse.Namespace) -> dict[str, Any]:
     gamma = runner.proposer.gamma  # type: ignore[union-attr]
     report["gamma"] = gamma
     report["state_slot_bytes"] = runner.cache.states.bytes_per_slot  # type: ignore[union-attr]
+    report["planner_mini"] = planner_mini(target, gamma + 1)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens + gamma + 1,
                             ignore_eos=True)
     if oracle is not None:  # the reference continuations (not timed)
@@ -500,6 +519,7 @@ def run_k3(args: argparse.Namespace) -> dict[str, Any]:
         rows = []
         for i, prompt in enumerate(prompts):
             times: dict[str, list[float]] = {v: [] for v in K3_VARIANTS}
+            decode: dict[str, list[float]] = {v: [] for v in K3_VARIANTS}  # minus prefill
             outputs: dict[str, list[list[int]]] = {v: [] for v in K3_VARIANTS}
             spec: dict[str, dict[str, Any]] = {v: {"verify_ct": 0, "tokens": 0, "hist": []}
                                                for v in K3_VARIANTS[1:]}
@@ -508,9 +528,12 @@ def run_k3(args: argparse.Namespace) -> dict[str, Any]:
                                         ignore_eos=True, seed=1000 * i + r)
                 order = K3_VARIANTS if (i + r) % 2 == 0 else K3_VARIANTS[::-1]
                 for v in order:
+                    prefills = timers[v].times.setdefault("prefill_forward", [])
+                    before = len(prefills)
                     t0 = time.perf_counter()
                     out = engines[v].generate([prompt], params)[0]
                     times[v].append(time.perf_counter() - t0)
+                    decode[v].append(times[v][-1] - sum(prefills[before:]))
                     outputs[v].append(out.token_ids)
                     if out.spec is not None:
                         s = spec[v]
@@ -522,7 +545,12 @@ def run_k3(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({
                 "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n_tok,
                 **{f"{v}_tok_s": n_tok / statistics.median(times[v]) for v in K3_VARIANTS},
+                # The tokens after the first (which the prefill samples) over the time outside
+                # the prefill forwards: the same prefill in every variant, and noisy.
+                **{f"{v}_decode_tok_s": (n_tok - 1) / statistics.median(decode[v])
+                   for v in K3_VARIANTS},
                 "time_s": {v: sum(t) for v, t in times.items()},
+                "decode_s": {v: sum(t) for v, t in decode.items()},
                 "tokens": {v: sum(map(len, o)) for v, o in outputs.items()},
                 "identical": {v: outputs[v] == outputs["target_only"] for v in K3_VARIANTS[1:]}
                 if temperature == 0 else None,
@@ -538,6 +566,9 @@ def summarize_k3(temperature: float, rows: list[dict[str, Any]], timers: dict[st
                  logs: dict[str, StepLog], gamma: int) -> dict[str, Any]:
     agg = {v: sum(r["tokens"][v] for r in rows) / sum(r["time_s"][v] for r in rows)
            for v in K3_VARIANTS}
+    # Decode-only: every run's tokens but its first (one per run) over the time outside prefill.
+    dec = {v: sum(r["tokens"][v] - r["tokens"][v] // r["new_tokens"] for r in rows)
+           / sum(r["decode_s"][v] for r in rows) for v in K3_VARIANTS}
     variants: dict[str, Any] = {}
     for v in K3_VARIANTS:
         calls = timers[v].summary()
@@ -548,6 +579,8 @@ def summarize_k3(temperature: float, rows: list[dict[str, Any]], timers: dict[st
         entry: dict[str, Any] = {
             "tok_s": {"median": statistics.median(r[f"{v}_tok_s"] for r in rows),
                       "aggregate": agg[v]},
+            "decode_tok_s": {"median": statistics.median(r[f"{v}_decode_tok_s"] for r in rows),
+                             "aggregate": dec[v]},
             "call_times": calls,
         }
         if v != "target_only":
@@ -584,11 +617,15 @@ def summarize_k3(temperature: float, rows: list[dict[str, Any]], timers: dict[st
             "tok_s_aggregate": ratio(rp["tok_s"]["aggregate"], sc["tok_s"]["aggregate"]),
             "tok_s_median_per_prompt": statistics.median(
                 r["replay_tok_s"] / r["scratch_tok_s"] for r in rows),
+            "decode_tok_s_aggregate": ratio(rp["decode_tok_s"]["aggregate"],
+                                            sc["decode_tok_s"]["aggregate"]),
+            "decode_tok_s_median_per_prompt": statistics.median(
+                r["replay_decode_tok_s"] / r["scratch_decode_tok_s"] for r in rows),
         },
         "speedup_vs_target_only": {v: ratio(variants[v]["tok_s"]["aggregate"],
                                             variants["target_only"]["tok_s"]["aggregate"])
                                    for v in K3_VARIANTS[1:]},
-        "per_prompt": [{k: x for k, x in r.items() if k not in ("time_s", "tokens")}
+        "per_prompt": [{k: x for k, x in r.items() if k not in ("time_s", "tokens", "decode_s")}
                        for r in rows],
     }
 
@@ -611,6 +648,7 @@ def print_k3_table(report: dict[str, Any]) -> None:
         vs = r["variants"]
         print(f"\nT={r['temperature']}")
         head = (f"{'variant':<12} {'tok/s med':>9} {'(aggr.)':>8} {'vs target':>9} "
+                f"{'dec tok/s':>9} "
                 f"{'acc.len':>7} {'lossless':>8} {'propose':>8} {'verify':>8} {'commit':>8} "
                 f"{'truncate':>8} {'rest':>6} {'v+c/step':>8} {'decode':>7}")
         print(head)
@@ -620,13 +658,14 @@ def print_k3_table(report: dict[str, Any]) -> None:
             if v == "target_only":
                 dec = calls.get("target_decode_forward", {}).get("median_ms")
                 print(f"{v:<12} {e['tok_s']['median']:>9.1f} {e['tok_s']['aggregate']:>8.1f} "
-                      f"{'1.00x':>9} {'-':>7} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
+                      f"{'1.00x':>9} {e['decode_tok_s']['aggregate']:>9.1f} {'-':>7} {'-':>8} {'-':>8} {'-':>8} {'-':>8} {'-':>8} "
                       f"{'-':>6} {'-':>8} {_fmt_ms(dec):>7}")
                 continue
             lossless = {True: "yes", False: "NO", None: "n/a"}[e["lossless_identical"]]
             st = e["step_ms"]
             print(f"{v:<12} {e['tok_s']['median']:>9.1f} {e['tok_s']['aggregate']:>8.1f} "
-                  f"{r['speedup_vs_target_only'][v]:>8.2f}x {e['spec_accept_length']:>7.2f} "
+                  f"{r['speedup_vs_target_only'][v]:>8.2f}x {e['decode_tok_s']['aggregate']:>9.1f} "
+                  f"{e['spec_accept_length']:>7.2f} "
                   f"{lossless:>8} {_fmt_ms(calls['draft_propose']['median_ms']):>8} "
                   f"{_fmt_ms(st['verify']):>8} {_fmt_ms(st['commit']):>8} "
                   f"{_fmt_ms(st['truncate']):>8} {_fmt_ms(st['commit_rest']):>6} "
@@ -634,7 +673,9 @@ def print_k3_table(report: dict[str, Any]) -> None:
         print(f"ms per call; verify/commit/truncate/rest/v+c: full windows "
               f"({vs['scratch']['window_rows']} rows) only; "
               "truncate = HybridCache.truncate (KDA state copy or replay + latent truncation), "
-              "rest = the rest of commit (allocator truncation, draft context append)")
+              "rest = the rest of commit (allocator truncation, draft context append); "
+              "dec tok/s: aggregate, without the prefill forwards and their first tokens; "
+              "decode: the target-only decode forward")
         for v in ("scratch", "replay"):
             e = vs[v]
             sb = e["scratch_bytes_per_request"] or {}
@@ -642,12 +683,17 @@ def print_k3_table(report: dict[str, Any]) -> None:
                   f"({e['full_window_steps']} full-window steps); verify scratch per request "
                   f"{sb.get('tensor_bytes', 0) / 1e6:.3f} MB (tensors) / "
                   f"{sb.get('storage_bytes', 0) / 1e6:.3f} MB (storages held), "
-                  f"state slot {report['state_slot_bytes'] / 1e6:.3f} MB")
+                  f"state slot {report['state_slot_bytes'] / 1e6:.3f} MB; planner for this "
+                  f"model: verify row {report['planner_mini'][v]['verify_row_bytes'] / 1e6:.3f}"
+                  f" MB + ring {report['planner_mini'][v]['ring_bytes_per_slot'] / 1e6:.3f} MB "
+                  f"per mamba slot, slot {report['planner_mini'][v]['state_slot_bytes'] / 1e6:.3f}"
+                  " MB")
         q = r["replay_over_scratch"]
         print(f"  replay / scratch: verify+commit per step {_fmt_x(q['verify_plus_commit_ms'])} "
               f"(verify {_fmt_x(q['verify_ms'])}, truncate {_fmt_x(q['truncate_ms'])}); tok/s "
               f"{_fmt_x(q['tok_s_aggregate'])} aggregate, {_fmt_x(q['tok_s_median_per_prompt'])} "
-              "median per prompt")
+              f"median per prompt; decode-only tok/s {_fmt_x(q['decode_tok_s_aggregate'])} "
+              f"aggregate, {_fmt_x(q['decode_tok_s_median_per_prompt'])} median per prompt")
     p = report["planner"]
     print(f"\nplanner, real K3 + DSpark on {p['deployment']}, draft tokens "
           f"{p['draft_tokens']}, replay ring {p['ring_len']} (capacity.memory):")
@@ -679,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", type=float, nargs="+", default=None,
                         help="default 0 0.7 (random-k3: 0, the oracle drafts are greedy)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (random-k3: 5)")
     parser.add_argument("--completion-prompts", type=int, default=None,
                         help="how many held-out completion prompts (default all)")
     parser.add_argument("--chat-prompts", type=int, default=None,
@@ -697,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     k3.add_argument("--prompt-max", type=int, default=200, help="longest prompt, tokens")
     k3.add_argument("--prompt-seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 5 if args.pair == "random-k3" else 3
     if args.temperatures is None:
         args.temperatures = [0.0] if args.pair == "random-k3" else [0.0, 0.7]
     if args.pair != "random-k3" and args.proposer not in (None, "dspark"):
