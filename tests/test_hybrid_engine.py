@@ -48,8 +48,9 @@ def hybrid(pair: tuple[Path, Path], rollback: str, slots: int = 64) -> PagedK3:
 
 
 def prompts_crossing_chunks() -> list[list[int]]:
-    """Short prompts and three that cross the KDA chunk (64 tokens) under 40-token prefill
-    steps, so chunked prefill carries the state over chunk boundaries of both kinds."""
+    """Short prompts and three that cross KDA chunks (kda.KDA_CHUNK = 16 tokens) inside and
+    across 40-token prefill steps, so chunked prefill carries the state over boundaries of both
+    kinds."""
     rng = random.Random(5)
     long = [[rng.randrange(VOCAB - 3) for _ in range(n)] for n in (70, 131, 90)]
     return random_prompts(5, VOCAB - 2, seed=1) + long
