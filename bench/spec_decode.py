@@ -34,7 +34,7 @@ roll back partially, `--proposer oracle-partial` (the default here) keeps the DS
 running (timed) but replaces its tokens by the target's greedy continuation with a uniform
 0..gamma of them right (`--proposer dspark`: the random draft's own, ~0 accepted). Reported per
 variant: tok/s, acceptance, lossless, per step (full verify windows) the verify forward, the
-commit split into HybridCache.truncate (the KDA state copy or replay) and the rest (the draft
+commit split into HybridCache.commit (the KDA state copy or replay) and the rest (the draft
 context append), the verify scratch per request measured from the windows' tensors beside the
 state slot; then what the capacity planner says each strategy costs for the real K3 on
 2 x 8 H200 (TP16). A table, then the report as one JSON line.
@@ -334,7 +334,7 @@ class OracleDrafts:
 
 class StepLog:
     """Per verify step (batch 1): the verify forward's time and width, the commit's time split
-    into HybridCache.truncate (the KDA state copy or replay, and the latent truncation) and the
+    into HybridCache.commit (the KDA state copy or replay, and the latent truncation) and the
     rest (allocator truncation, the draft's context append), the drafts accepted; and the
     verify scratch the windows hold per request, by window width."""
 
@@ -350,7 +350,7 @@ class StepLog:
 
     def instrument(self, runner: Any) -> None:
         forward, commit, cache = runner.forward, runner.commit, runner.cache
-        truncate = cache.truncate
+        cache_commit = cache.commit
 
         def timed_forward(rows: Any, rids: Any, capture: bool, verify: bool = False) -> Any:
             t0 = time.perf_counter()
@@ -365,11 +365,12 @@ class StepLog:
                                            "storage_bytes": storage // b}
             return out
 
-        def timed_truncate(rid: Any, length: int) -> None:
-            window = cache.window_rows.get(rid)
+        def timed_truncate(rids: Any, lengths: Any) -> None:
+            windows = [cache.window_rows.get(rid) for rid in rids]
             t0 = time.perf_counter()
-            truncate(rid, length)
-            accepted = length - window[1] - 1 if window is not None else -1
+            cache_commit(rids, lengths)
+            accepted = sum(n - w[1] - 1 for w, n in zip(windows, lengths, strict=True)
+                           if w is not None)
             self._truncate.append((time.perf_counter() - t0, accepted))
 
         def timed_commit(rids: Any, lengths: Any, tap_rows: Any) -> None:
@@ -386,7 +387,7 @@ class StepLog:
 
         runner.forward = timed_forward
         runner.commit = timed_commit
-        cache.truncate = timed_truncate
+        cache.commit = timed_truncate
 
 
 def make_k3_engine(target: Path, draft: Path, rollback: str | None, timer: CallTimer,
@@ -407,8 +408,8 @@ def make_k3_engine(target: Path, draft: Path, rollback: str | None, timer: CallT
         propose = oracle.wrap(runner.propose) if oracle is not None else runner.propose
         runner.propose = timer.wrap("draft_propose", propose)  # type: ignore[method-assign]
         runner.commit = timer.wrap("commit", runner.commit)  # type: ignore[method-assign]
-        runner.cache.truncate = timer.wrap(  # type: ignore[method-assign]
-            "commit_kda_truncate", runner.cache.truncate)
+        runner.cache.commit = timer.wrap(  # type: ignore[method-assign]
+            "commit_kda_truncate", runner.cache.commit)
         assert runner.proposer is not None
         runner.proposer.commit = timer.wrap(  # type: ignore[method-assign]
             "commit_draft_append", runner.proposer.commit)
@@ -672,7 +673,7 @@ def print_k3_table(report: dict[str, Any]) -> None:
                   f"{_fmt_ms(e['verify_plus_commit_ms']):>8} {'-':>7}")
         print(f"ms per call; verify/commit/truncate/rest/v+c: full windows "
               f"({vs['scratch']['window_rows']} rows) only; "
-              "truncate = HybridCache.truncate (KDA state copy or replay + latent truncation), "
+              "truncate = HybridCache.commit (KDA state copy or replay + latent truncation), "
               "rest = the rest of commit (allocator truncation, draft context append); "
               "dec tok/s: aggregate, without the prefill forwards and their first tokens; "
               "decode: the target-only decode forward")

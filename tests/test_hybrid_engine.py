@@ -131,9 +131,14 @@ def test_replay_rebuilds_exactly_the_state_the_scratch_keeps() -> None:
     assert torch.equal(y_scratch, y_replay)
     for row in range(2):
         for step in range(8):
-            replayed = log.replay(row, state.ssm[row], step)
+            replayed = log.replay(torch.tensor([row]), state.ssm[row:row + 1],
+                                  torch.tensor([step]))
             assert torch.equal(replayed.ssm[0], windows.ssm[row, step])
             assert torch.equal(replayed.conv[0], windows.conv[row, step])
+    # Both requests at once, each at its own accepted position.
+    both = log.replay(torch.tensor([1, 0]), state.ssm[[1, 0]], torch.tensor([2, 6]))
+    assert torch.equal(both.ssm, torch.stack([windows.ssm[1, 2], windows.ssm[0, 6]]))
+    assert torch.equal(both.conv, torch.stack([windows.conv[1, 2], windows.conv[0, 6]]))
 
 
 # --- state slots ---------------------------------------------------------------------------------

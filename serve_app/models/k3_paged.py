@@ -21,8 +21,8 @@ strategies (`rollback`, architecture notes §3):
 - "replay": the window's inputs only (`forward_logged`); commit replays the accepted prefix
   from the slot's state (--enable-linear-replayssm-spec). Less scratch, more work at commit.
 
-`HybridCache.truncate(rid, n)` is the commit: keep n tokens, where n lies in the last verify
-window (the MLA latents roll back by truncation, like K2's).
+`HybridCache.commit(rids, lengths)` (or `truncate` for one request) keeps n tokens per request,
+n inside the last verify window (the MLA latents roll back by truncation, like K2's).
 """
 
 from __future__ import annotations
@@ -151,31 +151,43 @@ class HybridCache:
         self.latent.free(rid)
         self.states.give_back(rid)
 
+    def commit(self, rids: Sequence[Hashable], lengths: Sequence[int]) -> None:
+        """Keep `lengths[i]` tokens of rids[i]. After a verify window: the KDA state after the
+        window's position length − start − 1 goes into the slot (copied, or replayed; every
+        request at once); the latents past the length are forgotten. Otherwise the length
+        must be what the last forward left (a KDA state cannot go back without its window)."""
+        rows, steps, slots = [], [], []
+        for rid, length in zip(rids, lengths, strict=True):
+            cached = self.latent.length(rid)
+            window = self.window_rows.pop(rid, None)
+            if window is None:
+                if length != cached:
+                    raise ValueError(f"request {rid!r}: a KDA state cannot roll back from "
+                                     f"{cached} to {length} tokens outside a verify window")
+                continue
+            row, start = window
+            if not start < length <= cached:
+                raise ValueError(f"request {rid!r}: commit of {length} tokens is outside its "
+                                 f"verify window ({start}, {cached}]")
+            rows.append(row)
+            steps.append(length - start - 1)
+            slots.append(self.states.slot(rid))
+        if rows:
+            dev = self.device
+            row_t, step_t, slot_t = (torch.tensor(v, dtype=torch.long, device=dev)
+                                     for v in (rows, steps, slots))
+            for layer, win in self.windows.items():
+                if isinstance(win, KDAWindowStates):
+                    new = KDAState(win.conv[row_t, step_t], win.ssm[row_t, step_t])
+                else:
+                    new = win.replay(row_t, self.states.layers[layer].ssm[slot_t], step_t)
+                self.states.write(layer, slot_t, new)
+        for rid, length in zip(rids, lengths, strict=True):
+            self.latent.truncate(rid, length)
+
     def truncate(self, rid: Hashable, length: int) -> None:
-        """Commit `length` tokens of `rid`. After a verify window: the KDA state after the
-        window's position length − start − 1 goes into the slot (copied, or replayed); the
-        latents past `length` are forgotten. Otherwise `length` must be what the last forward
-        left (a KDA state cannot go back without its window)."""
-        window = self.window_rows.pop(rid, None)
-        if window is None:
-            if length != self.latent.length(rid):
-                raise ValueError(f"request {rid!r}: a KDA state cannot roll back from "
-                                 f"{self.latent.length(rid)} to {length} tokens outside a "
-                                 "verify window")
-            return
-        row, start = window
-        step = length - start - 1
-        if not 0 <= step < self.latent.length(rid) - start:
-            raise ValueError(f"request {rid!r}: commit of {length} tokens is outside its "
-                             f"verify window ({start}, {self.latent.length(rid)}]")
-        slot = torch.tensor([self.states.slot(rid)], device=self.device)
-        for layer, win in self.windows.items():
-            if isinstance(win, KDAWindowStates):
-                new = KDAState(win.conv[row:row + 1, step], win.ssm[row:row + 1, step])
-            else:
-                new = win.replay(row, self.states.layers[layer].ssm[slot[0]], step)
-            self.states.write(layer, slot, new)
-        self.latent.truncate(rid, length)
+        """`commit` of one request."""
+        self.commit([rid], [length])
 
     def begin(self, rids: Sequence[Hashable], starts: Sequence[int], verify: bool) -> None:
         """A forward starts: the previous window is dropped (every request of it has been
@@ -216,16 +228,16 @@ class PagedStates:
             y, new = attn(x, state, algorithm="recurrent" if t == 1 else "chunked")
             pool.write(layer, self.slots, new)
             return y
-        # A ragged extend (prefill chunks of different lengths): one request at a time, since
-        # the final state of a padded row would have run over its padding.
+        # A ragged extend (prefill chunks of different lengths): the rows of each length
+        # together, since the final state of a right-padded row would have run over its padding.
         y = torch.zeros_like(x)
-        for b, c in enumerate(self.counts):
-            if c == 0:
-                continue
-            yb, new = attn(x[b:b + 1, :c], state.rows([b]),
+        for c in sorted(set(self.counts) - {0}):
+            rows = torch.tensor([b for b, n in enumerate(self.counts) if n == c],
+                                device=x.device)
+            yc, new = attn(x[rows, :c], state.rows(rows),
                            algorithm="recurrent" if c == 1 else "chunked")
-            y[b, :c] = yb[0]
-            pool.write(layer, self.slots[b:b + 1], new)
+            y[rows, :c] = yc
+            pool.write(layer, self.slots[rows], new)
         return y
 
 

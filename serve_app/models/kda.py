@@ -181,16 +181,20 @@ class KDAWindowLog:
     beta: torch.Tensor
     rows: torch.Tensor
 
-    def replay(self, row: int, ssm: torch.Tensor, step: int) -> KDAState:
-        """Request `row`'s state after window tokens 0..step (accepting step + 1 tokens), from
-        its committed recurrent state ssm [h, D, D]: step + 1 recurrence steps, no output."""
-        S = ssm[None].float()
-        for t in range(step + 1):
-            S = delta_rule_step(S, self.k[row:row + 1, t], self.v[row:row + 1, t],
-                                self.g[row:row + 1, t], self.beta[row:row + 1, t])
+    def replay(self, rows: torch.Tensor, ssm: torch.Tensor, steps: torch.Tensor) -> KDAState:
+        """The states after window tokens 0..steps[i] (accepting steps[i] + 1 tokens) of the
+        requests at `rows` [n] of the window, from their committed recurrent states ssm
+        [n, h, D, D]: steps[i] + 1 recurrence steps each, no output."""
+        S = ssm.float()
+        out = S.clone()
+        k, v, g, beta = (t[rows] for t in (self.k, self.v, self.g, self.beta))
+        for t in range(int(steps.max()) + 1):
+            S = delta_rule_step(S, k[:, t], v[:, t], g[:, t], beta[:, t])
+            done = steps == t
+            out[done] = S[done]
         kernel_rows = self.rows.shape[1] - self.k.shape[1]  # K − 1
-        conv = self.rows[row:row + 1, step + 1:step + 1 + kernel_rows].clone()
-        return KDAState(conv=conv, ssm=S)
+        window = steps[:, None] + 1 + torch.arange(kernel_rows, device=steps.device)
+        return KDAState(conv=self.rows[rows[:, None], window], ssm=out)
 
 
 # --- the pieces, as plain functions ------------------------------------------------------------

@@ -170,6 +170,11 @@ class PagedKVCache:
         if self._owns_allocator:
             self.allocator.truncate(rid, length)
 
+    def commit(self, rids: Sequence[Hashable], lengths: Sequence[int]) -> None:
+        """Keep `lengths[i]` tokens of each request (after a verify: its accepted prefix)."""
+        for rid, length in zip(rids, lengths, strict=True):
+            self.truncate(rid, length)
+
     def reserve_append(self, rids: Sequence[Hashable], counts: Sequence[int]) -> torch.Tensor:
         """Reserve room for `counts[i]` new entries after each request's cached tokens; returns
         their flat slots (concatenated in request order) and advances the lengths. All or

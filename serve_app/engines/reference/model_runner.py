@@ -133,8 +133,8 @@ class ModelRunner:
 
     def _commit(self, rids: Sequence[Hashable], lengths: Sequence[int],
                 tap_rows: Sequence[int]) -> None:
+        self.cache.commit(rids, lengths)
         for rid, n in zip(rids, lengths, strict=True):
-            self.cache.truncate(rid, n)
             # Pages past the committed length (a rejected verify tail) go back to the pool.
             self.allocator.truncate(rid, n)
         if self.proposer is None or self._taps is None:
