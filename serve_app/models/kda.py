@@ -185,13 +185,15 @@ class KDAWindowLog:
         """The states after window tokens 0..steps[i] (accepting steps[i] + 1 tokens) of the
         requests at `rows` [n] of the window, from their committed recurrent states ssm
         [n, h, D, D]: steps[i] + 1 recurrence steps each, no output."""
-        S = ssm.float()
-        out = S.clone()
-        k, v, g, beta = (t[rows] for t in (self.k, self.v, self.g, self.beta))
-        for t in range(int(steps.max()) + 1):
-            S = delta_rule_step(S, k[:, t], v[:, t], g[:, t], beta[:, t])
-            done = steps == t
-            out[done] = S[done]
+        out = torch.empty_like(ssm, dtype=torch.float32)
+        for step in sorted(set(steps.tolist())):  # the requests that accepted as many together
+            sel = (steps == step).nonzero().squeeze(1)
+            at = rows[sel]
+            k, v, g, beta = (x[at, : step + 1] for x in (self.k, self.v, self.g, self.beta))
+            S = ssm[sel].float()
+            for t in range(step + 1):
+                S = delta_rule_step(S, k[:, t], v[:, t], g[:, t], beta[:, t])
+            out[sel] = S
         kernel_rows = self.rows.shape[1] - self.k.shape[1]  # K − 1
         window = steps[:, None] + 1 + torch.arange(kernel_rows, device=steps.device)
         return KDAState(conv=self.rows[rows[:, None], window], ssm=out)
