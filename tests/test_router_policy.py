@@ -573,3 +573,131 @@ def test_sglang_reports_its_resolved_max_running_requests_as_slots() -> None:
     from serve_app.routing.admission import _resources
 
     assert _resources(unknown) == (1000, None) and _resources(cap) == (1000, 4)
+
+
+# --- several ingress replicas: the target replica's ledger decides, the stage holds a hint ----
+
+
+def test_a_refused_request_goes_back_to_the_front_and_is_not_counted_twice() -> None:
+    """`requeue` undoes the dispatch (ledger, load, the client's in-flight counters) and puts
+    the request at the head of its queue with its arrival: it goes before a later request,
+    its client still counts it once, and the other ingresses' load (`set_external`, from the
+    refusal's numbers) keeps it off the full replica until that load goes."""
+    p = slotted({"a": (10_000, 1), "b": (10_000, 1)}, client_max_requests=3)
+    for i in range(3):
+        p.submit(RouteRequest(f"r{i}", 100, 50, client="c"), now=float(i))
+    out = p.dispatch(3.0)
+    assert [(r.request_id, rep) for r, rep in out] == [("r0", "a"), ("r1", "b")]
+    assert p.queued() == 1
+    client = p.clients["c"]
+    assert (client.requests, client.in_flight, client.committed) == (3, 2, 300)
+    # a refuses r0: another ingress holds its only slot.
+    assert p.requeue("r0")
+    p.ledger.set_external("a", 150, 1)
+    assert p.queue[0].request_id == "r0" and p.queue[0].arrival == 0.0 and p.queued() == 2
+    assert (client.requests, client.in_flight, client.committed) == (3, 1, 150)
+    assert p.ledger.slots_reserved("a") == 0 and p.ledger.free("a") == 10_000 - 150
+    assert p.load["a"].in_flight == 0
+    with pytest.raises(QueueFull):  # still 3 of its client's requests: a 4th is refused
+        p.submit(RouteRequest("r3", 100, 50, client="c"), now=4.0)
+    assert p.dispatch(4.0) == []  # a is full (the other ingress), b is full (r1)
+    p.ledger.set_external("a", 0, 0)  # the other ingress's request ended
+    assert [(r.request_id, rep) for r, rep in p.dispatch(5.0)] == [("r0", "a")]
+    assert p.queue[0].request_id == "r2"  # the later request still waits behind
+    assert not p.requeue("gone") and p.expire(5.0 + 31.0)[0].request_id == "r2"
+    for rid in ("r0", "r1"):
+        p.complete(rid)
+    assert "c" not in p.clients  # every count given back exactly once
+
+
+def test_replica_ledger_is_atomic_reports_each_callers_share_and_releases_once() -> None:
+    from serve_app.routing.reservation import ReplicaFull, ReplicaLedger, Reservation
+
+    d = doc("d", 160)
+    lg = ReplicaLedger(BS, True, 1_000, 2)
+    lg.reserve("x", "i0", Reservation(170, 100, d))
+    lg.reserve("y", "i1", Reservation(170, 100, d))  # the shared prefix counted once
+    rep = lg.report()
+    assert rep["kv_tokens_committed"] == 160 + 2 * 110 and rep["state_slots_reserved"] == 2
+    assert rep["callers"] == {"i0": {"kv_tokens_committed": 270, "state_slots_reserved": 1},
+                              "i1": {"kv_tokens_committed": 270, "state_slots_reserved": 1}}
+    with pytest.raises(ReplicaFull) as exc:  # no slot left, however much KV is free
+        lg.reserve("z", "i0", Reservation(10, 10))
+    assert exc.value.info["state_slots_reserved"] == 2 and exc.value.info["refused"] == 1
+    assert "z" not in lg.report()["requests"]  # a refusal changes nothing
+    seq = lg.seq
+    assert lg.release("x") and not lg.release("x") and lg.seq == seq + 1
+    assert lg.report()["kv_tokens_committed"] == 270 and "i0" not in lg.report()["callers"]
+    with pytest.raises(ReplicaFull):  # KV: 270 + 800 > 1000
+        lg.reserve("big", "i0", Reservation(700, 100))
+    assert lg.reservation_for(list(range(40)), 8) == Reservation(40, 8, block_hashes(
+        list(range(40)), BS))
+
+
+def test_two_admission_stages_over_authoritative_replicas_never_overcommit_or_idle() -> None:
+    """Two ingresses' admission stages (the real AdmissionStage), each believing it sees the
+    whole fleet, route a burst to two replicas whose own ledgers (ReplicaLedger) decide: no
+    replica ever holds more than its slots, refused requests are re-queued and all are
+    served; and a request waiting in one stage is dispatched within about one
+    `refresh_waiting_s` of a slot freed by the other stage's request."""
+    import asyncio
+    import time
+
+    from serve_app.routing import admission
+    from serve_app.routing.reservation import ReplicaFull, ReplicaLedger
+
+    auth = {r: ReplicaLedger(BS, True, 10_000, 2) for r in ("a", "b")}
+    peak = {"a": 0, "b": 0}
+
+    async def listed() -> admission.ReplicaList:
+        return {r: {"kv_tokens_total": 10_000, "state_slots_total": 2,
+                    "ledger": lg.report()} for r, lg in auth.items()}, True
+
+    stages = [admission.AdmissionStage(settings(), listed, refresh_s=3600, me=f"i{k}",
+                                       refresh_waiting_s=0.05) for k in range(2)]
+
+    async def start(stage: admission.AdmissionStage, rid: str, first: int) -> str:
+        replica = await stage.admit(rid, list(range(first, first + 100)), 50)
+        while True:
+            try:
+                auth[replica].reserve(rid, stage.me, stage.reservation(rid))
+            except ReplicaFull as exc:
+                replica = await stage.requeue(rid, replica, exc.info)
+                continue
+            for r, lg in auth.items():
+                peak[r] = max(peak[r], lg.report()["state_slots_reserved"])
+            return replica
+
+    def end(stage: admission.AdmissionStage, rid: str, replica: str) -> None:
+        auth[replica].release(rid)
+        stage.release(rid)
+
+    async def one(k: int, i: int) -> None:
+        stage = stages[k]
+        replica = await start(stage, f"s{k}-{i}", 1000 * i + k)
+        await asyncio.sleep(0.02 * (1 + i % 3))
+        end(stage, f"s{k}-{i}", replica)
+
+    async def run() -> float:
+        await asyncio.wait_for(asyncio.gather(*[one(i % 2, i) for i in range(16)]), 20)
+        assert max(peak.values()) <= 2, peak
+        assert sum(s.refusals for s in stages) > 0  # each believed it had 4 free slots
+        assert all(lg.report()["state_slots_reserved"] == 0 for lg in auth.values())
+        assert all(s.policy.queued() == 0 and not s.policy.clients for s in stages)
+        # Stage 0 fills every slot; stage 1's request waits though its own ledger is empty.
+        held = [(f"h{i}", await start(stages[0], f"h{i}", 50_000 + 100 * i)) for i in range(4)]
+        waiting = asyncio.ensure_future(start(stages[1], "w", 90_000))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and stages[1].policy.queued() == 1
+        freed = time.monotonic()
+        end(stages[0], *held[0])
+        where = await asyncio.wait_for(waiting, 5)
+        waited = time.monotonic() - freed
+        assert where == held[0][1]
+        end(stages[1], "w", where)
+        for rid, replica in held[1:]:
+            end(stages[0], rid, replica)
+        return waited
+
+    waited = asyncio.run(run())
+    assert waited < 0.05 + 0.25, waited  # one waiting-refresh period, plus this loop's slack

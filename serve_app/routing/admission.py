@@ -14,8 +14,15 @@
 Which replicas exist, how many KV tokens and how many state slots (running requests) each
 holds come from `list_replicas`, a coroutine the ingress supplies (it asks every target replica
 through Serve's broadcast, each answering with its engine's `capacity()`); the stage syncs with
-it every `refresh_s` while it is in use, and a replica that has left releases its requests'
-reservations at the next sync.
+it every `refresh_s` while it is in use (every `refresh_waiting_s` while a request waits),
+and a replica that has left releases its requests' reservations at the next sync.
+
+Several ingress replicas (docs/router.md): this stage's ledger is a hint. The target replica
+reserves each request again on its own authoritative ledger (serve_app.routing.reservation)
+and refuses what does not fit; `requeue` takes such a refused request back to the front of
+the queue, with the replica's numbers from the refusal. Each report's `ledger` (the replica's
+committed KV tokens and reserved slots, per caller) becomes the other ingresses' load in this
+stage's ledger (`CapacityLedger.set_external`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any
 from serve_app.observability.metrics import app_metrics
 from serve_app.routing.policy import Policy, QueueTimeout, RouteRequest, RouterSettings, make_policy
 from serve_app.routing.prefix_index import block_hashes
+from serve_app.routing.reservation import Reservation
 
 logger = logging.getLogger("serve_app.router")
 
@@ -58,11 +66,18 @@ class AdmissionStage:
 
     def __init__(self, settings: RouterSettings,
                  list_replicas: Callable[[], Awaitable[ReplicaList]],
-                 refresh_s: float = 1.0) -> None:
+                 refresh_s: float = 1.0, me: str = "", refresh_waiting_s: float = 0.2) -> None:
         self.settings = settings
         self.policy: Policy = make_policy(settings)
         self._list_replicas = list_replicas
         self.refresh_s = refresh_s
+        # While a request waits, the replicas are asked this often: another ingress's request
+        # that ends frees room this stage learns of only from a report.
+        self.refresh_waiting_s = refresh_waiting_s
+        self.me = me  # this ingress's caller name in the replicas' ledger reports
+        self._seq: dict[str, int] = {}  # newest ledger report seen per replica
+        self.refusals = 0
+        self._wake: asyncio.Event | None = None
         self._lock = threading.RLock()
         self._waiters: dict[str, asyncio.Future[str]] = {}
         self.decisions: deque[tuple[str, str]] = deque(maxlen=1000)  # (request id, replica)
@@ -84,6 +99,8 @@ class AdmissionStage:
                 if self.capacity.get(replica) != resources:
                     self.capacity[replica] = resources
                     self.policy.add_replica(replica, *resources)
+                if isinstance(report, Mapping) and isinstance(report.get("ledger"), Mapping):
+                    self._apply_ledger(replica, report["ledger"])
             if complete:
                 for replica in [r for r in self.capacity if r not in replicas]:
                     del self.capacity[replica]
@@ -93,6 +110,25 @@ class AdmissionStage:
                                    len(lost))
             self._pump()
             self._export()
+
+    def _apply_ledger(self, replica: str, ledger: Mapping[str, Any]) -> None:
+        """The replica's authoritative numbers -> the other callers' load in this stage's
+        ledger. Its report counts this ingress's requests too (`callers[me]`): subtracting
+        the smaller of that and this stage's own count leaves the others' load, plus this
+        ingress's requests that the replica still holds though they ended here (an abort on
+        its way), but not those on their way to it (already counted here). A report older
+        than one already applied (by its `seq`) is ignored. Called with the lock held."""
+        seq = int(ledger.get("seq", 0))
+        if seq < self._seq.get(replica, -1) or replica not in self.policy.ledger.replicas():
+            return
+        self._seq[replica] = seq
+        mine = ledger.get("callers", {}).get(self.me, {})
+        local = self.policy.ledger
+        kv = int(ledger.get("kv_tokens_committed", 0)) - min(
+            local.committed(replica), int(mine.get("kv_tokens_committed", 0)))
+        slots = int(ledger.get("state_slots_reserved", 0)) - min(
+            local.slots_reserved(replica), int(mine.get("state_slots_reserved", 0)))
+        local.set_external(replica, kv, slots)
 
     def _export(self) -> None:
         """The router's view per replica as gauges (its reservations; the engines export
@@ -121,7 +157,17 @@ class AdmissionStage:
     async def _refresh_forever(self) -> None:
         while True:
             await self._refresh()
-            await asyncio.sleep(self.refresh_s)
+            wake = self._wake_event()
+            wake.clear()
+            period = self.refresh_waiting_s if self.policy.queued() else self.refresh_s
+            with contextlib.suppress(TimeoutError):
+                # A request that starts waiting cuts an idle period short.
+                await asyncio.wait_for(wake.wait(), period)
+
+    def _wake_event(self) -> asyncio.Event:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        return self._wake
 
     async def _started(self) -> None:
         """Start syncing on the first request (the stage is built before Serve runs the
@@ -148,6 +194,45 @@ class AdmissionStage:
                                             client), started)
             self._waiters[request_id] = fut
             self._pump()
+        return await self._wait(request_id, fut, started)
+
+    def reservation(self, request_id: str) -> Reservation | None:
+        """What the request reserves on its replica (carried by the generate call), as this
+        stage computed it: the replica's own ledger charges the same."""
+        with self._lock:
+            req = self.policy._requests.get(request_id)
+            if req is None:
+                return None
+            blocks = req.blocks if self.settings.share_prefix else ()
+            return Reservation(req.prompt_tokens, req.max_tokens, blocks)
+
+    async def requeue(self, request_id: str, replica: str, info: Mapping[str, Any]) -> str:
+        """The replica refused the request (ReplicaFull: its authoritative ledger is full,
+        other ingresses took the room). Correct this stage's view of it from the refusal's
+        numbers, put the request back at the front of its queue (its arrival and its client's
+        count unchanged) and wait for a replica again, like `admit`."""
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self.refusals += 1
+            req = self.policy._requests.get(request_id)
+            if replica in self.policy.ledger.replicas():
+                self._apply_refusal(request_id, replica, info)
+            if req is None or not self.policy.requeue(request_id):
+                raise QueueTimeout(0.0)  # it has left the router meanwhile (replica gone)
+            self._waiters[request_id] = fut
+            self._pump()
+            started = req.arrival
+        return await self._wait(request_id, fut, started)
+
+    def _apply_refusal(self, request_id: str, replica: str, info: Mapping[str, Any]) -> None:
+        # The refused request is still committed here; the refusal's numbers do not count it.
+        local = self.policy.ledger
+        local.release(request_id)
+        self._apply_ledger(replica, info)
+
+    async def _wait(self, request_id: str, fut: asyncio.Future[str], started: float) -> str:
+        if not fut.done():
+            self._wake_event().set()
         try:
             left = self.settings.queue_timeout_s - (time.monotonic() - started)
             return await asyncio.wait_for(asyncio.shield(fut), max(left, 0.0))
@@ -179,7 +264,9 @@ class AdmissionStage:
             p = self.policy
             return {
                 "policy": p.name,
+                "ingress": self.me,
                 "queued": p.queued(),
+                "refusals": self.refusals,
                 "replicas": {r: self._replica_state(r) for r in p.replicas()},
                 "clients": len(p.clients),
                 "recent": [{"id": rid, "replica": rep} for rid, rep in self.decisions],
@@ -194,12 +281,20 @@ class AdmissionStage:
         known = replica in p.ledger.replicas()
         reported = self.reported.get(replica, {})
         load = p.load[replica]
+        ext_kv, ext_slots = p.ledger.external(replica) if known else (0, 0)
+        ledger = reported.get("ledger") or {}
         return {"kv_tokens_total": kv_total,
                 "kv_tokens_committed": p.ledger.committed(replica) if known else 0,
                 "kv_tokens_used": reported.get("kv_tokens_used"),
                 "state_slots_total": slots_total,  # None: unbounded (no bound reported)
                 "state_slots_reserved": p.ledger.slots_reserved(replica) if known else 0,
                 "state_slots_used": reported.get("state_slots_used"),
+                # The other ingresses' load on it (this router's hint, from its reports), and
+                # the replica's own authoritative totals from its last report.
+                "kv_tokens_others": ext_kv,
+                "state_slots_others": ext_slots,
+                "replica_kv_tokens_committed": ledger.get("kv_tokens_committed"),
+                "replica_state_slots_reserved": ledger.get("state_slots_reserved"),
                 "in_flight": load.in_flight,
                 "pending_prefill_tokens": load.pending_prefill,
                 "long_prefills": load.long_prefills}

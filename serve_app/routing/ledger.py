@@ -11,6 +11,10 @@ recurrent state, on any engine one of its max-running-requests places), so a rep
 room but no free slot cannot start the request either; it would wait inside the engine,
 invisibly. A request takes one slot with its tokens and gives it back with them. A replica that
 reports no slot bound (`None`: an older engine) is unbounded in slots.
+
+With several ingress replicas this ledger is one ingress's *hint*: its own requests exactly,
+the others' as `external` load from the target replica's reports (`set_external`); the target
+replica's own ledger (serve_app.routing.reservation) decides.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ class _Replica:
     block_tokens: int = 0  # len(refs) x block size, kept incrementally
     slots: int | None = None  # state slots (running requests); None = unbounded
     slots_reserved: int = 0  # committed requests, one slot each
+    # What the replica holds for other callers (other ingress replicas), from its own
+    # authoritative ledger's last report: a hint, counted in `free` and `has_slot`.
+    external_tokens: int = 0
+    external_slots: int = 0
 
     @property
     def committed(self) -> int:
@@ -79,7 +87,16 @@ class CapacityLedger:
 
     def free(self, replica: str) -> int:
         r = self._replicas[replica]
-        return r.capacity - r.committed
+        return r.capacity - r.committed - r.external_tokens
+
+    def set_external(self, replica: str, tokens: int, slots: int) -> None:
+        """Load the replica holds for other callers (other ingresses), as last reported."""
+        r = self._replicas[replica]
+        r.external_tokens, r.external_slots = max(0, tokens), max(0, slots)
+
+    def external(self, replica: str) -> tuple[int, int]:
+        r = self._replicas[replica]
+        return r.external_tokens, r.external_slots
 
     def slots_total(self, replica: str) -> int | None:
         return self._replicas[replica].slots
@@ -89,7 +106,7 @@ class CapacityLedger:
 
     def has_slot(self, replica: str) -> bool:
         r = self._replicas[replica]
-        return r.slots is None or r.slots_reserved < r.slots
+        return r.slots is None or r.slots_reserved + r.external_slots < r.slots
 
     def max_capacity(self) -> int:
         return max((r.capacity for r in self._replicas.values()), default=0)
@@ -123,9 +140,9 @@ class CapacityLedger:
             raise ValueError(f"request {request_id} is already committed")
         tokens = self.charge(replica, prompt_tokens, max_tokens, blocks)
         r = self._replicas[replica]
-        if tokens > r.capacity - r.committed:
+        if tokens > self.free(replica):
             raise ValueError(f"request {request_id} needs {tokens} KV tokens; replica {replica} "
-                             f"has {r.capacity - r.committed} free")
+                             f"has {self.free(replica)} free")
         if not self.has_slot(replica):
             raise ValueError(f"request {request_id} needs a state slot; replica {replica} has "
                              f"all {r.slots} reserved")

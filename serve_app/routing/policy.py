@@ -5,7 +5,8 @@ methods with the same clock discipline (`now` is passed in).
 Life of a request: `submit` (400 if larger than every replica, 429 if the queue is full) ->
 `dispatch` (returns the (request, replica) pairs that may go now; the ledger is committed here)
 -> `prefill_done` (first token: the replica's prefill slot frees) -> `complete` (tokens and
-the request's state slot released). `expire` drops requests that waited longer than the queue timeout (503).
+the request's state slot released). `requeue`: the chosen replica refused it (its own
+authoritative ledger was full, several ingresses): back to the front of its queue. `expire` drops requests that waited longer than the queue timeout (503).
 """
 
 from __future__ import annotations
@@ -253,6 +254,36 @@ class Policy(ABC):
             load.long_prefills -= 1
         req.prefill_tokens = -1  # done (marker: do not subtract twice)
 
+    def requeue(self, request_id: str) -> bool:
+        """A dispatched request its replica refused (its authoritative ledger was full: another
+        ingress took the room): undo the routing decision (ledger, load, the client's in-flight
+        counters) and put the request back at the *front* of its queue, keeping its arrival
+        (queue timeout, aging) and its place in its client's count (not a new request). False
+        if it was not dispatched (already completed or cancelled)."""
+        replica = self._where.pop(request_id, None)
+        req = self._requests.get(request_id)
+        if replica is None or req is None:
+            return False
+        load = self.load.get(replica)
+        if load is not None and load.routed.pop(request_id, None) is not None:
+            load.in_flight -= 1
+            if req.prefill_tokens > 0:
+                load.pending_prefill -= req.prefill_tokens
+            if req.long_prefill and req.prefill_tokens >= 0:
+                load.long_prefills -= 1
+        self.ledger.release(request_id)
+        client = self.clients.get(req.client) if req.client else None
+        if client is not None and request_id in self._dispatched:
+            client.in_flight -= 1
+            client.committed -= req.total_tokens
+        self._dispatched.discard(request_id)
+        req.prefill_tokens, req.long_prefill, req.reason = 0, False, ""
+        self._enqueue_front(req)
+        return True
+
+    def _enqueue_front(self, req: RouteRequest) -> None:
+        self.queue.appendleft(req)
+
     def complete(self, request_id: str) -> None:
         """Idempotent: the routing hook and error paths may both call it."""
         self.prefill_done(request_id)
@@ -376,6 +407,9 @@ class KVRouterPolicy(Policy):
     def _enqueue(self, req: RouteRequest) -> None:
         (self.long_queue if req.is_long else self.queue).append(req)
 
+    def _enqueue_front(self, req: RouteRequest) -> None:
+        (self.long_queue if req.is_long else self.queue).appendleft(req)
+
     def queued(self) -> int:
         return len(self.queue) + len(self.long_queue)
 
@@ -435,7 +469,8 @@ class KVRouterPolicy(Policy):
             return None
 
         def work(r: str) -> tuple[int, int]:
-            return (self.load[r].pending_prefill + uncached[r], self.ledger.committed(r))
+            return (self.load[r].pending_prefill + uncached[r],
+                    self.ledger.committed(r) + self.ledger.external(r)[0])
 
         pending = [self.load[r].pending_prefill for r in cands]
         hi, lo = max(pending), min(pending)
