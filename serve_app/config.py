@@ -133,6 +133,9 @@ class IngressConfig(_Strict):
     health_timeout_s: float = Field(default=3.0, gt=0, description="GET /health is 503 when no "
                                     "target replica answers within this")
     retry_after_s: int = Field(default=5, gt=0, description="Retry-After of 503 answers")
+    replicas: int = Field(default=1, ge=1, description="ingress replicas (each runs its own "
+                          "router admission stage, a hint; the target replicas' own ledgers "
+                          "decide, so several never over-commit one: docs/router.md)")
 
     @model_validator(mode="after")
     def _keys(self) -> IngressConfig:
@@ -309,6 +312,22 @@ class SpeculationConfig(BaseModel):
         "(SGLang's --enable-linear-replayssm-spec)"))
 
 
+class PrefixCacheConfig(BaseModel):
+    """`engine.reference.prefix_cache`: the radix cache over token pages
+    (serve_app/engines/reference/prefix_cache.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    snapshot_interval: int = Field(default=64, gt=0, description=(
+        "hybrid targets: a KDA state snapshot every this many prompt tokens (prefill chunks "
+        "end on this grid), the only positions a later request can resume from; a multiple "
+        "of page_size"))
+    state_snapshots: int = Field(default=32, gt=0, description=(
+        "hybrid targets: KDA state slots kept for cached snapshots (each as large as a running "
+        "request's state), evicted least recently used"))
+
+
 class ReferenceEngineConfig(BaseModel):
     """`engine.reference`: the plain-PyTorch engine (serve_app/engines/reference), which takes
     it as it is."""
@@ -328,10 +347,14 @@ class ReferenceEngineConfig(BaseModel):
         "the most prompt tokens one request prefills in a step, so that short prompts are not "
         "queued behind a long one; default a quarter of prefill_chunk_tokens (at least 1)"))
     speculation: SpeculationConfig = SpeculationConfig()
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
 
     @model_validator(mode="after")
     def _prefill_cap_fits_the_step(self) -> ReferenceEngineConfig:
         prefill_cap(self.prefill_chunk_tokens, self.max_prefill_tokens_per_request)
+        if self.prefix_cache.snapshot_interval % self.page_size:
+            raise ValueError(f"prefix_cache.snapshot_interval={self.prefix_cache.snapshot_interval}"
+                             f" must be a multiple of page_size={self.page_size}")
         return self
 
 

@@ -80,6 +80,7 @@ class RequestOutput:
     # Set (with finished=True, finish_reason="error") when the engine aborted this request
     # alone; a short message that is safe to show to the client (the traceback is logged).
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's usage field)
 
 
 @dataclass(frozen=True)

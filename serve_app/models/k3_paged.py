@@ -27,6 +27,7 @@ n inside the last verify window (the MLA latents roll back by truncation, like K
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
@@ -48,6 +49,7 @@ class KDAStatePool:
     SGLang's MambaPool layout. A slot is zeroed when it is taken (a fresh request)."""
 
     def __init__(self, model: K3ForCausalLM, num_slots: int) -> None:
+        """Keys (`take`) are request ids, or any hashable (the prefix cache's snapshot ids)."""
         if num_slots <= 0:
             raise ValueError(f"state slots must be positive, got {num_slots}")
         self.num_slots = num_slots
@@ -90,6 +92,16 @@ class KDAStatePool:
     def give_back(self, rid: Hashable) -> None:
         self._free.append(self._slot.pop(rid))
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def copy(self, src: KDAStatePool, src_slot: int, dst_slot: int) -> None:
+        """Slot `dst_slot` of this pool becomes slot `src_slot` of `src` (same layout)."""
+        for layer, state in self.layers.items():
+            state.conv[dst_slot] = src.layers[layer].conv[src_slot]
+            state.ssm[dst_slot] = src.layers[layer].ssm[src_slot]
+
     def read(self, layer: int, slots: torch.Tensor) -> KDAState:
         """The states of `slots` [B] at one layer (a copy)."""
         state = self.layers[layer]
@@ -105,7 +117,8 @@ class HybridCache:
     """The paged MLA latent cache and the KDA state pool of one rank (see the module doc)."""
 
     def __init__(self, model: K3ForCausalLM, capacity_tokens: int, page_size: int,
-                 allocator: PagedAllocator | None, state_slots: int, rollback: Rollback) -> None:
+                 allocator: PagedAllocator | None, state_slots: int, rollback: Rollback,
+                 snapshot_slots: int = 0) -> None:
         config = model.config
         w = model.model.embed_tokens.weight
         self.mla_index = {layer: i for i, layer in enumerate(config.mla_layers)}
@@ -113,6 +126,9 @@ class HybridCache:
                                    capacity_tokens, page_size, dtype=w.dtype, device=w.device,
                                    allocator=allocator)
         self.states = KDAStatePool(model, state_slots)
+        # The prefix cache's KDA state snapshots (a slot each), taken at grid positions.
+        self.snapshots = KDAStatePool(model, snapshot_slots) if snapshot_slots else None
+        self._snapshot_ids = itertools.count()
         self.rollback: Rollback = rollback
         # The last verify forward's KDA windows, per layer, and each of its requests' (row,
         # length before the window): what `truncate` commits from.
@@ -137,14 +153,31 @@ class HybridCache:
     def length(self, rid: Hashable) -> int:
         return self.latent.length(rid)
 
-    def add(self, rid: Hashable) -> None:
-        """A new request: its page table and a zeroed state slot (both, or neither)."""
-        self.states.take(rid)
+    def add(self, rid: Hashable, cached: int = 0, snapshot: int | None = None) -> None:
+        """A new request: its page table (`cached` leading tokens already in its shared pages)
+        and a state slot, zeroed or, after a prefix-cache hit, a copy of `snapshot` (the state
+        at `cached`). Both, or neither."""
+        slot = self.states.take(rid)
         try:
-            self.latent.add(rid)
+            self.latent.add(rid, cached)
         except BaseException:
             self.states.give_back(rid)
             raise
+        if snapshot is not None:
+            assert self.snapshots is not None
+            self.states.copy(self.snapshots, self.snapshots.slot(snapshot), slot)
+
+    def snapshot(self, rid: Hashable) -> int | None:
+        """Copy `rid`'s current state into a snapshot slot; its id, or None if none is free."""
+        if self.snapshots is None or not self.snapshots.free_slots:
+            return None
+        key = next(self._snapshot_ids)
+        self.snapshots.copy(self.states, self.states.slot(rid), self.snapshots.take(key))
+        return key
+
+    def drop_snapshot(self, key: int) -> None:
+        assert self.snapshots is not None
+        self.snapshots.give_back(key)
 
     def free(self, rid: Hashable) -> None:
         self.window_rows.pop(rid, None)
@@ -245,12 +278,13 @@ class PagedK3:
     """A K3ForCausalLM behind the reference engine's target interface (see the module doc)."""
 
     def __init__(self, model: K3ForCausalLM, state_slots: int, rollback: Rollback = "scratch",
-                 planned_slot_bytes: int | None = None) -> None:
+                 planned_slot_bytes: int | None = None, snapshot_slots: int = 0) -> None:
         """`planned_slot_bytes`: what the capacity planner says one request's state takes on
         this rank; a pool that disagrees is refused (one source of truth for its size)."""
         if rollback not in ("scratch", "replay"):
             raise ValueError(f"rollback must be 'scratch' or 'replay', not {rollback!r}")
         self.planned_slot_bytes = planned_slot_bytes
+        self.snapshot_slots = snapshot_slots
         self.model = model
         self.config = model.config
         self.state_slots = state_slots
@@ -269,7 +303,7 @@ class PagedK3:
     def new_cache(self, capacity_tokens: int, page_size: int = 16,
                   allocator: PagedAllocator | None = None) -> HybridCache:
         cache = HybridCache(self.model, capacity_tokens, page_size, allocator,
-                            self.state_slots, self.rollback)
+                            self.state_slots, self.rollback, self.snapshot_slots)
         planned, allocated = self.planned_slot_bytes, cache.states.bytes_per_slot
         if planned is not None and planned != allocated:
             raise ValueError(f"KDA state slot of {allocated} B disagrees with the capacity "

@@ -8,7 +8,7 @@ committed at position p occupies the same slot in each.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,13 @@ from serve_app.models.kv_capacity import KVCapacityError
 
 
 class PagedAllocator:
-    """Page tables over a pool of `num_pages * page_size` token slots."""
+    """Page tables over a pool of `num_pages * page_size` token slots.
+
+    Pages are reference-counted: a request holds each page of its table, and the prefix cache
+    holds the pages it keeps (`hold` / `release`), so a cached prefix's pages can start several
+    requests' tables (`add(rid, prefix_pages)`). A page returns to the pool when its last holder
+    lets go. When the pool runs dry, `reclaim(n)` (the prefix cache's eviction, if any) is asked
+    to let go of up to n pages first."""
 
     def __init__(self, capacity_tokens: int, page_size: int = 16) -> None:
         if capacity_tokens < page_size or page_size <= 0:
@@ -27,8 +33,10 @@ class PagedAllocator:
         self.page_size = page_size
         self.num_pages = capacity_tokens // page_size
         self._free_pages: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._refs = [0] * self.num_pages
         self._pages: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
+        self.reclaim: Callable[[int], None] | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -48,38 +56,60 @@ class PagedAllocator:
     def length(self, rid: Hashable) -> int:
         return self._lengths[rid]
 
+    def pages(self, rid: Hashable) -> list[int]:
+        return list(self._pages[rid])
+
     def pages_needed(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def add(self, rid: Hashable) -> None:
+    def add(self, rid: Hashable, prefix_pages: Sequence[int] = ()) -> None:
+        """A page table for `rid`, starting with `prefix_pages` (full pages someone already
+        holds: a cached prefix), of which it takes a reference each."""
         if rid in self._pages:
             raise KeyError(f"request {rid!r} already has a page table")
-        self._pages[rid] = []
-        self._lengths[rid] = 0
+        for page in prefix_pages:
+            self.hold(page)
+        self._pages[rid] = list(prefix_pages)
+        self._lengths[rid] = len(prefix_pages) * self.page_size
+
+    def hold(self, page: int) -> None:
+        if self._refs[page] <= 0:
+            raise ValueError(f"page {page} is free: nothing to hold")
+        self._refs[page] += 1
+
+    def release(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free_pages.append(page)
 
     def reserve(self, rid: Hashable, length: int) -> None:
         """Make room for positions [0, length) of `rid`; all or nothing."""
         pages = self._pages[rid]
         extra = self.pages_needed(length) - len(pages)
+        if extra > len(self._free_pages) and self.reclaim is not None:
+            self.reclaim(extra - len(self._free_pages))
         if extra > len(self._free_pages):
             raise KVCapacityError(
                 f"request {rid!r} needs {extra * self.page_size} more KV tokens "
                 f"(length {length}); {self.free_tokens} of {self.capacity_tokens} are free"
             )
         for _ in range(max(extra, 0)):
-            pages.append(self._free_pages.pop())
+            page = self._free_pages.pop()
+            self._refs[page] = 1
+            pages.append(page)
         self._lengths[rid] = max(self._lengths[rid], length)
 
     def truncate(self, rid: Hashable, length: int) -> None:
-        """Forget positions >= length and return whole pages past it to the pool."""
+        """Forget positions >= length and let go of whole pages past it."""
         pages = self._pages[rid]
         keep = self.pages_needed(length)
         while len(pages) > keep:
-            self._free_pages.append(pages.pop())
+            self.release(pages.pop())
         self._lengths[rid] = min(self._lengths[rid], length)
 
     def free(self, rid: Hashable) -> None:
-        self._free_pages.extend(reversed(self._pages.pop(rid)))
+        for page in reversed(self._pages.pop(rid)):
+            self.release(page)
         del self._lengths[rid]
 
     def slots(self, rid: Hashable, start: int, end: int) -> torch.Tensor:
@@ -148,10 +178,11 @@ class PagedKVCache:
     def device(self) -> torch.device:
         return next(iter(self.buffers.values())).device
 
-    def add(self, rid: Hashable) -> None:
+    def add(self, rid: Hashable, cached: int = 0) -> None:
+        """A new request; `cached` leading tokens are already in its (shared) pages."""
         if rid not in self.allocator:
             self.allocator.add(rid)
-        self._lengths[rid] = 0
+        self._lengths[rid] = cached
 
     def free(self, rid: Hashable) -> None:
         self._lengths.pop(rid)

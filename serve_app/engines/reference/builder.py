@@ -70,8 +70,10 @@ def load_target(
     # capacity planner computes for the same config.json (conv in the weights' dtype, SSM fp32).
     planned = describe_model(target_path).kda_state_bytes(
         conv_bytes=dtype.itemsize, ssm_bytes=4, attention_tp=tp_size)
+    snapshots = config.prefix_cache.state_snapshots if config.prefix_cache.enabled else 0
     return PagedK3(model.eval(), config.state_slots or config.max_batch_size,
-                   config.speculation.kda_rollback, planned_slot_bytes=planned)
+                   config.speculation.kda_rollback, planned_slot_bytes=planned,
+                   snapshot_slots=snapshots)
 
 
 def build_runner(
@@ -95,7 +97,8 @@ def build_runner(
         check_pair(target.config, draft.config, config.speculation.gamma)
         draft = shard_dspark(draft, tp_rank, tp_size, group)
         proposer = DSparkProposer(draft, target.embed_weight, target.lm_head_weight, allocator)
-    return ModelRunner(target, proposer, allocator, tp_rank, tp_size, group)
+    return ModelRunner(target, proposer, allocator, tp_rank, tp_size, group,
+                       prefix_cache=config.prefix_cache.enabled)
 
 
 def build_engine(
@@ -118,5 +121,6 @@ def build_engine(
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
         speculation=config.speculation,
+        snapshot_interval=config.prefix_cache.snapshot_interval,
         max_model_len=target_cfg.max_position_embeddings,
     )

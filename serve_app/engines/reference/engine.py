@@ -76,11 +76,15 @@ class EngineCore:
         max_model_len: int | None = None,
         residual_rule: ResidualRule = residual_distribution,
         observer: EngineObserver | None = None,
+        snapshot_interval: int | None = None,
     ) -> None:
         """`residual_rule` is the rejection sampler's correction distribution; only tests
         replace it (to show that a wrong rule is detected). `max_prefill_tokens_per_request`:
         see Scheduler (None: a quarter of prefill_chunk_tokens)."""
         self.runner = runner
+        # The prefix cache's snapshots of a hybrid target's state (at `snapshot_interval`).
+        self._hybrid_cache = runner.prefix is not None and runner.prefix.hybrid
+        self.snapshot_interval = snapshot_interval
         self.residual_rule = residual_rule
         self.observer = observer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -106,6 +110,7 @@ class EngineCore:
             headroom_tokens=self.gamma + 1, page_size=runner.allocator.page_size,
             max_prefill_tokens_per_request=max_prefill_tokens_per_request,
             state_slots=runner.state_slots,
+            snapshot_grid=snapshot_interval if self._hybrid_cache else None,
         )
         self.sequences: dict[str, Sequence] = {}
         self.totals = EngineTotals()
@@ -179,7 +184,8 @@ class EngineCore:
         request whose own processing raised gets a final output with `error` instead."""
         self._failed = []
         for seq in self.scheduler.admit():
-            self.runner.add(seq.request_id)
+            prompt = seq.prompt_ids if self.runner.prefix is not None else ()
+            seq.num_cached = seq.cached_tokens = self.runner.add(seq.request_id, prompt)
             self._notify("on_admitted", seq, time.time_ns())
         plan = self.scheduler.schedule()
         touched: list[Sequence] = []
@@ -248,6 +254,8 @@ class EngineCore:
         for b, c in enumerate(chunks):
             self._notify("on_prefill_chunk", c.seq, c.start, c.end, start_ns, end_ns)
             c.seq.num_cached = c.end
+            if self._caches_here(c.end, c.completes_prompt):
+                self.runner.cache_prefix(c.seq.request_id, c.seq.prompt_ids[: c.end])
             if c.completes_prompt:
                 seq = c.seq
                 stage = "sampling"
@@ -337,8 +345,13 @@ class EngineCore:
             finish_reason=seq.finish_reason,
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.cached_tokens,
         )
         if seq.finished:
+            if self.runner.prefix is not None and not self._hybrid_cache:
+                # A finished request donates what it cached (the hybrid's reusable prefix is
+                # what it snapshotted on the way).
+                self.runner.cache_prefix(seq.request_id, seq.all_ids[: seq.num_cached])
             if self.speculative:
                 out.spec = seq.stats.as_dict(len(seq.output_ids))
             self._notify("on_finished", seq, time.time_ns())
@@ -348,6 +361,15 @@ class EngineCore:
             self.runner.free(seq.request_id)
             self.sequences.pop(seq.request_id, None)
         return out
+
+    def _caches_here(self, end: int, completes_prompt: bool) -> bool:
+        """Whether a prefill chunk ending at `end` goes into the prefix cache: on the hybrid
+        where the snapshot grid falls (its state is there), on K2 at the prompt's end."""
+        if self.runner.prefix is None:
+            return False
+        if self._hybrid_cache:
+            return self.snapshot_interval is not None and end % self.snapshot_interval == 0
+        return completes_prompt
 
     # --- conveniences -------------------------------------------------------------------------
 
@@ -371,7 +393,19 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         return {**self.totals.stats(len(self.scheduler.running), self.speculative),
-                "waiting": len(self.scheduler.waiting)}
+                "waiting": len(self.scheduler.waiting), **self.prefix_cache_stats()}
+
+    def prefix_cache_stats(self) -> dict[str, Any]:
+        """SGLang-named where SGLang has the number (cache_hit_rate)."""
+        prefix = self.runner.prefix
+        if prefix is None:
+            return {}
+        s = prefix.stats
+        return {"cache_hit_rate": s["hit_tokens"] / s["query_tokens"] if s["query_tokens"]
+                else 0.0, "cached_tokens_total": s["hit_tokens"], "prefix_queries": s["queries"],
+                "prefix_cached_pages": prefix.cached_pages, "prefix_snapshots": prefix.snapshots,
+                "prefix_evicted_pages": s["evicted_pages"],
+                "prefix_evicted_snapshots": s["evicted_snapshots"]}
 
     def capacity(self) -> dict[str, int]:
         """KV tokens and state slots. Every running request holds one slot (on the hybrid, its

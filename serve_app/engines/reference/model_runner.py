@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from serve_app.engines.reference.prefix_cache import PrefixCache
 from serve_app.engines.reference.proposer import Proposer
 from serve_app.models.k3_paged import HybridCache
 from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
@@ -27,6 +28,7 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         group: dist.ProcessGroup | None = None,
+        prefix_cache: bool = False,
     ) -> None:
         self.target = target
         self.proposer = proposer
@@ -39,6 +41,12 @@ class ModelRunner:
         self.group = group
         self._taps: torch.Tensor | None = None
         self._tap_rids: list[Hashable] = []
+        # The same tree on every rank: every operation that changes it is broadcast.
+        hybrid = isinstance(self.cache, HybridCache)
+        self.prefix: PrefixCache | None = None
+        if prefix_cache:
+            drop = self.cache.drop_snapshot if isinstance(self.cache, HybridCache) else None
+            self.prefix = PrefixCache(allocator, hybrid, drop)
 
     @property
     def device(self) -> torch.device:
@@ -75,21 +83,51 @@ class ModelRunner:
 
     # --- operations (public = rank 0 entry point, _private = what every rank runs) ----------
 
-    def add(self, rid: Hashable) -> None:
-        self._broadcast("add", rid)
-        self._add(rid)
+    def add(self, rid: Hashable, prompt: Sequence[int] = ()) -> int:
+        """A new request; with the prefix cache, its prompt's longest usable cached prefix
+        starts its caches. Returns how many prompt tokens are cached (to skip in prefill)."""
+        self._broadcast("add", rid, list(prompt))
+        return self._add(rid, prompt)
 
-    def _add(self, rid: Hashable) -> None:
-        self.allocator.add(rid)
-        self.cache.add(rid)
+    def _add(self, rid: Hashable, prompt: Sequence[int] = ()) -> int:
+        match = self.prefix.match(prompt, rid) if self.prefix is not None and prompt else None
+        cached = match.length if match is not None else 0
+        self.allocator.add(rid, match.pages if match is not None else ())
+        if isinstance(self.cache, HybridCache):
+            self.cache.add(rid, cached, match.snapshot if match is not None else None)
+        else:
+            self.cache.add(rid, cached)
         if self.proposer is not None:
-            self.proposer.add(rid)
+            self.proposer.add(rid, cached)
+        return cached
+
+    def cache_prefix(self, rid: Hashable, tokens: Sequence[int]) -> None:
+        """Put the full pages of `tokens` (the first len(tokens) cached tokens of `rid`) in the
+        prefix cache; on the hybrid, with a snapshot of the state (`rid` is at len(tokens))."""
+        self._broadcast("cache_prefix", rid, list(tokens))
+        self._cache_prefix(rid, tokens)
+
+    def _cache_prefix(self, rid: Hashable, tokens: Sequence[int]) -> None:
+        if self.prefix is None:
+            return
+        snapshot = None
+        if isinstance(self.cache, HybridCache):
+            snapshot = self.cache.snapshot(rid)
+            if snapshot is None and self.prefix.evict_snapshot():  # the LRU one makes room
+                snapshot = self.cache.snapshot(rid)
+            if snapshot is None:
+                return  # no snapshot, no usable hybrid prefix: cache nothing
+        left = self.prefix.insert(tokens, self.allocator.pages(rid), snapshot)
+        if left is not None and isinstance(self.cache, HybridCache):
+            self.cache.drop_snapshot(left)
 
     def free(self, rid: Hashable) -> None:
         self._broadcast("free", rid)
         self._free(rid)
 
     def _free(self, rid: Hashable) -> None:
+        if self.prefix is not None:
+            self.prefix.unlock(rid)
         if rid not in self.allocator:
             return
         self.cache.free(rid)

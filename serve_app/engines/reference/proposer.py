@@ -22,7 +22,9 @@ class Proposer(Protocol):
     gamma: int
     tap_layers: tuple[int, ...]  # target layers whose outputs `commit` needs
 
-    def add(self, rid: Hashable) -> None: ...
+    def add(self, rid: Hashable, cached: int = 0) -> None:
+        """A new request whose first `cached` tokens' context is already in its shared pages
+        (a prefix-cache hit)."""
 
     def free(self, rid: Hashable) -> None: ...
 
@@ -54,8 +56,8 @@ class DSparkProposer:
             allocator.capacity_tokens, allocator.page_size, allocator=allocator
         )
 
-    def add(self, rid: Hashable) -> None:
-        self.cache.add(rid)
+    def add(self, rid: Hashable, cached: int = 0) -> None:
+        self.cache.add(rid, cached)
 
     def free(self, rid: Hashable) -> None:
         if rid in self.cache:

@@ -47,6 +47,7 @@ class Scheduler:
         page_size: int = 1,
         max_prefill_tokens_per_request: int | None = None,
         state_slots: int | None = None,
+        snapshot_grid: int | None = None,
     ) -> None:
         """`max_prefill_tokens_per_request`: a prompt's share of one step's prefill budget;
         None = a quarter of `prefill_chunk_tokens` (at least 1). `state_slots`: the state
@@ -62,6 +63,9 @@ class Scheduler:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_prefill_tokens_per_request = cap
         self.headroom_tokens = headroom_tokens
+        # A hybrid target's prefix cache snapshots its KDA state where a prefill chunk ends on
+        # this grid: a chunk that crosses a grid line stops there (the rest goes next step).
+        self.snapshot_grid = snapshot_grid
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: prefilling or decoding, in arrival order
         self._reserved: dict[str, int] = {}
@@ -129,6 +133,12 @@ class Scheduler:
             extra = min(budget, len(chunk.seq.prompt_ids) - chunk.end)
             chunk.end += extra
             budget -= extra
+        if self.snapshot_grid:
+            grid = self.snapshot_grid
+            for chunk in plan.prefill:
+                line = chunk.end // grid * grid
+                if chunk.start < line < chunk.end:
+                    chunk.end = line
         return plan
 
     def remove(self, seq: Sequence) -> None:

@@ -33,6 +33,7 @@ class Sequence:
     # Tokens whose KV is in the target cache (prompt, then committed outputs except the
     # newest, which is the next step's anchor).
     num_cached: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied at admission
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     text: str = ""
