@@ -104,7 +104,7 @@ def engine_with(target: Any, proposer: object | None, *, gamma: int | None = Non
 def engine_from(pair: tuple[Path, Path], draft: bool = True, engine: dict[str, Any] | None = None,
                 **spec: object) -> EngineCore:
     """The builder's engine for a checkpoint pair; `engine`: more ReferenceEngineConfig fields."""
-    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **(engine or {}),
+    cfg = ReferenceEngineConfig(**{"kv_capacity_tokens": 4096, **(engine or {})},
                                 speculation=SpeculationConfig(**spec))  # type: ignore[arg-type]
     return build_engine(build_runner(pair[0], pair[1] if draft else None, cfg), cfg)
 
