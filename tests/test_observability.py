@@ -36,7 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     config = AppConfig.model_validate({
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
                    "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": 4096}},
+        "engine": {"reference": {"kv_capacity_tokens": 4096, "prefix_cache": {"enabled": True}}},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
     })
     try:
@@ -157,7 +157,8 @@ def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) ->
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     completion_tokens = 0
     prompt_tokens = 0
-    for prompt in ("def a", "import os", "The quick brown"):
+    document = "def hello(name):\n    return 'hello ' + name\n" * 4  # > 2 pages of tokens
+    for prompt in ("def a", "import os", "The quick brown", document + "x", document + "y"):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         completion_tokens += r.usage.completion_tokens
         prompt_tokens += r.usage.prompt_tokens
@@ -192,6 +193,9 @@ def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) ->
     assert _value(text, "ray_kimi_max_running_requests") == 32  # max_batch_size's default
     assert 0 <= _value(text, "ray_kimi_router_state_slots_reserved") <= 32
     assert 0 <= _value(text, "ray_kimi_router_kv_tokens_committed") <= 4096
+    # The second question on the document was served from the prefix cache.
+    assert _value(text, "ray_kimi_cached_tokens_total") >= 16
+    assert 0 < _value(text, "ray_kimi_cache_hit_rate") < 1
     # One routing decision per admitted request, labelled by the kv_aware policy's reason.
     reasons = set(re.findall(r'^ray_kimi_router_decisions_total\{[^}]*reason="([^"]+)"', text,
                              re.M))

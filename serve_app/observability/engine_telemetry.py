@@ -137,6 +137,14 @@ class EngineTelemetry:
         m.token_usage.set(capacity["kv_tokens_used"] / capacity["kv_tokens_total"], tags=t)
         if capacity.get("state_slots_total") is not None:  # in use: running_requests above
             m.state_slots_total.set(capacity["state_slots_total"], tags=t)
+        cache = core.prefix_cache_stats()
+        if cache:
+            m.cache_hit_rate.set(cache["cache_hit_rate"], tags=t)
+            m.cached_tokens.set(cache["cached_tokens_total"], tags=t)
+            m.cache_snapshots.set(cache["prefix_snapshots"], tags=t)
+            m.cache_evictions.set(cache["prefix_evicted_pages"], tags={**t, "kind": "page"})
+            m.cache_evictions.set(cache["prefix_evicted_snapshots"],
+                                  tags={**t, "kind": "snapshot"})
         spec = core.totals.spec
         if spec.proposed_drafts:
             m.spec_accept_rate.set(spec.accept_rate, tags=t)

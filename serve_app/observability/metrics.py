@@ -65,6 +65,18 @@ class AppMetrics:
                                        "the engine can run at once (SGLang's resolved "
                                        "max_running_requests; the reference engine's batch "
                                        "bound or KDA state pool).", tag_keys=replica)
+        # Prefix cache (SGLang's names where it has them: cache_hit_rate).
+        self.cache_hit_rate = Gauge("kimi_cache_hit_rate", "Prefix cache: prompt tokens served "
+                                    "from the cache / prompt tokens, over the replica's "
+                                    "lifetime (sglang:cache_hit_rate).", tag_keys=replica)
+        self.cached_tokens = Gauge("kimi_cached_tokens_total", "Prefix cache: prompt tokens "
+                                   "served from the cache so far.", tag_keys=replica)
+        self.cache_snapshots = Gauge("kimi_cache_state_snapshots", "Prefix cache: KDA state "
+                                     "snapshots held (the hybrid's resumable positions).",
+                                     tag_keys=replica)
+        self.cache_evictions = Gauge("kimi_cache_evicted_total", "Prefix cache: evictions so "
+                                     "far, of KV pages and of state snapshots.",
+                                     tag_keys=("replica", "kind"))
         self.spec_accept_length = Histogram(
             "kimi_spec_accept_length", "Per finished request: completion tokens per verify "
             "step, bonus included (SGLang's spec_accept_length).", boundaries=_ACCEPT_BUCKETS,
