@@ -323,6 +323,10 @@ class PrefixCacheConfig(BaseModel):
         "hybrid targets: a KDA state snapshot every this many prompt tokens (prefill chunks "
         "end on this grid), the only positions a later request can resume from; a multiple "
         "of page_size"))
+    decode_snapshot_interval: int = Field(default=256, gt=0, description=(
+        "hybrid targets: a KDA state snapshot every this many tokens while decoding (SGLang's "
+        "mamba_track_interval), so a conversation's earlier answers are reusable too; a "
+        "multiple of page_size"))
     state_snapshots: int = Field(default=32, gt=0, description=(
         "hybrid targets: KDA state slots kept for cached snapshots (each as large as a running "
         "request's state), evicted least recently used"))
@@ -352,9 +356,11 @@ class ReferenceEngineConfig(BaseModel):
     @model_validator(mode="after")
     def _prefill_cap_fits_the_step(self) -> ReferenceEngineConfig:
         prefill_cap(self.prefill_chunk_tokens, self.max_prefill_tokens_per_request)
-        if self.prefix_cache.snapshot_interval % self.page_size:
-            raise ValueError(f"prefix_cache.snapshot_interval={self.prefix_cache.snapshot_interval}"
-                             f" must be a multiple of page_size={self.page_size}")
+        for name in ("snapshot_interval", "decode_snapshot_interval"):
+            value = getattr(self.prefix_cache, name)
+            if value % self.page_size:
+                raise ValueError(f"prefix_cache.{name}={value} must be a multiple of "
+                                 f"page_size={self.page_size}")
         return self
 
 

@@ -187,3 +187,24 @@ def test_cache_events_carry_the_router_block_hashes(pairs: dict) -> None:
     _, later, _ = prefix.events_since(seq)
     evicted = {h for e in later if e["type"] == "evicted" for h in e["block_hashes"]}
     assert evicted and not evicted & set(prefix.block_hashes_held())
+
+
+@pytest.mark.parametrize("spec", [{"enabled": False}, {"kda_rollback": "scratch"},
+                                  {"kda_rollback": "replay"}])
+def test_a_hybrid_answer_is_reusable_from_its_decode_snapshots(pairs: dict,
+                                                              spec: dict[str, Any]) -> None:
+    """Snapshots every `decode_snapshot_interval` tokens while decoding (from the verify
+    window when speculating): a follow-up on the conversation resumes at the last one."""
+    prompt = document_prompts("k3", 1, doc_len=40)[0]
+    long = SamplingParams(temperature=0.0, max_tokens=110, ignore_eos=True)
+    engine = cached_engine(pairs["k3"], spec=spec,
+                           prefix_cache={"enabled": True, "snapshot_interval": GRID,
+                                         "decode_snapshot_interval": GRID})
+    answer = engine.generate([prompt], long)[0].token_ids
+    assert len(prompt) + len(answer) > 2 * GRID
+    follow_up = [*prompt, *answer[: 2 * GRID + 5 - len(prompt)], 7, 8, 9]
+    out = engine.generate([follow_up], GREEDY)[0]
+    assert out.cached_tokens == 2 * GRID  # the decode snapshot at 128
+    expected = engine_from(pairs["k3"], engine=CHUNKED, **spec).generate([follow_up], GREEDY)
+    assert out.token_ids == expected[0].token_ids
+    check_tree(engine)

@@ -218,6 +218,35 @@ class HybridCache:
         for rid, length in zip(rids, lengths, strict=True):
             self.latent.truncate(rid, length)
 
+    def window_snapshots(self, positions: dict[Hashable, int]) -> dict[Hashable, int]:
+        """Snapshot, for each request, the state after its first `positions[rid]` tokens, a
+        position inside its last verify window (the decode snapshot grid): {rid: snapshot id}
+        for those a snapshot slot was free for. Call before `commit` (replay starts from the
+        slot's pre-window state)."""
+        out: dict[Hashable, int] = {}
+        if self.snapshots is None:
+            return out
+        for rid, position in positions.items():
+            window = self.window_rows.get(rid)
+            if window is None or not self.snapshots.free_slots:
+                continue
+            row, start = window
+            if not start < position <= self.latent.length(rid):
+                continue
+            row_t = torch.tensor([row], device=self.device)
+            step_t = torch.tensor([position - start - 1], device=self.device)
+            slot_t = torch.tensor([self.states.slot(rid)], device=self.device)
+            key = next(self._snapshot_ids)
+            target = torch.tensor([self.snapshots.take(key)], device=self.device)
+            for layer, win in self.windows.items():
+                if isinstance(win, KDAWindowStates):
+                    new = KDAState(win.conv[row_t, step_t], win.ssm[row_t, step_t])
+                else:
+                    new = win.replay(row_t, self.states.layers[layer].ssm[slot_t], step_t)
+                self.snapshots.write(layer, target, new)
+            out[rid] = key
+        return out
+
     def truncate(self, rid: Hashable, length: int) -> None:
         """`commit` of one request."""
         self.commit([rid], [length])

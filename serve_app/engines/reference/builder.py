@@ -122,5 +122,6 @@ def build_engine(
         max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
         speculation=config.speculation,
         snapshot_interval=config.prefix_cache.snapshot_interval,
+        decode_snapshot_interval=config.prefix_cache.decode_snapshot_interval,
         max_model_len=target_cfg.max_position_embeddings,
     )

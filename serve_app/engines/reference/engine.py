@@ -77,6 +77,7 @@ class EngineCore:
         residual_rule: ResidualRule = residual_distribution,
         observer: EngineObserver | None = None,
         snapshot_interval: int | None = None,
+        decode_snapshot_interval: int | None = None,
     ) -> None:
         """`residual_rule` is the rejection sampler's correction distribution; only tests
         replace it (to show that a wrong rule is detected). `max_prefill_tokens_per_request`:
@@ -85,6 +86,7 @@ class EngineCore:
         # The prefix cache's snapshots of a hybrid target's state (at `snapshot_interval`).
         self._hybrid_cache = runner.prefix is not None and runner.prefix.hybrid
         self.snapshot_interval = snapshot_interval
+        self.decode_snapshot_interval = decode_snapshot_interval
         self.residual_rule = residual_rule
         self.observer = observer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -280,6 +282,8 @@ class EngineCore:
             ok = []
             for b, seq in enumerate(seqs):
                 seq.num_cached += 1
+                if self._decode_grid_crossed(seq.num_cached - 1, seq.num_cached):
+                    self.runner.cache_prefix(seq.request_id, seq.all_ids[: seq.num_cached])
                 stage = "sampling"
                 try:
                     token = sample_token(logits[b, 0], seq.params, seq.generator)
@@ -308,6 +312,7 @@ class EngineCore:
                                      verify=True)
         end_ns = time.time_ns()
         ok, lengths, tap_rows = [], [], []
+        snapshots: dict[str, list[int]] = {}
         for b, seq in enumerate(seqs):
             k = len(drafts[b])
             stage = "verifying drafts"
@@ -322,7 +327,11 @@ class EngineCore:
                 continue
             seq.stats.record(k, verdict.accepted)
             # Cached now: the anchor and the accepted drafts; the last token is the new anchor.
+            start = seq.num_cached
             seq.num_cached += verdict.accepted + 1
+            line = self._decode_grid_crossed(start, seq.num_cached)
+            if line:
+                snapshots[seq.request_id] = seq.all_ids[:line]
             ok.append(seq)
             lengths.append(seq.num_cached)
             tap_rows.append(verdict.accepted + 1)
@@ -330,7 +339,7 @@ class EngineCore:
                          end_ns, True)
         # The same call on every path (with fewer requests when some failed): a failed
         # request's uncommitted verify rows go with its pages when step() frees it.
-        self.runner.commit([s.request_id for s in ok], lengths, tap_rows)
+        self.runner.commit([s.request_id for s in ok], lengths, tap_rows, snapshots or None)
         return ok
 
     def _output(self, seq: Sequence, text: str) -> RequestOutput:
@@ -361,6 +370,15 @@ class EngineCore:
             self.runner.free(seq.request_id)
             self.sequences.pop(seq.request_id, None)
         return out
+
+    def _decode_grid_crossed(self, start: int, end: int) -> int:
+        """The hybrid's decode snapshot line in (start, end], or 0: tokens [0, line) then go
+        into the prefix cache with the state there."""
+        grid = self.decode_snapshot_interval
+        if not self._hybrid_cache or not grid:
+            return 0
+        line = end // grid * grid
+        return line if line > start else 0
 
     def _caches_here(self, end: int, completes_prompt: bool) -> bool:
         """Whether a prefill chunk ending at `end` goes into the prefix cache: on the hybrid

@@ -163,14 +163,25 @@ class ModelRunner:
         return out.logits
 
     def commit(self, rids: Sequence[Hashable], lengths: Sequence[int],
-               tap_rows: Sequence[int]) -> None:
+               tap_rows: Sequence[int],
+               snapshots: dict[Hashable, list[int]] | None = None) -> None:
         """Roll each request's target cache back to `lengths[i]` tokens, and give the proposer
-        the first `tap_rows[i]` rows of that request's taps from the last forward."""
-        self._broadcast("commit", list(rids), list(lengths), list(tap_rows))
-        self._commit(rids, lengths, tap_rows)
+        the first `tap_rows[i]` rows of that request's taps from the last forward.
+        `snapshots` (hybrid, prefix cache): requests whose verify window crossed the decode
+        snapshot grid -> their tokens up to that grid line, cached with the state there."""
+        self._broadcast("commit", list(rids), list(lengths), list(tap_rows), snapshots)
+        self._commit(rids, lengths, tap_rows, snapshots)
 
     def _commit(self, rids: Sequence[Hashable], lengths: Sequence[int],
-                tap_rows: Sequence[int]) -> None:
+                tap_rows: Sequence[int],
+                snapshots: dict[Hashable, list[int]] | None = None) -> None:
+        if snapshots and self.prefix is not None and isinstance(self.cache, HybridCache):
+            # Before the commit: the state at the grid line is still in the verify window.
+            keys = self.cache.window_snapshots({r: len(t) for r, t in snapshots.items()})
+            for rid, key in keys.items():
+                left = self.prefix.insert(snapshots[rid], self.allocator.pages(rid), key)
+                if left is not None:
+                    self.cache.drop_snapshot(left)
         self.cache.commit(rids, lengths)
         for rid, n in zip(rids, lengths, strict=True):
             # Pages past the committed length (a rejected verify tail) go back to the pool.
