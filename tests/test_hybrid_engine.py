@@ -214,14 +214,19 @@ def _tp_worker(rank: int, size: int, port: int, pair: tuple[Path, Path], prompts
     torch.set_num_threads(1)
     group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, size, "gloo")
     cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **CHUNKED,
-                                speculation={"kda_rollback": rollback})  # type: ignore[arg-type]
+                                speculation={"kda_rollback": rollback},  # type: ignore[arg-type]
+                                prefix_cache={"enabled": True, "snapshot_interval": 32,
+                                              "decode_snapshot_interval": 32})
     runner = build_runner(pair[0], pair[1], cfg, rank, size, group)
     if rank == 0:
         engine = build_engine(runner, cfg)
         outs = engine.generate(prompts, GREEDY)
+        stats = engine.stats()
+        # Again: prefix-cache hits, whose matches, snapshots and copies every rank makes.
+        again = engine.generate(prompts, GREEDY)
         runner.shutdown()
-        results.put(([o.token_ids for o in outs], engine.stats(),
-                     runner.cache.states.bytes_per_slot))
+        results.put(([o.token_ids for o in outs], stats, runner.cache.states.bytes_per_slot,
+                     [o.token_ids for o in again], [o.cached_tokens for o in again]))
         del engine
     else:
         runner.follow()
@@ -241,11 +246,12 @@ def test_tp2_over_gloo_matches_tp1_on_the_hybrid(pair: tuple[Path, Path]) -> Non
              for r in range(2)]
     for p in procs:
         p.start()
-    tokens, stats, slot_bytes = results.get(timeout=300)
+    tokens, stats, slot_bytes, again, cached = results.get(timeout=300)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    assert tokens == expected
+    assert tokens == expected and again == expected
+    assert sum(cached) > 0
     for key in ("spec_verify_ct", "spec_correct_drafts_histogram", "spec_accepted_drafts"):
         assert stats[key] == single.stats()[key]
     # Each rank holds half of every KDA layer's heads.
