@@ -348,10 +348,12 @@ def test_output_tracker_streams_deltas_and_spec_stats() -> None:
     t = OutputTracker("r", 4, speculative=True, incremental=True)
     a = t.update({"text": "Hel", "output_ids": [1, 2], "meta_info": _meta(None, 2)})
     b = t.update({"text": "lo!", "output_ids": [3, 4, 5],
-                  "meta_info": _meta({"type": "stop", "matched": 5}, 5, **spec)})
+                  "meta_info": _meta({"type": "stop", "matched": 5}, 5, cached_tokens=3,
+                                     **spec)})
     assert (a.token_ids, a.text, a.finished, a.spec) == ([1, 2], "Hel", False, None)
     assert (b.token_ids, b.text, b.finished, b.finish_reason) == ([3, 4, 5], "lo!", True, "stop")
     assert b.completion_tokens == 5 and b.prompt_tokens == 4
+    assert (a.cached_tokens, b.cached_tokens) == (0, 3)  # SGLang's radix-cache hit
     # Same names as the reference backend, so the API's usage extension is identical.
     assert set(b.spec) == set(SpecStats().as_dict(1))
     assert b.spec["spec_accept_length"] == 2.5 and b.spec["spec_verify_ct"] == 2

@@ -50,6 +50,8 @@ class OutputTracker:
             prompt_tokens=int(meta.get("prompt_tokens", self.prompt_tokens)),
             completion_tokens=int(meta.get("completion_tokens", len(self.token_ids))),
             spec=sglang_request_spec(meta, self.speculative) if finished else None,
+            # SGLang's radix-cache hit for this request (meta_info, tokenizer_manager.py).
+            cached_tokens=int(meta.get("cached_tokens") or 0),
         )
 
 
