@@ -209,12 +209,8 @@ class HybridCache:
             dev = self.device
             row_t, step_t, slot_t = (torch.tensor(v, dtype=torch.long, device=dev)
                                      for v in (rows, steps, slots))
-            for layer, win in self.windows.items():
-                if isinstance(win, KDAWindowStates):
-                    new = KDAState(win.conv[row_t, step_t], win.ssm[row_t, step_t])
-                else:
-                    new = win.replay(row_t, self.states.layers[layer].ssm[slot_t], step_t)
-                self.states.write(layer, slot_t, new)
+            for layer in self.windows:
+                self.states.write(layer, slot_t, self._state_at(layer, row_t, step_t, slot_t))
         for rid, length in zip(rids, lengths, strict=True):
             self.latent.truncate(rid, length)
 
@@ -238,14 +234,19 @@ class HybridCache:
             slot_t = torch.tensor([self.states.slot(rid)], device=self.device)
             key = next(self._snapshot_ids)
             target = torch.tensor([self.snapshots.take(key)], device=self.device)
-            for layer, win in self.windows.items():
-                if isinstance(win, KDAWindowStates):
-                    new = KDAState(win.conv[row_t, step_t], win.ssm[row_t, step_t])
-                else:
-                    new = win.replay(row_t, self.states.layers[layer].ssm[slot_t], step_t)
-                self.snapshots.write(layer, target, new)
+            for layer in self.windows:
+                self.snapshots.write(layer, target, self._state_at(layer, row_t, step_t, slot_t))
             out[rid] = key
         return out
+
+    def _state_at(self, layer: int, rows: torch.Tensor, steps: torch.Tensor,
+                  slots: torch.Tensor) -> KDAState:
+        """One layer's state after window position steps[i] of the requests at window `rows`
+        (whose committed states are in `slots`): the kept one (scratch) or a replay."""
+        win = self.windows[layer]
+        if isinstance(win, KDAWindowStates):
+            return KDAState(win.conv[rows, steps], win.ssm[rows, steps])
+        return win.replay(rows, self.states.layers[layer].ssm[slots], steps)
 
     def truncate(self, rid: Hashable, length: int) -> None:
         """`commit` of one request."""
