@@ -208,3 +208,29 @@ def test_a_hybrid_answer_is_reusable_from_its_decode_snapshots(pairs: dict,
     expected = engine_from(pairs["k3"], engine=CHUNKED, **spec).generate([follow_up], GREEDY)
     assert out.token_ids == expected[0].token_ids
     check_tree(engine)
+
+
+def test_the_router_index_follows_the_engine_events(pairs: dict) -> None:
+    """The router's PrefixIndex, fed the engine's events, holds what the engine holds: a
+    cached document matches, an evicted one stops matching; a lost stream resyncs."""
+    from serve_app.routing.prefix_index import PrefixIndex
+
+    engine = cached_engine(pairs["k2"], kv_capacity_tokens=320)
+    prefix = engine.runner.prefix
+    index = PrefixIndex()
+    seq = 0
+    docs = [document_prompts("k2", 1, doc_len=100, seed=s)[0] for s in range(4)]
+    for doc in docs:
+        engine.generate([doc], GREEDY)
+        seq, events, lost = prefix.events_since(seq)
+        index.follow("r", events, prefix.block_hashes_held() if lost else None)
+    held = set(prefix.block_hashes_held())
+    for doc in docs:
+        hashes = block_hashes(doc, 16)
+        engine_blocks = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+        assert index.match(hashes).get("r", 0) == engine_blocks
+    assert index.match(block_hashes(docs[0], 16)) == {}  # evicted by the later documents
+    assert index.match(block_hashes(docs[-1], 16)) == {"r": 6}  # 100 tokens: 6 full pages
+    rebuilt = PrefixIndex()
+    rebuilt.follow("r", [], prefix.block_hashes_held())
+    assert rebuilt.match(block_hashes(docs[-1], 16)) == {"r": 6}

@@ -96,6 +96,33 @@ class PrefixIndex:
             self._entries += 1
         self._evict(replica)
 
+    def forget(self, hashes: Sequence[int], replica: str) -> None:
+        """`replica` no longer holds these blocks (its engine evicted them)."""
+        lru = self._lru.get(replica)
+        for h in hashes:
+            if lru is not None and h in lru:
+                del lru[h]
+                del self._global[(h, replica)]
+                self._drop(h, replica)
+
+    def follow(self, replica: str, events: Sequence[dict], held: Sequence[int] | None = None
+               ) -> None:
+        """Apply an engine's prefix-cache events (`{"type": "stored" | "evicted",
+        "block_hashes": [...]}`, serve_app/engines/reference/prefix_cache.py) so the index holds
+        what the replica really caches instead of what the router guessed. `held`: every block
+        the engine holds, when its events were lost: the replica's entry is rebuilt from it."""
+        if held is not None:
+            limit = self._limit.get(replica)
+            self.remove_replica(replica)
+            if limit is not None:
+                self._limit[replica] = limit
+            self.insert(list(held), replica)
+        for event in events:
+            if event["type"] == "stored":
+                self.insert(event["block_hashes"], replica)
+            elif event["type"] == "evicted":
+                self.forget(event["block_hashes"], replica)
+
     def remove_replica(self, replica: str) -> None:
         for h in self._lru.pop(replica, {}):
             self._drop(h, replica)
