@@ -107,6 +107,7 @@ def build_app(config: AppConfig) -> Application:
         **_router_options(config),
     )
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        num_replicas=config.ingress.replicas,
         ray_actor_options={"num_cpus": config.ingress.ingress_cpus},
         logging_config=logging_config,
         max_ongoing_requests=config.ingress.max_ongoing_requests,

@@ -51,6 +51,7 @@ from serve_app.observability.metrics import app_metrics
 from serve_app.observability.tracing import tracer
 from serve_app.routing.admission import AdmissionStage, ReplicaList
 from serve_app.routing.policy import ClientLimit, QueueFull, RequestTooLarge, RouterError
+from serve_app.routing.reservation import ReplicaFull
 from serve_app.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -513,7 +514,7 @@ class OpenAIIngress:
         if self.config.router.policy != "ray_default":
             self.router = AdmissionStage(
                 self.config.router.settings(self.config.engine.backend, self.max_model_len),
-                self._replicas)
+                self._replicas, me=name or "")
 
     async def _replicas(self) -> ReplicaList:
         """Every running target replica's id and its engine's capacity() report (KV tokens
@@ -659,16 +660,36 @@ class OpenAIIngress:
         lease: Lease | None = Lease(rid, self.router, asyncio.get_running_loop())
         try:
             assert lease is not None
-            stream = self._generate.remote(
-                GenerateRequest(rid, prompt_ids, params, caller=self.caller, replica=replica))
-            lease.stream = stream
-            # Wait for the first event before answering, so a refused request gets its 4xx.
-            try:
-                first = await stream.__anext__()
-            except StopAsyncIteration:
-                raise OpenAIError(500, "the engine returned no output", "server_error") from None
-            except Exception as exc:
-                raise error_for(exc, self.retry_after_s, rid) from None
+            # The reservation rides on the generate call (no extra round trip): the replica
+            # reserves it on its own, authoritative ledger before any engine work.
+            reservation = self.router.reservation(rid) if self.router is not None else None
+            while True:
+                request = GenerateRequest(rid, prompt_ids, params, caller=self.caller,
+                                          replica=replica)
+                stream = (self._generate.remote(request) if reservation is None
+                          else self._generate.remote(request, reservation))
+                lease.stream = stream
+                # Wait for the first event before answering, so a refused request gets its 4xx.
+                try:
+                    first = await stream.__anext__()
+                except StopAsyncIteration:
+                    raise OpenAIError(500, "the engine returned no output",
+                                      "server_error") from None
+                except Exception as exc:
+                    full = _unwrap(exc)
+                    if not (isinstance(full, ReplicaFull) and self.router is not None
+                            and replica is not None):
+                        raise error_for(exc, self.retry_after_s, rid) from None
+                    # Another ingress took the room: back to the front of the queue, with
+                    # the replica's numbers, until a replica has room.
+                    lease.stream = None
+                    try:
+                        replica = await self.router.requeue(
+                            rid, str(full.info.get("replica") or replica), full.info)
+                    except RouterError as err:
+                        raise _router_error(err, self.retry_after_s) from None
+                    continue
+                break
             lease.finished = first.finished
             lease.prefill_done()
             telemetry.first_token()

@@ -20,11 +20,12 @@ from ray import serve
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, context_length
 from serve_app.engines.types import Engine, EngineUnavailable, GenerateRequest, RequestOutput
 from serve_app.netutil import free_port
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.metrics import replica_name
+from serve_app.routing.reservation import ReplicaFull, ReplicaLedger, Reservation
 
 logger = get_logger("target")
 
@@ -180,20 +181,50 @@ class TargetReplica:
         # actor dies, nobody reads the tokens, so the work is aborted (see _watch_callers).
         self._by_caller: dict[tuple[str, str], dict[str, asyncio.Task[Any]]] = {}
         self._watcher: asyncio.Task[None] | None = None
+        # The authoritative reservation ledger of the requests this replica accepted, from
+        # every ingress (docs/router.md, "Several ingress replicas"); only with the router's
+        # capacity admission (kv_aware): other policies let the engine queue, as before.
+        self.ledger: ReplicaLedger | None = None
+        if self.config.router.policy == "kv_aware":
+            settings = self.config.router.settings(self.config.engine.backend,
+                                                   context_length(self.config))
+            kv, slots = _totals(self.engine.capacity())
+            self.ledger = ReplicaLedger(settings.block_size, settings.share_prefix, kv, slots)
         logger.info("replica ready in %.2f s: %s", time.perf_counter() - started,
                     self.engine.capacity())
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        task = asyncio.current_task()
+    def _replica_id(self) -> str:
+        return serve.get_replica_context().replica_id.unique_id
+
+    async def generate(self, request: GenerateRequest, reservation: Reservation | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Reserve the request on this replica's ledger (the facts its ingress computed,
+        or the same facts computed here for a call that carries none), then stream the
+        engine's outputs; released exactly once when the request ends here, however it ends
+        (finished, failed, aborted, its caller gone). Refused before any engine work with
+        ReplicaFull, which carries this ledger's numbers."""
         caller = request.caller
-        if caller is not None and task is not None:
-            self._by_caller.setdefault(caller, {})[request.request_id] = task
-            if self._watcher is None or self._watcher.done():
-                self._watcher = asyncio.get_running_loop().create_task(self._watch_callers())
+        ledger = self.ledger
+        if ledger is not None:
+            r = reservation or ledger.reservation_for(request.prompt_ids,
+                                                      request.params.max_tokens)
+            try:
+                ledger.reserve(request.request_id, caller[1] if caller else "", r)
+            except ReplicaFull as exc:
+                exc.info["replica"] = self._replica_id()
+                raise
+        task = asyncio.current_task()
         try:
+            if caller is not None and task is not None:
+                self._by_caller.setdefault(caller, {})[request.request_id] = task
+                if self._watcher is None or self._watcher.done():
+                    self._watcher = asyncio.get_running_loop().create_task(
+                        self._watch_callers())
             async for out in self.engine.generate(request):
                 yield out
         finally:
+            if ledger is not None:
+                ledger.release(request.request_id)
             if caller is not None:
                 mine = self._by_caller.get(caller, {})
                 mine.pop(request.request_id, None)
@@ -269,10 +300,17 @@ class TargetReplica:
 
     def routing_info(self) -> dict[str, Any]:
         """Who this replica is (Serve's unique id, as the request router sees it) and its
-        capacity (KV tokens and state slots): the router's admission stage asks every replica
-        for it (serve_app.routing.admission)."""
-        return {"replica": serve.get_replica_context().replica_id.unique_id,
-                **self.engine.capacity()}
+        capacity (KV tokens and state slots), and its ledger's reservations across every
+        ingress: the router's admission stage asks every replica for it
+        (serve_app.routing.admission)."""
+        cap = self.engine.capacity()
+        info: dict[str, Any] = {"replica": self._replica_id(), **cap}
+        if self.ledger is not None:
+            # The authoritative reservations, from every ingress (and each one's share): the
+            # ingresses' hint of each other's load.
+            self.ledger.set_capacity(*_totals(cap))
+            info["ledger"] = self.ledger.report()
+        return info
 
     def placement(self) -> list[dict[str, Any]]:
         return self.info
@@ -280,6 +318,11 @@ class TargetReplica:
     def __del__(self) -> None:
         for w in getattr(self, "workers", []):
             ray.kill(w, no_restart=True)
+
+
+def _totals(cap: dict[str, int]) -> tuple[int, int | None]:
+    slots = cap.get("state_slots_total")
+    return int(cap["kv_tokens_total"]), None if slots is None else int(slots)
 
 
 def _actor_alive(namespace: str, name: str) -> bool:
