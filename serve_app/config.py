@@ -267,13 +267,16 @@ class RouterConfig(RouterSettings):
         "class; default: the context length / 32 (32,768 at K3's 1,048,576)")
     share_prefix: bool | None = Field(  # type: ignore[assignment]
         default=None, description="count prefix blocks shared by in-flight requests once; "
-        "default: true for sglang (radix cache), false for reference (no prefix cache)")
+        "default: true where the engine has a prefix cache (sglang's radix cache, or "
+        "engine.reference.prefix_cache.enabled)")
 
-    def settings(self, backend: str, context_length: int) -> RouterSettings:
-        """The settings the router runs with: the `null` defaults resolved (the one place)."""
+    def settings(self, backend: str, context_length: int,
+                 prefix_cache: bool = False) -> RouterSettings:
+        """The settings the router runs with: the `null` defaults resolved (the one place).
+        `prefix_cache`: whether the reference engine caches prefixes."""
         values = self.model_dump()
         if values["share_prefix"] is None:
-            values["share_prefix"] = backend == "sglang"
+            values["share_prefix"] = backend == "sglang" or prefix_cache
         if values["long_threshold"] is None:
             values["long_threshold"] = max(1, context_length // 32)
         if values["policy"] == "ray_default":

@@ -234,3 +234,25 @@ def test_the_router_index_follows_the_engine_events(pairs: dict) -> None:
     rebuilt = PrefixIndex()
     rebuilt.follow("r", [], prefix.block_hashes_held())
     assert rebuilt.match(block_hashes(docs[-1], 16)) == {"r": 6}
+
+
+@pytest.mark.parametrize("family", ["k2", "k3"])
+def test_admission_counts_a_cached_prefix_once(pairs: dict, family: str) -> None:
+    """Two questions on a cached 300-token document in 512 KV tokens: counted twice (704) they
+    would run one after the other; counted once (288 pinned + 2 x 64 private) they run
+    together, and their pages never exceed the pool."""
+    doc = document_prompts(family, 3, doc_len=300)
+    engine = cached_engine(pairs[family], kv_capacity_tokens=512, max_batch_size=4,
+                           prefix_cache={"enabled": True, "snapshot_interval": 32})
+    engine.generate(doc[:1], GREEDY)
+    for q in doc[1:]:
+        engine.add_request(q, GREEDY)
+    engine.step()
+    assert len(engine.scheduler.running) == 2
+    assert all(s.cached_tokens >= 256 for s in engine.scheduler.running)
+    while engine.has_work:
+        engine.step()
+        check_tree(engine)
+    alone = engine_from(pairs[family], engine=CHUNKED)
+    assert ([engine.generate([q], GREEDY)[0].token_ids for q in doc[1:]]
+            == [o.token_ids for o in alone.generate(doc[1:], GREEDY)])

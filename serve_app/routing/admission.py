@@ -76,6 +76,9 @@ class AdmissionStage:
         self.refresh_waiting_s = refresh_waiting_s
         self.me = me  # this ingress's caller name in the replicas' ledger reports
         self._seq: dict[str, int] = {}  # newest ledger report seen per replica
+        # Per replica, the next prefix-cache event to read (its engine's events, which the
+        # prefix index follows: serve_app/engines/reference/prefix_cache.py).
+        self.prefix_seq: dict[str, int] = {}
         self.refusals = 0
         self._wake: asyncio.Event | None = None
         self._lock = threading.RLock()
@@ -101,6 +104,8 @@ class AdmissionStage:
                     self.policy.add_replica(replica, *resources)
                 if isinstance(report, Mapping) and isinstance(report.get("ledger"), Mapping):
                     self._apply_ledger(replica, report["ledger"])
+                if isinstance(report, Mapping) and isinstance(report.get("prefix"), Mapping):
+                    self._follow_prefix(replica, report["prefix"])
             if complete:
                 for replica in [r for r in self.capacity if r not in replicas]:
                     del self.capacity[replica]
@@ -129,6 +134,14 @@ class AdmissionStage:
         slots = int(ledger.get("state_slots_reserved", 0)) - min(
             local.slots_reserved(replica), int(mine.get("state_slots_reserved", 0)))
         local.set_external(replica, kv, slots)
+
+    def _follow_prefix(self, replica: str, prefix: Mapping[str, Any]) -> None:
+        """What the replica's engine cached and evicted since the last report -> the prefix
+        index (which guesses at dispatch, so that a second question arriving during the first
+        one's prefill finds the document, and is corrected here by what the engine really
+        holds). Called with the lock held."""
+        self.policy.index.follow(replica, prefix.get("events", []), prefix.get("held"))
+        self.prefix_seq[replica] = int(prefix.get("next", 0))
 
     def _export(self) -> None:
         """The router's view per replica as gauges (its reservations; the engines export

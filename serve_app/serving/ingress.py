@@ -513,7 +513,8 @@ class OpenAIIngress:
         self.router: AdmissionStage | None = None
         if self.config.router.policy != "ray_default":
             self.router = AdmissionStage(
-                self.config.router.settings(self.config.engine.backend, self.max_model_len),
+                self.config.router.settings(self.config.engine.backend, self.max_model_len,
+                                            self.config.engine.reference.prefix_cache.enabled),
                 self._replicas, me=name or "")
 
     async def _replicas(self) -> ReplicaList:
@@ -521,7 +522,8 @@ class OpenAIIngress:
         and state slots), for the router (Serve's broadcast reaches each replica the handle's
         router knows)."""
         try:
-            answers = await self.target.broadcast("routing_info").results_async(
+            since = self.router.prefix_seq if self.router is not None else {}
+            answers = await self.target.broadcast("routing_info", dict(since)).results_async(
                 timeout_s=self.config.ingress.health_timeout_s, return_exceptions=True)
         except DeploymentUnavailableError:
             return {}, True
@@ -730,7 +732,8 @@ class OpenAIIngress:
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": now(), "model": self.model_name, "choices": [choice],
-            "usage": usage(last.prompt_tokens, last.completion_tokens, last.spec),
+            "usage": usage(last.prompt_tokens, last.completion_tokens, last.spec,
+                           last.cached_tokens),
         }
 
     async def _sse(self, body: _Request, rid: str, chat: bool, first: RequestOutput,
@@ -771,7 +774,7 @@ class OpenAIIngress:
                 yield event({"id": rid, "object": kind, "created": created,
                              "model": self.model_name, "choices": [],
                              "usage": usage(last.prompt_tokens, last.completion_tokens,
-                                            last.spec)})
+                                            last.spec, last.cached_tokens)})
             yield "data: [DONE]\n\n"
             telemetry.finish(200, last.prompt_tokens, last.completion_tokens)
         except Exception as exc:

@@ -305,9 +305,12 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int,
-          spec: dict[str, Any] | None) -> dict[str, Any]:
+          spec: dict[str, Any] | None, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object (with `prompt_tokens_details.cached_tokens`: the prompt tokens the
+    prefix cache served), plus SGLang's speculative-decoding statistics."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": prompt_tokens + completion_tokens}
+                           "total_tokens": prompt_tokens + completion_tokens,
+                           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if spec:
         out |= {k: v for k, v in spec.items() if k.startswith("spec_")}
     return out

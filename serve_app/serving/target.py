@@ -186,8 +186,9 @@ class TargetReplica:
         # capacity admission (kv_aware): other policies let the engine queue, as before.
         self.ledger: ReplicaLedger | None = None
         if self.config.router.policy == "kv_aware":
-            settings = self.config.router.settings(self.config.engine.backend,
-                                                   context_length(self.config))
+            settings = self.config.router.settings(
+                self.config.engine.backend, context_length(self.config),
+                self.config.engine.reference.prefix_cache.enabled)
             kv, slots = _totals(self.engine.capacity())
             self.ledger = ReplicaLedger(settings.block_size, settings.share_prefix, kv, slots)
         logger.info("replica ready in %.2f s: %s", time.perf_counter() - started,
@@ -298,13 +299,20 @@ class TargetReplica:
     def capacity(self) -> dict[str, int]:
         return self.engine.capacity()
 
-    def routing_info(self) -> dict[str, Any]:
+    def routing_info(self, prefix_since: dict[str, int] | None = None) -> dict[str, Any]:
         """Who this replica is (Serve's unique id, as the request router sees it) and its
         capacity (KV tokens and state slots), and its ledger's reservations across every
         ingress: the router's admission stage asks every replica for it
-        (serve_app.routing.admission)."""
+        (serve_app.routing.admission). With a prefix cache, also its events since
+        `prefix_since[this replica]` (the caller's read position; one dict for a broadcast)."""
         cap = self.engine.capacity()
-        info: dict[str, Any] = {"replica": self._replica_id(), **cap}
+        me = self._replica_id()
+        info: dict[str, Any] = {"replica": me, **cap}
+        events = getattr(self.engine, "prefix_events", None)
+        if events is not None:
+            prefix = events((prefix_since or {}).get(me, 0))
+            if prefix is not None:
+                info["prefix"] = prefix
         if self.ledger is not None:
             # The authoritative reservations, from every ingress (and each one's share): the
             # ingresses' hint of each other's load.

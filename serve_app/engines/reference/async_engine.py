@@ -266,6 +266,17 @@ class ReferenceAsyncEngine:
     def capacity(self) -> dict[str, int]:
         return self.core.capacity()
 
+    def prefix_events(self, since: int) -> dict[str, Any] | None:
+        """The prefix cache's events from `since` on: {next, events, held (every block it
+        holds, only when events were lost)}, or None without a prefix cache."""
+        prefix = self.core.runner.prefix
+        if prefix is None:
+            return None
+        with prefix.lock:  # the engine thread changes the tree under the same lock
+            nxt, events, lost = prefix.events_since(since)
+            held = prefix.block_hashes_held() if lost else None
+        return {"next": nxt, "events": events, "held": held}
+
     async def shutdown(self) -> None:
         self._stopping = True
         self._stopped.set()

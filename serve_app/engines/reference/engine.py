@@ -113,6 +113,7 @@ class EngineCore:
             max_prefill_tokens_per_request=max_prefill_tokens_per_request,
             state_slots=runner.state_slots,
             snapshot_grid=snapshot_interval if self._hybrid_cache else None,
+            prefix=runner.prefix,
         )
         self.sequences: dict[str, Sequence] = {}
         self.totals = EngineTotals()

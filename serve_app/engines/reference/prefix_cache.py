@@ -21,6 +21,7 @@ engine really holds instead of guessing.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,9 @@ class PrefixCache:
         self.root = Node((), None, -1, 0, CHAIN_SEED)
         self._clock = itertools.count(1)
         self._locked: dict[Any, Node | None] = {}
+        # The engine thread changes the tree; the replica's routing_info reads the events and
+        # the held blocks from another thread: both under this lock.
+        self.lock = threading.RLock()
         self.events: list[dict[str, Any]] = []
         self.event_seq = 0  # events ever published; events[-1] has number event_seq - 1
         self.stats = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, "evicted_pages": 0,
@@ -124,6 +128,27 @@ class PrefixCache:
         return Match(length, [n.page for n in path], deepest,
                      deepest.snapshot if deepest is not None else None)
 
+    def probe(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """What `match` would give, without touching anything: (cached tokens, tokens of the
+        matched pages no running request pins yet), for admission to count shared pages once."""
+        limit = (len(tokens) - 1) // self.page
+        node, path = self.root, []
+        for i in range(limit):
+            child = node.children.get(tuple(tokens[i * self.page:(i + 1) * self.page]))
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        if self.hybrid:
+            while path and path[-1].snapshot is None:
+                path.pop()
+        return len(path) * self.page, sum(self.page for n in path if n.locks == 0)
+
+    @property
+    def pinned_tokens(self) -> int:
+        """Tokens of the cached pages running requests use (not evictable)."""
+        return sum(self.page for n in self.nodes() if n.locks > 0)
+
     def unlock(self, rid: Any) -> None:
         node = self._locked.pop(rid, None)
         while node is not None and node is not self.root:
@@ -138,6 +163,11 @@ class PrefixCache:
         takes a reference on each page it did not have. `snapshot`: a snapshot slot holding
         the KDA state after the last of these tokens; returned if the tree did not take it (the
         node already has one, or `tokens` is not page-aligned), for the caller to drop."""
+        with self.lock:
+            return self._insert(tokens, pages, snapshot)
+
+    def _insert(self, tokens: Sequence[int], pages: Sequence[int],
+                snapshot: int | None) -> int | None:
         full = len(tokens) // self.page
         node, now, stored = self.root, next(self._clock), []
         for i in range(full):
@@ -166,12 +196,13 @@ class PrefixCache:
         """Let go of up to `pages` pages' worth of unlocked leaves, least recently used first
         (the allocator's reclaim hook; a page a running request still holds is not freed by
         this, so eviction goes on until enough pages are really free or nothing is left)."""
-        target = len(self.allocator._free_pages) + pages
-        while len(self.allocator._free_pages) < target:
-            leaves = [n for n in self.nodes() if not n.children and n.locks == 0]
-            if not leaves:
-                return
-            self._remove(min(leaves, key=lambda n: n.last_used))
+        with self.lock:
+            target = len(self.allocator._free_pages) + pages
+            while len(self.allocator._free_pages) < target:
+                leaves = [n for n in self.nodes() if not n.children and n.locks == 0]
+                if not leaves:
+                    return
+                self._remove(min(leaves, key=lambda n: n.last_used))
 
     def evict_snapshot(self) -> bool:
         """Drop the least recently used unlocked snapshot (its node's KV stays); False if none."""
@@ -207,9 +238,11 @@ class PrefixCache:
     def events_since(self, seq: int) -> tuple[int, list[dict[str, Any]], bool]:
         """(the next sequence number, the events numbered >= seq, whether some were lost:
         the reader then rebuilds from `block_hashes_held`)."""
-        first = self.events[0]["seq"] if self.events else self.event_seq
-        return self.event_seq, [e for e in self.events if e["seq"] >= seq], seq < first
+        with self.lock:
+            first = self.events[0]["seq"] if self.events else self.event_seq
+            return self.event_seq, [e for e in self.events if e["seq"] >= seq], seq < first
 
     def block_hashes_held(self) -> list[int]:
-        return [n.block_hash for n in self.nodes()]
+        with self.lock:
+            return [n.block_hash for n in self.nodes()]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from serve_app.config import prefill_cap
 from serve_app.engines.reference.sequence import Sequence, Status
@@ -48,6 +49,7 @@ class Scheduler:
         max_prefill_tokens_per_request: int | None = None,
         state_slots: int | None = None,
         snapshot_grid: int | None = None,
+        prefix: Any = None,
     ) -> None:
         """`max_prefill_tokens_per_request`: a prompt's share of one step's prefill budget;
         None = a quarter of `prefill_chunk_tokens` (at least 1). `state_slots`: the state
@@ -66,6 +68,9 @@ class Scheduler:
         # A hybrid target's prefix cache snapshots its KDA state where a prefill chunk ends on
         # this grid: a chunk that crosses a grid line stops there (the rest goes next step).
         self.snapshot_grid = snapshot_grid
+        # The prefix cache (engines/reference/prefix_cache.py): a request's cached pages are
+        # counted once, as pages running requests pin, not in each request's reservation.
+        self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: prefilling or decoding, in arrival order
         self._reserved: dict[str, int] = {}
@@ -97,8 +102,12 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.slots_total:
             seq = self.waiting[0]
-            need = self.worst_case_tokens(seq)
-            if self.reserved_tokens + need > self.capacity_tokens:
+            need, pinned = self.worst_case_tokens(seq), 0
+            if self.prefix is not None:
+                hit, newly_pinned = self.prefix.probe(seq.prompt_ids)
+                need -= hit
+                pinned = self.prefix.pinned_tokens + newly_pinned
+            if self.reserved_tokens + need + pinned > self.capacity_tokens:
                 break
             self.waiting.popleft()
             self._reserved[seq.request_id] = need
