@@ -104,17 +104,7 @@ class PrefixCache:
         (the last prompt token's logits are needed), locked for request `rid` until `unlock`."""
         self.stats["queries"] += 1
         self.stats["query_tokens"] += len(tokens)
-        limit = (len(tokens) - 1) // self.page
-        node, path = self.root, []
-        for i in range(limit):
-            child = node.children.get(tuple(tokens[i * self.page:(i + 1) * self.page]))
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        if self.hybrid:  # only up to the deepest node that holds a state
-            while path and path[-1].snapshot is None:
-                path.pop()
+        path = self._usable_path(tokens)
         now = next(self._clock)
         for n in path:
             n.last_used = now
@@ -131,18 +121,23 @@ class PrefixCache:
     def probe(self, tokens: Sequence[int]) -> tuple[int, int]:
         """What `match` would give, without touching anything: (cached tokens, tokens of the
         matched pages no running request pins yet), for admission to count shared pages once."""
-        limit = (len(tokens) - 1) // self.page
+        path = self._usable_path(tokens)
+        return len(path) * self.page, sum(self.page for n in path if n.locks == 0)
+
+    def _usable_path(self, tokens: Sequence[int]) -> list[Node]:
+        """The cached nodes a prompt can start from: its matching full pages, leaving one
+        token to compute, and on the hybrid only up to the deepest one holding a state."""
         node, path = self.root, []
-        for i in range(limit):
+        for i in range((len(tokens) - 1) // self.page):
             child = node.children.get(tuple(tokens[i * self.page:(i + 1) * self.page]))
             if child is None:
                 break
             path.append(child)
             node = child
-        if self.hybrid:
+        if self.hybrid:  # a recurrent state exists only at snapshots
             while path and path[-1].snapshot is None:
                 path.pop()
-        return len(path) * self.page, sum(self.page for n in path if n.locks == 0)
+        return path
 
     @property
     def pinned_tokens(self) -> int:
