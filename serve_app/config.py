@@ -202,6 +202,17 @@ class SGLangSettings(_Strict):
     # are not on the machine that runs `serve run` (production paths live on the GPU nodes).
     planner_model: str = "kimi-k3"
     planner_draft: str | None = "kimi-k3-dspark"
+    # SGLang's radix-cache events, followed into the router's prefix index
+    # (serve_app/engines/sglang/kv_events.py, docs/prefix-cache.md): the rank-0 scheduler (on
+    # the replica's node: RayEngine co-locates them) binds a loopback PUB socket the replica
+    # subscribes to. Written to the config tree only when not the default (the serializer
+    # below), so that files generated for the default stay as they were.
+    kv_events: bool = Field(default=True, description=(
+        "publish SGLang's KV cache events (--kv-events-config, managed) and follow them into "
+        "the router's prefix index; needs pyzmq and msgspec (SGLang's own dependencies)"))
+    kv_events_port: int = Field(default=0, ge=0, le=65535, description=(
+        "loopback port of the publisher (attention-DP rank r: port + r); 0: free ports picked "
+        "on the replica's node when it starts"))
     extra_server_args: dict[str, Any] = Field(default_factory=dict, description="any other "
                                               "SGLang ServerArgs field; checked against 0.5.23")
 
@@ -254,6 +265,9 @@ class SGLangSettings(_Strict):
             # Off, both are at their defaults (checked above) and SGLang is not given them.
             data.pop("enable_linear_replayssm_spec", None)
             data.pop("linear_replayssm_cache_len", None)
+        if self.kv_events and self.kv_events_port == 0:
+            data.pop("kv_events", None)
+            data.pop("kv_events_port", None)
         return data
 
 

@@ -370,3 +370,60 @@ def test_output_tracker_cumulative_mode_and_abort() -> None:
     with pytest.raises(RequestAborted, match="too long"):
         OutputTracker("x", 1, True).update({"text": "", "output_ids": [], "meta_info": _meta(
             {"type": "abort", "message": "too long"}, 0)})
+
+
+# --- SGLang's KV events (--kv-events-config, managed; serve_app/engines/sglang/kv_events.py) --
+
+
+def test_kv_events_config_is_passed_and_managed() -> None:
+    from serve_app.engines.sglang.args import KV_EVENTS_DEFAULT_PORT, kv_events_config
+
+    default = app_config(PRODUCTION)
+    args = sglang_server_args(default)
+    # On by default: a loopback PUB the rank-0 scheduler binds (on the replica's node).
+    assert json.loads(args["kv_events_config"]) == {
+        "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{KV_EVENTS_DEFAULT_PORT}",
+        "bind": True, "topic": ""}
+    assert check_server_args(args) == []
+    argv = server_args_cli(args)
+    assert argv[argv.index("--kv-events-config") + 1] == args["kv_events_config"]
+    # The port the replica picked when it starts, unless the config names one.
+    picked = sglang_server_args(default, kv_events_port=40123)
+    assert picked["kv_events_config"] == kv_events_config(40123)
+    assert "tcp://127.0.0.1:40123" in picked["kv_events_config"]
+    fixed = app_config(PRODUCTION, engine={"sglang": {"kv_events_port": 6000}})
+    assert "tcp://127.0.0.1:6000" in sglang_server_args(fixed, kv_events_port=40123)[
+        "kv_events_config"]
+    assert fixed.engine.sglang.model_dump()["kv_events_port"] == 6000
+    # At the default, the config tree does not write the fields (the shipped files stay).
+    dumped = default.engine.sglang.model_dump()
+    assert "kv_events" not in dumped and "kv_events_port" not in dumped
+    off = app_config(PRODUCTION, engine={"sglang": {"kv_events": False}})
+    assert "kv_events_config" not in sglang_server_args(off)
+    assert off.engine.sglang.model_dump()["kv_events"] is False
+    assert type(off.engine.sglang).model_validate(off.engine.sglang.model_dump()) == \
+        off.engine.sglang
+    assert "may not set kv_events_config" in _problems(engine={"sglang": {"extra_server_args": {
+        "kv_events_config": "{}"}}})
+    f = sglang_fields()
+    assert f["kv_events_config"]["flag"] == "--kv-events-config"
+
+
+def test_kv_events_config_is_one_sglang_parses() -> None:
+    """The JSON is a valid 0.5.23 KVEventsConfig and binds where the replica connects."""
+    source = SGLANG_SRC / "srt" / "disaggregation" / "kv_events.py"
+    if not source.exists():
+        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    text = source.read_text()
+    config = json.loads(sglang_server_args(app_config(PRODUCTION))["kv_events_config"])
+    for name in config:  # every key a KVEventsConfig field
+        assert f"\n    {name}: " in text.split("class KVEventsConfig")[1].split("\nclass ")[0]
+    assert "def offset_endpoint_port" in text and "base_port + data_parallel_rank" in text
+    # The Structs this project mirrors, with their tags and fields in 0.5.23's order.
+    stored = text.split("class BlockStored(KVCacheEvent):")[1].split("\nclass ")[0]
+    fields = [line.split(":")[0].strip() for line in stored.splitlines()
+              if line.startswith("    ") and ":" in line and not line.strip().startswith("#")]
+    assert fields == ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                      "medium", "cache_salt", "session_id", "lora_name"]
+    assert "tag=True" in text.split("class KVCacheEvent(")[1].split("\nclass ")[0]
+    assert "array_like=True" in text.split("class EventBatch(")[1].split("\nclass ")[0]

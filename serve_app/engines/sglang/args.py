@@ -5,6 +5,7 @@ carry. Pure Python: importable without SGLang."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from capacity.ray_env import sglang_ray_env
@@ -26,8 +27,20 @@ _MANAGED = frozenset({
     "speculative_algorithm", "speculative_draft_model_path", "speculative_dspark_block_size",
     "speculative_draft_attention_backend", "enable_linear_replayssm_spec",
     "linear_replayssm_cache_len", "moe_runner_backend", "decode_attention_backend",
-    "enable_metrics", "incremental_streaming_output", "enable_dp_lm_head",
+    "enable_metrics", "incremental_streaming_output", "enable_dp_lm_head", "kv_events_config",
 })
+# The publisher's port when engine.sglang.kv_events_port is 0 and no port was picked yet (the
+# replica picks free ones at start: SGLangEngine.start); SGLang's own default.
+KV_EVENTS_DEFAULT_PORT = 5557
+
+
+def kv_events_config(port: int) -> str:
+    """`--kv-events-config`: a ZMQ PUB bound on loopback at `port` (attention-DP rank r binds
+    port + r: SGLang's `offset_endpoint_port`) by each KV publisher rank (pp/attn-TP/attn-CP
+    rank 0); rank 0's scheduler runs on the replica's node (RayEngine co-locates it), which
+    subscribes (serve_app/engines/sglang/kv_events.py)."""
+    return json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
+                       "bind": True, "topic": ""}, separators=(",", ":"))
 
 
 def _path_arg(value: str) -> str:
@@ -40,9 +53,11 @@ def _path_arg(value: str) -> str:
     return value
 
 
-def sglang_server_args(config: AppConfig) -> dict[str, Any]:
+def sglang_server_args(config: AppConfig, kv_events_port: int | None = None) -> dict[str, Any]:
     """The keyword arguments of `sglang.srt.ray.engine.RayEngine(**args)` (= ServerArgs fields),
-    built from the config tree. The single source of SGLang server arguments."""
+    built from the config tree. The single source of SGLang server arguments.
+    `kv_events_port`: the KV event publisher's port the replica picked (engine.sglang.
+    kv_events_port when set, else a placeholder: `KV_EVENTS_DEFAULT_PORT`)."""
     s, p, m = config.engine.sglang, config.parallelism, config.models
     args: dict[str, Any] = {
         "model_path": _path_arg(m.target),
@@ -89,6 +104,9 @@ def sglang_server_args(config: AppConfig) -> dict[str, Any]:
     args["enable_metrics"] = s.enable_metrics
     # Each streamed chunk is then a delta (ids and text), not the whole output so far.
     args["incremental_streaming_output"] = True
+    if s.kv_events:
+        args["kv_events_config"] = kv_events_config(
+            s.kv_events_port or kv_events_port or KV_EVENTS_DEFAULT_PORT)
     clash = sorted(set(s.extra_server_args) & _MANAGED)
     if clash:
         raise ValueError(f"engine.sglang.extra_server_args may not set {', '.join(clash)}: "

@@ -15,6 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from serve_app.engines.sglang.args import sampling_params, server_args_cli, sglang_server_args
 from serve_app.engines.sglang.checks import startup_problems
+from serve_app.engines.sglang.kv_events import (
+    KVEventSubscriber,
+    free_port_range,
+    start_subscriber,
+)
 from serve_app.engines.sglang.output import OutputTracker
 from serve_app.engines.spec_stats import EngineTotals, SpecStats
 from serve_app.engines.types import EngineUnavailable, GenerateRequest, RequestOutput
@@ -77,8 +82,11 @@ def capacity_report(kv_tokens_total: int, kv_tokens_used: int, state_slots_total
 class SGLangEngine:
     """One SGLang RayEngine (one target replica) behind the engine interface."""
 
-    def __init__(self, engine: Any, config: AppConfig, server_args: dict[str, Any]) -> None:
+    def __init__(self, engine: Any, config: AppConfig, server_args: dict[str, Any],
+                 kv_events: KVEventSubscriber | None = None) -> None:
         self.engine = engine
+        # SGLang's KV events, translated onto the router's block hashes (prefix_events).
+        self.kv_events = kv_events
         self.config = config
         self.server_args = server_args
         self.speculative = server_args.get("speculative_algorithm") is not None
@@ -141,11 +149,35 @@ class SGLangEngine:
                                     "group (placement_group_bundles in the deployment)")
         from sglang.srt.ray.engine import RayEngine  # GPU nodes only: the `sglang` extra
 
-        args = sglang_server_args(config)
+        subscriber, port = cls._kv_events(config)
+        args = sglang_server_args(config, kv_events_port=port)
+        if subscriber is None:
+            args.pop("kv_events_config", None)  # nobody would read them
         logger.info("starting SGLang RayEngine: %s", " ".join(server_args_cli(args)))
         # placement_group=None: RayEngine takes the current group and puts rank 0's node first.
-        engine = RayEngine(**args)
-        return cls(engine, config, args)
+        try:
+            engine = RayEngine(**args)
+        except BaseException:
+            if subscriber is not None:
+                subscriber.stop()
+            raise
+        return cls(engine, config, args, subscriber)
+
+    @staticmethod
+    def _kv_events(config: AppConfig) -> tuple[KVEventSubscriber | None, int | None]:
+        """The KV event subscriber, connected before SGLang starts (so that no batch is
+        missed), and the publisher's port. RayEngine runs the rank-0 scheduler (attn-TP rank
+        0, the KV publisher) on this replica's node (`_find_engine_bundle`), so it binds
+        loopback at a port picked free here; attention-DP rank r binds port + r (ranks on
+        another node are not reached: their events are not followed)."""
+        s = config.engine.sglang
+        if not s.kv_events:
+            return None, None
+        ranks = max(1, config.parallelism.attention_dp)
+        port = s.kv_events_port or free_port_range(ranks)
+        subscriber = start_subscriber(
+            config.router.block_size, [f"tcp://127.0.0.1:{port + r}" for r in range(ranks)])
+        return subscriber, port
 
     def _check_alive(self) -> None:
         if self._stopped:
@@ -231,8 +263,18 @@ class SGLangEngine:
         return capacity_report(self.kv_tokens_total, used, self.state_slots_total,
                                len(self._active), self.max_req_input_len)
 
+    def prefix_events(self, since: int) -> dict[str, Any] | None:
+        """SGLang's radix-cache events from `since` on, as router block hashes: {next, events,
+        held (every block, only when events were lost)}; None without a running subscriber
+        (engine.sglang.kv_events off, or no pyzmq/msgspec)."""
+        if self.kv_events is None or not self.kv_events.running:
+            return None
+        return self.kv_events.translator.state(since)
+
     async def shutdown(self) -> None:
         self._stopped = True
+        if self.kv_events is not None:
+            self.kv_events.stop()
         for rid in list(self._active):
             self._abort(rid)
         # Kills the scheduler actors and frees the GPUs.
