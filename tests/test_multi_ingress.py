@@ -112,13 +112,15 @@ def test_a_burst_through_both_ingresses_never_overcommits_a_replica(
     assert codes.count(200) >= 4 + QUEUE // 2 or codes.count(200) == n, codes
     infos = _infos(handle)
     refused = sum(i["ledger"]["refused"] for i in infos)
-    # Both ingresses routed (the replicas saw two callers); each believed it had all four
-    # slots, so the replicas refused some dispatches and the ingresses re-queued them.
+    # Both ingresses routed (the replicas saw two callers). Whether a replica had to refuse a
+    # dispatch depends on how fresh each ingress's view of the other's load was (on a loaded
+    # machine the 0.2 s reports can keep them in step): what must hold either way is that no
+    # replica was over-committed, sampled above. The refusal path itself is tested in
+    # tests/test_router_policy.py (two admission stages over two replica ledgers).
     assert len(callers) == 2, callers
     assert samples[0] > 5
     print(f"\nburst: {codes.count(200)} x 200, {codes.count(429)} x 429, {refused} refusals "
           f"re-queued, {samples[0]} samples")
-    assert refused > 0
     _idle(handle)
 
 
