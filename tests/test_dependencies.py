@@ -9,8 +9,7 @@ run as soon as that code path does (the demo's `import openai` is one).
 Rules, for every `.py` file under `serve_app/` and `capacity/`:
   - stdlib modules and the project's own packages are skipped; relative imports are own;
   - a module of the optional `sglang` extra (`SGLANG_EXTRA_MODULES`) may be imported only in
-    `serve_app/engines/sglang/engine.py` (and its KV-event subscriber, `kv_events.py`) and
-    there only inside a function body, the way
+    `serve_app/engines/sglang/engine.py` and there only inside a function body, the way
     `SGLangEngine.start` does: that module is imported on CPU machines without SGLang (config
     mapping, start-up checks), so a module-level import, even under `if TYPE_CHECKING:` which
     static tools would then require, is refused;
@@ -34,9 +33,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ("serve_app", "capacity")  # = [tool.setuptools.packages.find] include
 SGLANG_BACKEND = "serve_app/engines/sglang/engine.py"
-# The files that may import the extra's modules (inside functions): the backend, and its
-# subscriber to SGLang's KV events (ZMQ + msgspec, which SGLang itself depends on).
-SGLANG_LAZY_IMPORTERS = (SGLANG_BACKEND, "serve_app/engines/sglang/kv_events.py")
 # Modules the `sglang` extra brings that the code may import (lazily, on GPU nodes). They are
 # not installed here, so packages_distributions() cannot map them: this table does, and marks
 # them as the extra's. Add a row when the backend starts importing another of them.
@@ -44,8 +40,6 @@ SGLANG_EXTRA_MODULES = {
     "sglang": "sglang",
     "sgl_kernel": "sgl-kernel",
     "flashinfer": "flashinfer-python",
-    "msgspec": "msgspec",  # SGLang's KV events (srt/disaggregation/kv_events.py)
-    "zmq": "pyzmq",
 }
 
 
@@ -175,9 +169,9 @@ def problems(sources: Mapping[str, str], deps: Declared,
             if imp.top in sys.stdlib_module_names or imp.top in SHIPPED:
                 continue
             if imp.top in SGLANG_EXTRA_MODULES:
-                if imp.path not in SGLANG_LAZY_IMPORTERS:
+                if imp.path != SGLANG_BACKEND:
                     out.append(f"{where}: a module of the optional sglang extra, importable "
-                               f"only in {' and '.join(SGLANG_LAZY_IMPORTERS)}")
+                               f"only in {SGLANG_BACKEND}")
                 elif not imp.in_function:
                     out.append(f"{where}: a module of the optional sglang extra at module "
                                "level; import it inside the function that needs it")
