@@ -42,9 +42,9 @@ class ModelRunner:
         self._taps: torch.Tensor | None = None
         self._tap_rids: list[Hashable] = []
         # The same tree on every rank: every operation that changes it is broadcast.
-        hybrid = isinstance(self.cache, HybridCache)
         self.prefix: PrefixCache | None = None
         if prefix_cache:
+            hybrid = isinstance(self.cache, HybridCache)
             drop = self.cache.drop_snapshot if isinstance(self.cache, HybridCache) else None
             self.prefix = PrefixCache(allocator, hybrid, drop)
 
@@ -117,9 +117,7 @@ class ModelRunner:
                 snapshot = self.cache.snapshot(rid)
             if snapshot is None:
                 return  # no snapshot, no usable hybrid prefix: cache nothing
-        left = self.prefix.insert(tokens, self.allocator.pages(rid), snapshot)
-        if left is not None and isinstance(self.cache, HybridCache):
-            self.cache.drop_snapshot(left)
+        self.prefix.insert(tokens, self.allocator.pages(rid), snapshot)
 
     def free(self, rid: Hashable) -> None:
         self._broadcast("free", rid)
@@ -179,9 +177,7 @@ class ModelRunner:
             # Before the commit: the state at the grid line is still in the verify window.
             keys = self.cache.window_snapshots({r: len(t) for r, t in snapshots.items()})
             for rid, key in keys.items():
-                left = self.prefix.insert(snapshots[rid], self.allocator.pages(rid), key)
-                if left is not None:
-                    self.cache.drop_snapshot(left)
+                self.prefix.insert(snapshots[rid], self.allocator.pages(rid), key)
         self.cache.commit(rids, lengths)
         for rid, n in zip(rids, lengths, strict=True):
             # Pages past the committed length (a rejected verify tail) go back to the pool.

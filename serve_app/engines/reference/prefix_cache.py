@@ -153,13 +153,15 @@ class PrefixCache:
     # --- insert -------------------------------------------------------------------------------
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int],
-               snapshot: int | None = None) -> int | None:
+               snapshot: int | None = None) -> None:
         """Cache the full pages of `tokens` (whose pages they are: a request's table); the tree
         takes a reference on each page it did not have. `snapshot`: a snapshot slot holding
-        the KDA state after the last of these tokens; returned if the tree did not take it (the
-        node already has one, or `tokens` is not page-aligned), for the caller to drop."""
+        the KDA state after the last of these tokens; given back (`drop_snapshot`) if the tree
+        does not take it (the node already has one, or `tokens` is not page-aligned)."""
         with self.lock:
-            return self._insert(tokens, pages, snapshot)
+            left = self._insert(tokens, pages, snapshot)
+        if left is not None and self.drop_snapshot is not None:
+            self.drop_snapshot(left)
 
     def _insert(self, tokens: Sequence[int], pages: Sequence[int],
                 snapshot: int | None) -> int | None:
