@@ -1,5 +1,6 @@
-"""The embedded CPU default: a mini Kimi target, its DSpark draft and their tokenizer, trained
-on the Python standard library by `python -m serve_app.training all` and shipped in the wheel.
+"""The embedded CPU default: a mini Kimi K3 target, its DSpark draft and their tokenizer,
+trained on the Python standard library by `python -m serve_app.training all` and shipped in the
+wheel.
 
 One place for their paths and for the fixed held-out prompts that the test, the benchmark and
 the model cards use.
@@ -13,8 +14,8 @@ from pathlib import Path
 from serve_app.tokenizer import ChatTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
-TARGET = ASSETS / "kimi-mini"
-DRAFT = ASSETS / "kimi-mini-dspark"
+TARGET = ASSETS / "kimi-k3-mini"
+DRAFT = ASSETS / "kimi-k3-mini-dspark"
 TOKENIZER = ASSETS / "tokenizer"
 HELDOUT_PROMPTS = ASSETS / "heldout_prompts.json"
 ASSET_DIRS = (TARGET, DRAFT, TOKENIZER)

@@ -282,11 +282,15 @@ def delta_rule_step(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return S + k[..., None] * u[..., None, :]
 
 
-# Tokens per chunk of the chunked algorithm. FLA's kernels use 64 (split into 16-token sub-blocks);
-# here the pairwise-decay tensor of a chunk grows with its square, and on CPU a 128-token prefill
-# at the mini K3's sizes (6 heads x 64) took 7.5 ms per layer at 16 against 28.5 ms at 64 and
-# 8.9 ms token by token. The result is the same recurrence at any chunk size.
+# Tokens per chunk of the chunked algorithm. FLA's kernels use 64 (split into 16-token sub-blocks).
+# Here every chunk's intra-chunk matrices are formed at once; at 16, K3's bounded gate (g >= -5
+# per token) keeps a chunk's log-decay span under 80, so its decays are always factorised.
 KDA_CHUNK = 16
+# The largest within-chunk log-decay span |G_C| (any K channel) for which the pairwise decays are
+# factorised as e^{G_t - r} · e^{r - G_s} (r: the chunk's middle position): each factor is at most
+# e^{80} ~ 5.5e34, inside fp32, and the s > t products that may overflow are masked with
+# `where` (never multiplied by 0). Beyond it, the exact pairwise differences are formed.
+FACTORISED_MAX_SPAN = 80.0
 
 
 def chunked_gated_delta_rule(
@@ -302,51 +306,67 @@ def chunked_gated_delta_rule(
 
     Shapes as `recurrent_gated_delta_rule` (T ≥ 1); returns (o [B, T, h, V], final state
     [B, h, K, V]).
-    The last chunk may be shorter than C.
 
     Within a chunk, with S0 its start state and G_t = Σ_{s≤t} g_s (cumulative log-decay, per K
     channel), unrolling the recurrence gives
         S_t = diag(e^{G_t}) S0 + Σ_{s≤t} diag(e^{G_t−G_s}) k_s u_sᵀ,
         u_t = β_t (v_t − S0ᵀ(e^{G_t} ⊙ k_t) − Σ_{s<t} A_ts u_s),
         A_ts = Σ_c k_t,c k_s,c e^{G_t,c − G_s,c},
-    a unit lower-triangular system (I + diag(β) A) U = diag(β)(V − (e^G ⊙ K) S0), solved at once
-    (the "UT transform"; FLA's WY form is the same solve, written with the inverse). Then
-        o_t = S0ᵀ(e^{G_t} ⊙ q_t) + Σ_{s≤t} (Σ_c q_t,c k_s,c e^{G_t,c−G_s,c}) u_s,
+    a unit lower-triangular system (I + diag(β) A) U = diag(β)(V − (e^G ⊙ K) S0). It is linear in
+    S0, so U = Ũ − W S0 with Ũ, W solving it for V and for e^G ⊙ K (FLA's WY form): those, A and
+    the output's intra-chunk scores depend on no state and are formed for every chunk at once.
+    Only the chain over chunks is sequential:
+        U = Ũ − W S0,  o_t = S0ᵀ(e^{G_t} ⊙ q_t) + Σ_{s≤t} (Σ_c q_t,c k_s,c e^{G_t,c−G_s,c}) u_s,
         S_C = diag(e^{G_C}) S0 + Σ_s (e^{G_C−G_s} ⊙ k_s) u_sᵀ.
-    The pairwise decays e^{G_t−G_s} are formed from differences (never e^{G_t}·e^{−G_s}: with
-    g down to −5 per token, e^{−G_s} overflows fp32 within a chunk of 64). That tensor is
-    [B, h, C, C, K] fp32 per chunk (≈200 MB per request at K3's 96 heads × 128 and C = 64, 16x
-    less at KDA_CHUNK = 16): fine for a reference, where FLA's kernels instead split each chunk
-    into 16-token sub-blocks.
+    The pairwise decays e^{G_t−G_s} are factorised around the chunk's middle when the chunk's
+    span allows it (`FACTORISED_MAX_SPAN`; always for K3's bounded gate), else formed from
+    differences ([B, h, N, C, C, K]: never e^{G_t}·e^{−G_s} unbounded, which overflows fp32).
     """
     T = q.shape[1]
-    S = state.float().clone()
-    # [B, h, T, ·]: heads next to the batch so each chunk is a batch of small matrices.
-    q, k, v, g = (t.float().transpose(1, 2) for t in (q, k, v, g))
-    beta = beta.float().transpose(1, 2)
-    outs = []
-    for start in range(0, T, chunk_size):
-        end = min(start + chunk_size, T)
-        c = end - start
-        qc, kc, vc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
-        bc = beta[:, :, start:end]
-        G = g[:, :, start:end].cumsum(dim=2)                        # [B, h, c, K]
-        # Pairwise log-decays G_t − G_s, -inf above the diagonal (s > t) so exp gives 0 there
-        # and a large positive difference never reaches exp.
-        diff = G[:, :, :, None, :] - G[:, :, None, :, :]            # [B, h, t, s, K]
-        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    c = chunk_size
+    n = -(-T // c)
+    pad = n * c - T
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        # [B, T, h, ·] -> [B, h, N, C, ·], zero-padded: a padded position has k = v = q = 0,
+        # β = 0 and g = 0 (no decay), so it changes neither the outputs nor the state.
+        t = t.float().transpose(1, 2)
+        if pad:
+            t = F.pad(t, (0, 0, 0, pad) if t.ndim == 4 else (0, pad))
+        return t.unflatten(2, (n, c))
+
+    q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
+    beta = chunks(beta)                                             # [B, h, N, C]
+    G = g.cumsum(dim=3)                                             # [B, h, N, C, K]
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    strict = causal.clone().fill_diagonal_(False)
+    if float(-G[:, :, :, -1].detach().min()) <= FACTORISED_MAX_SPAN:
+        r = G[:, :, :, c // 2:c // 2 + 1]
+        k_in = k * (r - G).exp()                                    # k_s e^{r − G_s}
+        zero = q.new_zeros(())
+        A = torch.where(strict, (k * (G - r).exp()) @ k_in.transpose(-1, -2), zero)
+        Aqk = torch.where(causal, (q * (G - r).exp()) @ k_in.transpose(-1, -2), zero)
+    else:
+        diff = G[..., :, None, :] - G[..., None, :, :]             # [B, h, N, t, s, K]
         decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
-        strict = causal.clone().fill_diagonal_(False)
-        A = torch.einsum("bhtk,bhsk,bhtsk->bhts", kc, kc, decay) * strict
-        Aqk = torch.einsum("bhtk,bhsk,bhtsk->bhts", qc, kc, decay)  # inclusive: s ≤ t
-        eG = G.exp()
-        rhs = bc[..., None] * (vc - (eG * kc) @ S)                  # diag(β)(V − (e^G ⊙ K) S0)
-        lhs = torch.eye(c, device=q.device) + bc[..., None] * A     # I + diag(β) A
-        U = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
-        outs.append((eG * qc) @ S + Aqk @ U)                        # [B, h, c, V]
-        to_end = (G[:, :, -1:, :] - G).exp()                        # e^{G_C − G_s}
-        S = eG[:, :, -1, :, None] * S + (to_end * kc).transpose(-1, -2) @ U
-    o = torch.cat(outs, dim=2)
+        A = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", k, k, decay) * strict
+        Aqk = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", q, k, decay)
+    eG = G.exp()
+    lhs = torch.eye(c, device=q.device) + beta[..., None] * A       # I + diag(β) A
+    V = v.shape[-1]
+    solved = torch.linalg.solve_triangular(
+        lhs, beta[..., None] * torch.cat([v, eG * k], dim=-1), upper=False, unitriangular=True)
+    U_v, W = solved[..., :V], solved[..., V:]                       # Ũ, W
+    q_dec = eG * q
+    to_end = (G[:, :, :, -1:] - G).exp() * k                        # e^{G_C − G_s} ⊙ k_s
+    last = eG[:, :, :, -1, :, None]                                 # [B, h, N, K, 1]
+    S = state.float().clone()
+    outs = []
+    for i in range(n):
+        U = U_v[:, :, i] - W[:, :, i] @ S
+        outs.append(q_dec[:, :, i] @ S + Aqk[:, :, i] @ U)         # [B, h, C, V]
+        S = last[:, :, i] * S + to_end[:, :, i].transpose(-1, -2) @ U
+    o = torch.cat(outs, dim=2)[:, :, :T]
     return o.transpose(1, 2), S
 
 
