@@ -66,24 +66,32 @@ from serve_app.embedded import DRAFT, TARGET, TOKENIZER, heldout_prompt_ids  # n
 from serve_app.engines.reference.engine import EngineCore  # noqa: E402
 from serve_app.engines.reference.sampling import SamplingParams  # noqa: E402
 from serve_app.tokenizer import load_tokenizer  # noqa: E402
-from serve_app.training.evaluate import pair_engine  # noqa: E402
+from serve_app.training.evaluate import is_looping, pair_engine  # noqa: E402
 
 
-def random_pair(folder: Path, seed: int = 0) -> tuple[Path, Path]:
-    """A target and a draft with the embedded pair's shapes and random weights."""
+def random_pair(folder: Path, seed: int = 0, draft_layers: int | None = None,
+                markov_rank: int | None = None) -> tuple[Path, Path]:
+    """A target and a draft with the embedded pair's shapes (or another draft size) and random
+    weights."""
     from serve_app.models.dspark import DSparkDraft, save_dspark
-    from serve_app.models.kimi import KimiForCausalLM
-    from serve_app.models.kimi_weights import save_kimi
-    from serve_app.training.train_draft import init_draft, mini_draft_config
+    from serve_app.models.k3 import K3ForCausalLM
+    from serve_app.models.k3_weights import save_k3
+    from serve_app.training.train_draft import (
+        DRAFT_LAYERS,
+        MARKOV_RANK,
+        init_draft,
+        mini_draft_config,
+    )
     from serve_app.training.train_target import init_weights, mini_target_config
 
     torch.manual_seed(seed)
     tok = load_tokenizer(TOKENIZER)
-    target = KimiForCausalLM(mini_target_config(tok))
+    target = K3ForCausalLM(mini_target_config(tok))
     init_weights(target, std=0.1)  # spread enough that greedy output is not one token
-    draft = DSparkDraft(mini_draft_config(target, tok))
+    draft = DSparkDraft(mini_draft_config(target, tok, draft_layers or DRAFT_LAYERS,
+                                          markov_rank or MARKOV_RANK))
     init_draft(draft, std=0.1)
-    save_kimi(target, folder / "target")
+    save_k3(target, folder / "target")
     save_dspark(draft, folder / "draft")
     return folder / "target", folder / "draft"
 
@@ -116,9 +124,12 @@ def _forward_kind(rows: Any, rids: Any, capture: bool, verify: bool = False) -> 
     return "target_decode_forward" if max(len(r) for r in rows) == 1 else "prefill_forward"
 
 
-def make_engine(target: Path, draft: Path, speculative: bool, timer: CallTimer) -> EngineCore:
+def make_engine(target: Path, draft: Path, speculative: bool, timer: CallTimer,
+                log: StepLog | None = None) -> EngineCore:
     engine = pair_engine(target, draft, speculative)
     runner = engine.runner  # the engine looks these up per call: wrapping after build is enough
+    if log is not None:
+        log.instrument(runner)  # innermost: its times exclude the timer's bookkeeping
     runner.forward = timer.wrap("forward", runner.forward, _forward_kind)  # type: ignore[method-assign]
     if speculative:
         runner.propose = timer.wrap("draft_propose", runner.propose)  # type: ignore[method-assign]
@@ -138,11 +149,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = None
     if args.pair == "random":
         tmp = tempfile.TemporaryDirectory()
-        target, draft = random_pair(Path(tmp.name))
-        label = "RANDOM-WEIGHT mini target + random DSpark draft (untrained: overhead only)"
+        target, draft = random_pair(Path(tmp.name), draft_layers=args.draft_layers,
+                                    markov_rank=args.markov_rank)
+        label = ("RANDOM-WEIGHT mini K3 target + random DSpark draft of the embedded shapes "
+                 "(untrained: overhead only)")
     else:
         target, draft = TARGET, DRAFT
-        label = "embedded trained pair: kimi-mini + kimi-mini-dspark"
+        label = f"embedded trained pair: {TARGET.name} + {DRAFT.name}"
     prompts = heldout_prompt_ids(tok, args.completion_prompts, args.chat_prompts)
     report: dict[str, Any] = {
         "pair": args.pair, "label": label, "threads": args.threads,
@@ -151,14 +164,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     for temperature in args.temperatures:
         timers = {"target_only": CallTimer(), "speculative": CallTimer()}
+        log = StepLog()
         engines = {"target_only": make_engine(target, draft, False, timers["target_only"]),
-                   "speculative": make_engine(target, draft, True, timers["speculative"])}
+                   "speculative": make_engine(target, draft, True, timers["speculative"], log)}
         # Warm-up: first calls allocate and fault in pages.
         for e in engines.values():
             e.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8,
                                                     ignore_eos=True))
         for t in timers.values():
             t.times.clear()
+        log.clear()
         per_prompt = []
         for i, prompt in enumerate(prompts):
             times: dict[str, list[float]] = {"target_only": [], "speculative": []}
@@ -186,6 +201,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             med = {m: statistics.median(v) for m, v in times.items()}
             per_prompt.append({
                 "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n_tok,
+                # The target's own continuation (its first repeat) decides the class, so both
+                # modes of a prompt land in the same one.
+                "looping": is_looping(outputs["target_only"][0]),
                 "target_only_tok_s": n_tok / med["target_only"],
                 "speculative_tok_s": n_tok / med["speculative"],
                 "speedup": med["target_only"] / med["speculative"],
@@ -197,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "verify_ct": verify_ct, "spec_tokens": tokens_spec, "histogram": hist,
                 "proposed": proposed, "accepted": accepted,
             })
-        report["results"].append(summarize(temperature, per_prompt, timers))
+        report["results"].append(summarize(temperature, per_prompt, timers, log))
         if args.show_text and temperature == 0:
             out = engines["target_only"].generate([prompts[0]], SamplingParams(
                 temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))[0]
@@ -208,8 +226,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def by_loop_class(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Acceptance and speedup on looping and non-looping continuations apart (a loop is easy
+    to draft: pooled, repetition would flatter the acceptance)."""
+    out: dict[str, Any] = {}
+    for name, want in (("non_looping", False), ("looping", True)):
+        sel = [r for r in rows if r["looping"] is want]
+        verify = sum(r["verify_ct"] for r in sel)
+        out[name] = {
+            "prompts": len(sel),
+            "spec_accept_length_macro": (statistics.fmean(r["spec_accept_length"] for r in sel)
+                                         if sel else None),
+            "spec_accept_length_token_weighted": (sum(r["spec_tokens"] for r in sel) / verify
+                                                  if verify else None),
+            "speedup_median": statistics.median(r["speedup"] for r in sel) if sel else None,
+        }
+    return out
+
+
+def speedup_bound(calls: dict[str, dict[str, dict[str, float]]], log: StepLog,
+                  accept: float | None) -> dict[str, Any] | None:
+    """What the per-call costs allow: a verify step yields `accept` tokens (token-weighted) for
+    one draft propose, one verify forward and one commit, against one decode forward per
+    token target-only. speedup <= accept / (verify/decode + draft/decode) ignores the commit
+    and the engine's own step work; the second bound adds the commit."""
+    decode = calls["target_only"].get("target_decode_forward", {}).get("median_ms")
+    spec = calls["speculative"]
+    if not (decode and accept and "verify_forward" in spec and "draft_propose" in spec):
+        return None
+    verify, draft = spec["verify_forward"]["median_ms"], spec["draft_propose"]["median_ms"]
+    commit = spec["commit"]["median_ms"] if "commit" in spec else 0.0
+    kda = _median_ms([s["truncate_s"] for s in log.steps])
+    return {
+        "decode_ms": decode, "verify_ms": verify, "draft_ms": draft, "commit_ms": commit,
+        "commit_hybrid_cache_ms": kda,  # HybridCache.commit: KDA state + latent truncation
+        "verify_over_decode": verify / decode, "draft_over_decode": draft / decode,
+        "commit_over_decode": commit / decode,
+        "accept_token_weighted": accept,
+        "bound_verify_draft": accept / ((verify + draft) / decode),
+        "bound_verify_draft_commit": accept / ((verify + draft + commit) / decode),
+    }
+
+
 def summarize(temperature: float, rows: list[dict[str, Any]],
-              timers: dict[str, CallTimer]) -> dict[str, Any]:
+              timers: dict[str, CallTimer], log: StepLog) -> dict[str, Any]:
     hist: list[int] = []
     for r in rows:
         hist = add_histograms(hist, r["histogram"])
@@ -218,6 +278,10 @@ def summarize(temperature: float, rows: list[dict[str, Any]],
     agg = {m: toks[m] / tot[m] for m in tot}
     verify = sum(r["verify_ct"] for r in rows)
     identical = [r["identical"] for r in rows]
+    calls = {m: t.summary() for m, t in timers.items()}
+    accept_tw = sum(r["spec_tokens"] for r in rows) / verify if verify else None
+    bound = speedup_bound(calls, log, accept_tw)
+    speedup_agg = agg["speculative"] / agg["target_only"]
     return {
         "temperature": temperature,
         "target_only_tok_s": {"median": statistics.median(r["target_only_tok_s"] for r in rows),
@@ -225,17 +289,21 @@ def summarize(temperature: float, rows: list[dict[str, Any]],
         "speculative_tok_s": {"median": statistics.median(r["speculative_tok_s"] for r in rows),
                               "aggregate": agg["speculative"]},
         "speedup": {"median": statistics.median(r["speedup"] for r in rows),
-                    "aggregate": agg["speculative"] / agg["target_only"]},
+                    "aggregate": speedup_agg},
         "spec_accept_length": {
             "macro": statistics.fmean(r["spec_accept_length"] for r in rows),
-            "token_weighted": sum(r["spec_tokens"] for r in rows) / verify if verify else None,
+            "token_weighted": accept_tw,
         },
+        "loop_fraction": statistics.fmean(r["looping"] for r in rows),
+        "by_loop_class": by_loop_class(rows),
+        "speedup_bound": bound,
+        "speedup_over_bound": (speedup_agg / bound["bound_verify_draft"] if bound else None),
         "spec_accept_rate": (sum(r["accepted"] for r in rows)
                              / max(1, sum(r["proposed"] for r in rows))),
         "spec_verify_ct": verify,
         "spec_correct_drafts_histogram": hist,
         "lossless_identical": all(identical) if temperature == 0 else None,
-        "call_times": {m: t.summary() for m, t in timers.items()},
+        "call_times": calls,
         "per_prompt": [{k: v for k, v in r.items() if k not in ("time_s", "tokens")}
                        for r in rows],
     }
@@ -259,10 +327,28 @@ def print_table(report: dict[str, Any]) -> None:
     for r in report["results"]:
         print(f"T={r['temperature']}: spec_correct_drafts_histogram "
               f"{r['spec_correct_drafts_histogram']}")
+        loops = r["by_loop_class"]
+        parts = []
+        for name in ("non_looping", "looping"):
+            c = loops[name]
+            if c["prompts"]:
+                parts.append(f"{name} {c['prompts']} prompts: acc.len {c['spec_accept_length_macro']:.2f}"
+                             f" (tok-w {c['spec_accept_length_token_weighted']:.2f}), speedup "
+                             f"{c['speedup_median']:.2f}x")
+        print(f"  loop fraction {r['loop_fraction']:.2f} (target-only output: repeated 4-grams "
+              f"> half of it); " + "; ".join(parts))
         for mode, calls in r["call_times"].items():
-            parts = ", ".join(f"{k} {v['median_ms']:.2f} ms x{v['calls']}"
-                              for k, v in calls.items())
-            print(f"  {mode:<12} {parts}")
+            parts = [f"{k} {v['median_ms']:.2f} ms x{v['calls']}" for k, v in calls.items()]
+            print(f"  {mode:<12} " + ", ".join(parts))
+        b = r["speedup_bound"]
+        if b:
+            print(f"  per call / decode: verify {b['verify_over_decode']:.2f}, draft "
+                  f"{b['draft_over_decode']:.2f}, commit {b['commit_over_decode']:.2f} (of it "
+                  f"HybridCache.commit {_fmt_ms(b['commit_hybrid_cache_ms'])} ms); bound "
+                  f"acc / (verify/decode + draft/decode) = {b['bound_verify_draft']:.2f}x, with "
+                  f"commit {b['bound_verify_draft_commit']:.2f}x; measured "
+                  f"{r['speedup']['aggregate']:.2f}x aggregate = "
+                  f"{100 * r['speedup_over_bound']:.0f}% of the first")
 
 
 # --- --pair random-k3: the hybrid target, KDA rollback by scratch vs replay -------------------
@@ -735,6 +821,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads (1: batch-1 decode gains nothing from more)")
     parser.add_argument("--show-text", action="store_true", help="add a decoded sample")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="--pair random: the draft's layers (default the embedded draft's)")
+    parser.add_argument("--markov-rank", type=int, default=None,
+                        help="--pair random: the draft's Markov rank")
     k3 = parser.add_argument_group("--pair random-k3")
     k3.add_argument("--proposer", choices=["dspark", "oracle-partial"], default=None,
                     help="drafts: the random DSpark draft's, or the target's greedy "

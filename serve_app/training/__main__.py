@@ -18,9 +18,11 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # Share of the `all` budget for the target; the draft gets the rest.
@@ -31,6 +33,30 @@ def _paths(out: Path) -> tuple[Path, Path, Path]:
     from serve_app.embedded import DRAFT, TARGET, TOKENIZER
 
     return out / TOKENIZER.name, out / TARGET.name, out / DRAFT.name
+
+
+def provenance(argv: list[str]) -> dict[str, Any]:
+    """What made a trained folder: the command, the code's commit (and whether the training
+    code had uncommitted edits), the versions and the machine's cores; the model cards quote
+    it."""
+    import torch
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*cmd: str) -> str | None:
+        try:
+            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True,
+                                  check=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    dirty = git("status", "--porcelain", "--", "serve_app")
+    return {"command": " ".join(["python -m serve_app.training", *argv]),
+            "commit": git("rev-parse", "HEAD"),
+            "training_code_clean": None if dirty is None else dirty == "",
+            "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _corpus() -> tuple[list, list]:
@@ -57,7 +83,7 @@ def cmd_target(args: argparse.Namespace, budget_s: float) -> None:
     train, held = _corpus()
     tok_dir, target_dir, _ = _paths(args.out)
     train_target(load_tokenizer(tok_dir), train, held, target_dir, args.seed, budget_s,
-                 threads=args.threads)
+                 threads=args.threads, provenance=args.provenance)
 
 
 def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
@@ -67,7 +93,7 @@ def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
     train, held = _corpus()
     tok_dir, target_dir, draft_dir = _paths(args.out)
     train_draft(load_tokenizer(tok_dir), train, held, target_dir, draft_dir, args.seed,
-                budget_s, threads=args.threads)
+                budget_s, threads=args.threads, provenance=args.provenance)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-json", type=Path, default=None,
                         help="cards: a bench/spec_decode.py --json report to include")
     args = parser.parse_args(argv)
+    args.provenance = provenance(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     defaults = {"train-tokenizer": 2.0, "train-target": 50.0, "train-draft": 30.0, "all": 80.0,
                 "cards": 0.0}

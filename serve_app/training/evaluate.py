@@ -14,6 +14,31 @@ from serve_app.engines.reference.builder import (
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams
 
+LOOP_NGRAM = 4
+LOOP_COVERAGE = 0.5
+
+
+def repeated_ngram_coverage(token_ids: list[int], n: int = LOOP_NGRAM) -> float:
+    """The fraction of tokens that lie inside an n-gram occurring at least twice in the
+    sequence (0 for sequences shorter than 2n)."""
+    if len(token_ids) < 2 * n:
+        return 0.0
+    grams = [tuple(token_ids[i:i + n]) for i in range(len(token_ids) - n + 1)]
+    seen: dict[tuple[int, ...], int] = {}
+    for gram in grams:
+        seen[gram] = seen.get(gram, 0) + 1
+    covered = [False] * len(token_ids)
+    for i, gram in enumerate(grams):
+        if seen[gram] > 1:
+            covered[i:i + n] = [True] * n
+    return sum(covered) / len(token_ids)
+
+
+def is_looping(token_ids: list[int]) -> bool:
+    """A continuation that fell into a loop: repeated 4-grams make up more than half of it.
+    Code repeats itself a little (indentation, `self.`); a loop repeats itself wholesale."""
+    return repeated_ngram_coverage(token_ids) > LOOP_COVERAGE
+
 
 def pair_engine(target: Path, draft: Path, speculative: bool,
                 kv_capacity_tokens: int = 4096) -> EngineCore:

@@ -1,7 +1,7 @@
 """Train the DSpark draft on the target's own hidden states and distributions.
 
 Data: every step mixes windows of the training corpus with sequences the target generated
-itself (greedy for two thirds, temperature 0.7 for the rest) from training-corpus prompts,
+itself (half greedy, half at temperature 0.7) from training-corpus prompts,
 some of them chat requests. The generated part is what the draft meets when the engine decodes,
 so it is where most anchors are drawn; the context features always come from the target's taps
 over the whole sequence, exactly what the inference path appends to the draft's cache.
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from serve_app.models.dspark import DSparkDraft, save_dspark
 from serve_app.models.dspark_config import DSparkConfig
-from serve_app.models.kimi import KimiForCausalLM
-from serve_app.models.kimi_weights import load_kimi
+from serve_app.models.k3 import K3ForCausalLM, K3State
+from serve_app.models.k3_weights import load_k3
 from serve_app.tokenizer import ChatTokenizer
 from serve_app.training.common import (
     Progress,
@@ -42,25 +42,40 @@ from serve_app.training.common import (
 from serve_app.training.corpus import SourceFile, chat_documents
 
 GAMMA = 7
-TAP_LAYERS = (1, 3, 5)
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
+# The draft's size, chosen from this CPU's measurements (the model card has them).
+DRAFT_LAYERS = 2
+MARKOV_RANK = 32
 
 
-def mini_draft_config(target: KimiForCausalLM, tok: ChatTokenizer) -> DSparkConfig:
+def tap_layers(target: K3ForCausalLM) -> tuple[int, ...]:
+    """K3's convention (dspark.md): 0-based layer outputs, no +1 shift, spread over the depth
+    and ending near the top ([7, 23, 51, 67, 83] of K3's 93). For the mini's 8 layers: every
+    other layer, so both MLA layers (3, 7) and the last (through the output read)."""
+    n = target.config.num_hidden_layers
+    return tuple(range(1, n, 2))
+
+
+def mini_draft_config(target: K3ForCausalLM, tok: ChatTokenizer, layers: int = DRAFT_LAYERS,
+                      markov_rank: int = MARKOV_RANK) -> DSparkConfig:
+    """The published DSpark layout (a Qwen3-style block drafter with the Markov and confidence
+    heads, K3's rms eps) at the target's width."""
     t = target.config
     return DSparkConfig.from_dict({
         "architectures": ["DSparkDraftModel"], "model_type": "qwen3",
-        "hidden_size": t.hidden_size, "intermediate_size": 768, "num_hidden_layers": 2,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
-        "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position_embeddings,
-        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "hidden_size": t.hidden_size, "intermediate_size": 2 * t.hidden_size + 128,
+        "num_hidden_layers": layers, "num_attention_heads": 6, "num_key_value_heads": 2,
+        "head_dim": 32, "vocab_size": t.vocab_size,
+        "max_position_embeddings": t.max_position_embeddings, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "block_size": GAMMA, "num_target_layers": t.num_hidden_layers,
         "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
         "pad_token_id": tok.pad_token_id, "dtype": "bfloat16",
         "dflash_config": {
-            "target_layer_ids": list(TAP_LAYERS), "mask_token_id": tok.mask_token_id,
-            "markov_rank": 32, "markov_head_type": "vanilla", "enable_confidence_head": True,
-            "confidence_head_with_markov": True, "target_hidden_size": t.hidden_size,
+            "target_layer_ids": list(tap_layers(target)), "mask_token_id": tok.mask_token_id,
+            "markov_rank": markov_rank, "markov_head_type": "vanilla",
+            "enable_confidence_head": True, "confidence_head_with_markov": True,
+            "target_hidden_size": t.hidden_size,
         },
     }, "mini draft")
 
@@ -82,16 +97,12 @@ def init_draft(draft: DSparkDraft, std: float = 0.02) -> None:
 
 
 @torch.no_grad()
-def generate(target: KimiForCausalLM, prompts: torch.Tensor, new_tokens: int,
+def generate(target: K3ForCausalLM, prompts: torch.Tensor, new_tokens: int,
              temperature: float, gen: torch.Generator) -> torch.Tensor:
-    """Continue every prompt row ([N, P], equal lengths) by `new_tokens` with the cached
-    forward; returns [N, P + new_tokens]."""
-    n, p = prompts.shape
-    cache = target.new_cache(n * (p + new_tokens + 16), 16)
-    rids = list(range(n))
-    for r in rids:
-        cache.add(r)
-    logits = target(prompts, cache, rids, torch.full((n,), p)).logits[:, -1]
+    """Continue every prompt row ([N, P], equal lengths) by `new_tokens` with the dense state
+    (KDA recurrent states and MLA latents); returns [N, P + new_tokens]."""
+    logits, state = target(prompts)
+    logits = logits[:, -1]
     out = [prompts]
     for i in range(new_tokens):
         if temperature > 0:
@@ -100,7 +111,8 @@ def generate(target: KimiForCausalLM, prompts: torch.Tensor, new_tokens: int,
             nxt = logits.argmax(-1, keepdim=True)
         out.append(nxt)
         if i + 1 < new_tokens:
-            logits = target(nxt, cache, rids, torch.ones(n, dtype=torch.long)).logits[:, -1]
+            logits, state = target(nxt, state)
+            logits = logits[:, -1]
     return torch.cat(out, dim=1)
 
 
@@ -160,23 +172,20 @@ class DraftResult:
     heldout_expected_accept: float
 
 
-def _batch(target: KimiForCausalLM, ids: torch.Tensor, anchors: torch.Tensor
+def _batch(target: K3ForCausalLM, ids: torch.Tensor, anchors: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The target's taps and, per block row, its logits and the sequence's next tokens."""
-    last = target.config.num_hidden_layers - 1
-    layers = sorted({*TAP_LAYERS, last})
+    """The target's taps (what the engine appends to the draft's cache) and, per block row,
+    its logits and the sequence's next tokens."""
+    layers = tap_layers(target)
     with torch.no_grad():
-        out = target.forward_train(ids, capture_layers=layers, compute_logits=False)
-        assert out.taps is not None
-        hidden = out.taps.unflatten(-1, (len(layers), -1))
+        h_final, _, by_layer = target.model(ids, K3State(), layers)
         rows = anchors[:, :, None] + torch.arange(GAMMA)  # positions p..p+g-1: row k scores p+k+1
         b, a = anchors.shape
         # Target logits only where a block row needs them: the lm_head over every token was
         # a third of a training step.
-        h_last = hidden[:, :, layers.index(last)]
-        h_rows = h_last.gather(1, rows.view(b, -1, 1).expand(-1, -1, h_last.shape[-1]))
-        tlogits = target.logits_from_hidden(h_rows).view(b, a, GAMMA, -1)
-        taps = hidden[:, :, [layers.index(i) for i in TAP_LAYERS]].flatten(-2)
+        h_rows = h_final.gather(1, rows.view(b, -1, 1).expand(-1, -1, h_final.shape[-1]))
+        tlogits = target.logits(h_rows).view(b, a, GAMMA, -1)
+        taps = torch.cat([by_layer[i] for i in layers], dim=-1)
     labels = ids.gather(1, (rows + 1).view(b, -1)).view(b, a, GAMMA)
     return taps, tlogits, labels
 
@@ -190,6 +199,7 @@ def train_draft(
     seed: int,
     budget_s: float,
     threads: int = 2,
+    provenance: dict[str, Any] | None = None,
     prompt_len: int = 128,
     new_tokens: int = 128,
     batch_corpus: int = 4,
@@ -203,7 +213,7 @@ def train_draft(
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     # The shipped target (bf16 weights, computed in fp32), as the engine will run it.
-    target = load_kimi(target_dir, dtype=torch.float32)
+    target = load_k3(target_dir, dtype=torch.float32)
     for p in target.parameters():
         p.requires_grad_(False)
     stream = encode_documents(tok, train_files, seed + 1)
@@ -218,7 +228,9 @@ def train_draft(
     gen_tuner = ThreadTuner(threads, every_s=60.0, trial=1)
     while progress.elapsed < gen_budget and len(pool) < 64:
         t_batch = time.monotonic()
-        temperature = 0.7 if i % 3 == 2 else 0.0
+        # Half greedy, half sampled at 0.7: chat users sample, and the sampled continuations
+        # are where a draft that only learned the target's argmax falls short.
+        temperature = 0.7 if i % 2 else 0.0
         prompts = generation_prompts(tok, stream, train_files, 32, prompt_len, rng, gen)
         pool.append(generate(target, prompts, new_tokens, temperature, gen))
         gen_tuner.record(time.monotonic() - t_batch)
@@ -236,7 +248,7 @@ def train_draft(
     draft = DSparkDraft(config)
     init_draft(draft)
     params = sum(p.numel() for p in draft.parameters())
-    print(f"draft: {params:,} parameters, taps {list(TAP_LAYERS)}, gamma {GAMMA}, "
+    print(f"draft: {params:,} parameters, taps {list(tap_layers(target))}, gamma {GAMMA}, "
           f"{len(generated)} generated sequences", flush=True)
     embed = target.model.embed_tokens.weight
     lm_head = target.lm_head.weight
@@ -300,7 +312,7 @@ def train_draft(
           f"{wall / 60:.1f} min", flush=True)
     result = DraftResult(config, params, step, len(generated), wall, ema,
                          [round(float(a), 4) for a in by_row], est)
-    metrics = _metrics(result)
+    metrics = {**_metrics(result), "provenance": provenance or {}}
     # What the engine measures on the fixed held-out prompts (after the training wall time).
     from serve_app.embedded import heldout_prompt_ids
     from serve_app.training.evaluate import measure_acceptance

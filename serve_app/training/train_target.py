@@ -171,6 +171,7 @@ def train_target(
     seq_len: int = 512,
     peak_lr: float = 2.5e-3,
     threads: int = 2,
+    provenance: dict[str, Any] | None = None,
 ) -> TargetResult:
     torch.set_num_threads(threads)
     seed_everything(seed)
@@ -222,6 +223,7 @@ def train_target(
         progress.update(step=step, loss=ema, lr=lr, tok_s=int(tokens / progress.elapsed),
                         threads=tuner.current)
     progress.update(force=True, step=step, loss=ema)
+    loop_tok_s = tokens / progress.elapsed
 
     model.eval()
     to_storage_dtype(model)
@@ -235,7 +237,9 @@ def train_target(
           f"{wall / 60:.1f} min", flush=True)
     result = TargetResult(config, params, step, tokens, wall, ema, ppl,
                           eval_windows[:, 1:].numel())
-    (out / "training_metrics.json").write_text(json.dumps(_metrics(result), indent=2) + "\n")
+    metrics = {**_metrics(result), "train_tokens_per_s": round(loop_tok_s),
+               "provenance": provenance or {}}
+    (out / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return result
 
 
