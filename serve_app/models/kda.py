@@ -184,16 +184,10 @@ class KDAWindowLog:
     def replay(self, rows: torch.Tensor, ssm: torch.Tensor, steps: torch.Tensor) -> KDAState:
         """The states after window tokens 0..steps[i] (accepting steps[i] + 1 tokens) of the
         requests at `rows` [n] of the window, from their committed recurrent states ssm
-        [n, h, D, D]: steps[i] + 1 recurrence steps each, no output."""
-        out = torch.empty_like(ssm, dtype=torch.float32)
-        for step in sorted(set(steps.tolist())):  # the requests that accepted as many together
-            sel = (steps == step).nonzero().squeeze(1)
-            at = rows[sel]
-            k, v, g, beta = (x[at, : step + 1] for x in (self.k, self.v, self.g, self.beta))
-            S = ssm[sel].float()
-            for t in range(step + 1):
-                S = delta_rule_step(S, k[:, t], v[:, t], g[:, t], beta[:, t])
-            out[sel] = S
+        [n, h, D, D]: the window's states recomputed from the log (`window_states`, as the
+        verify computed them: bit-identical to scratch's), no output."""
+        states = window_states(self.k[rows], self.v[rows], self.g[rows], self.beta[rows], ssm)
+        out = states[torch.arange(len(rows), device=steps.device), steps]
         kernel_rows = self.rows.shape[1] - self.k.shape[1]  # K − 1
         window = steps[:, None] + 1 + torch.arange(kernel_rows, device=steps.device)
         return KDAState(conv=self.rows[rows[:, None], window], ssm=out)
@@ -274,12 +268,52 @@ def recurrent_gated_delta_rule(
 def delta_rule_step(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor) -> torch.Tensor:
     """One token of the gated delta rule: S [B, h, K, V] fp32 -> the state after the token
-    with k [B, h, K], v [B, h, V], log-decay g [B, h, K], beta [B, h]. The recurrence and
-    ReplaySSM's replay share it, so a replayed state is bit-identical to the verified one."""
+    with k [B, h, K], v [B, h, V], log-decay g [B, h, K], beta [B, h] (decode's step)."""
     S = S * g.exp()[..., None]                        # decay each K row
     pred = torch.einsum("bhkv,bhk->bhv", S, k)        # Sᵀk: what S recalls for k
     u = beta[..., None] * (v - pred)                  # the delta-rule correction
     return S + k[..., None] * u[..., None, :]
+
+
+def window_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor) -> torch.Tensor:
+    """The state after every position of a short window, all at once: the chunkwise form below
+    for ONE chunk of T tokens, keeping every S_t instead of only the last,
+        S_t = diag(e^{G_t}) S0 + Σ_{s≤t} diag(e^{G_t−G_s}) k_s u_sᵀ,
+    with U from the same unit lower-triangular solve. A verify window (T = γ + 1) then costs
+    about ten batched operations a layer instead of T recurrence steps of six each.
+
+    k: [B, T, h, K]; v: [B, T, h, V]; g: [B, T, h, K]; beta: [B, T, h]; state: [B, h, K, V]
+    (not modified) -> [B, T, h, K, V] fp32. The pairwise decays come from differences
+    ([B, h, T, T, K]: small for a window). Every row of the batch is computed on its own, so a
+    subset of rows gives the same bits (ReplaySSM's replay recomputes from its log with this).
+    """
+    T = k.shape[1]
+    S0 = state.float()
+    k, v, g = (t.float().transpose(1, 2) for t in (k, v, g))         # [B, h, T, ·]
+    beta = beta.float().transpose(1, 2)                               # [B, h, T]
+    G = g.cumsum(dim=2)
+    causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
+    diff = G[:, :, :, None, :] - G[:, :, None, :, :]                 # [B, h, t, s, K]
+    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+    strict = causal.clone().fill_diagonal_(False)
+    A = torch.einsum("bhtk,bhsk,bhtsk->bhts", k, k, decay) * strict
+    eG = G.exp()
+    rhs = beta[..., None] * (v - (eG * k) @ S0)                       # diag(β)(V − (e^G ⊙ K) S0)
+    lhs = torch.eye(T, device=k.device) + beta[..., None] * A         # I + diag(β) A
+    U = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
+    states = eG[..., None] * S0[:, :, None] + torch.einsum("bhtsk,bhsk,bhsv->bhtkv", decay, k, U)
+    return states.transpose(1, 2)
+
+
+def window_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify window: (o [B, T, h, V], the state after every position [B, T, h, K, V]), the
+    same recurrence as `recurrent_gated_delta_rule(..., keep_all_states=True)`; o_t = S_tᵀ q_t."""
+    states = window_states(k, v, g, beta, state)
+    return torch.einsum("bthkv,bthk->bthv", states, q.float()), states
 
 
 # Tokens per chunk of the chunked algorithm. FLA's kernels use 64 (split into 16-token sub-blocks).
@@ -511,7 +545,7 @@ class KimiDeltaAttention(nn.Module):
         state) is not modified; committing `accepted + 1` tokens is `states.at(accepted)`.
         """
         q, k, v, g, beta, rows = self._inputs(x, state)
-        o, all_S = recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm, keep_all_states=True)
+        o, all_S = window_gated_delta_rule(q, k, v, g, beta, state.ssm)
         # The conv window after position t is raw rows t+1 .. t+K−1 of `rows` (which starts with
         # the K−1 rows of the committed window): [B, T, 3P, K−1] → [B, T, K−1, 3P].
         windows = rows[:, 1:].unfold(1, self.conv_kernel - 1, 1).transpose(-1, -2).contiguous()
@@ -524,6 +558,6 @@ class KimiDeltaAttention(nn.Module):
         recurrence keeps only its running state and the window's inputs are logged; commit
         with `log.replay`. `state` is not modified."""
         q, k, v, g, beta, rows = self._inputs(x, state)
-        o, _ = recurrent_gated_delta_rule(q, k, v, g, beta, state.ssm)
+        o, _ = window_gated_delta_rule(q, k, v, g, beta, state.ssm)
         # v is a view into the q|k|v rows (fp32 already): cloned, so the log does not keep q.
         return self._output(o, x), KDAWindowLog(k=k, v=v.clone(), g=g, beta=beta, rows=rows)
