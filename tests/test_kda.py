@@ -320,3 +320,38 @@ def test_bf16_activations_keep_an_fp32_state() -> None:
     assert st.ssm.dtype == torch.float32
     torch.testing.assert_close(out.float(), out_ref, atol=0.1, rtol=0.1)
     torch.testing.assert_close(st.ssm, st_ref.ssm, atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_chunked_and_window_forms_equal_the_recurrence(lower_bound: float | None) -> None:
+    """Both decay forms of the chunked algorithm (factorised for K3's bounded gate, pairwise
+    differences once a chunk's decay span passes FACTORISED_MAX_SPAN) and the verify window's
+    all-positions form compute the token-by-token recurrence."""
+    from serve_app.models.kda import (
+        FACTORISED_MAX_SPAN,
+        chunked_gated_delta_rule,
+        kda_gate,
+        recurrent_gated_delta_rule,
+        window_gated_delta_rule,
+    )
+
+    g_ = torch.Generator().manual_seed(4)
+    b, t, h, d = 2, 40, 3, 8
+    q = torch.nn.functional.normalize(torch.randn(b, t, h, d, generator=g_), dim=-1) * d**-0.5
+    k = torch.nn.functional.normalize(torch.randn(b, t, h, d, generator=g_), dim=-1)
+    v = torch.randn(b, t, h, d, generator=g_)
+    g = kda_gate(3 * torch.randn(b, t, h, d, generator=g_), torch.ones(h), torch.zeros(h, d),
+                 lower_bound)
+    beta = torch.rand(b, t, h, generator=g_)
+    s0 = torch.randn(b, h, d, d, generator=g_)
+    span = float(-g[:, :16].sum(1).min())
+    assert (span <= FACTORISED_MAX_SPAN) == (lower_bound is not None)  # both branches run
+    o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o_c, s_c = chunked_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=16)
+    torch.testing.assert_close(o_c, o_r, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_c, s_r, atol=1e-5, rtol=1e-5)
+    o_w, s_w = window_gated_delta_rule(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], s0)
+    o_rw, s_rw = recurrent_gated_delta_rule(q[:, :8], k[:, :8], v[:, :8], g[:, :8],
+                                            beta[:, :8], s0, keep_all_states=True)
+    torch.testing.assert_close(o_w, o_rw, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_w, s_rw, atol=1e-5, rtol=1e-5)
