@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-MODEL = "kimi-mini-dspark"
+MODEL = "kimi-k3-mini-dspark"
 DOCUMENT = ROOT / "docs" / "router.md"
 QUESTIONS = [
     "What does the router do when no replica can hold a request?",

@@ -125,11 +125,10 @@ class _Prompt:
 
 
 def _model_paths(pair: str, tmp: Path) -> dict[str, Path]:
-    from serve_app.config import ASSETS
+    from serve_app.embedded import DRAFT, TARGET, TOKENIZER
 
     if pair == "embedded":
-        return {"target": ASSETS / "kimi-mini", "draft": ASSETS / "kimi-mini-dspark",
-                "tokenizer": ASSETS / "tokenizer"}
+        return {"target": TARGET, "draft": DRAFT, "tokenizer": TOKENIZER}
     from tiny_models import write_tiny_serving_pair
 
     paths = write_tiny_serving_pair(tmp)

@@ -459,10 +459,10 @@ class StepLog:
                            if w is not None)
             self._truncate.append((time.perf_counter() - t0, accepted))
 
-        def timed_commit(rids: Any, lengths: Any, tap_rows: Any) -> None:
+        def timed_commit(rids: Any, lengths: Any, tap_rows: Any, *rest: Any) -> None:
             self._truncate = []
             t0 = time.perf_counter()
-            commit(rids, lengths, tap_rows)
+            commit(rids, lengths, tap_rows, *rest)
             dt = time.perf_counter() - t0
             if self._pending is not None:  # not a prefill chunk's commit
                 trunc = sum(t for t, _ in self._truncate)

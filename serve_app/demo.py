@@ -24,7 +24,7 @@ def _local_config() -> dict[str, Any]:
     return {"http_options": {"host": "127.0.0.1", "port": 8000}, "applications": [{
         "name": "kimi", "route_prefix": "/", "args": {
             "models": {"target": str(TARGET), "draft": str(DRAFT), "tokenizer": str(TOKENIZER),
-                       "served_model_name": "kimi-mini-dspark"},
+                       "served_model_name": "kimi-k3-mini-dspark"},
             "parallelism": {"tp": 2},
             "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25}}}]}
 

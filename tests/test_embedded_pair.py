@@ -11,7 +11,7 @@ import torch
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, asset_bytes, heldout_prompt_ids
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.models.dspark_config import DSparkConfig
-from serve_app.models.kimi_config import KimiConfig
+from serve_app.models.k3_config import K3Config
 from serve_app.tokenizer import ChatTokenizer, load_tokenizer
 from serve_app.training.evaluate import pair_engine
 
@@ -34,18 +34,25 @@ def prompts(tok: ChatTokenizer) -> list[list[int]]:
 
 
 def test_asset_configs_parse_and_agree(tok: ChatTokenizer) -> None:
-    target = KimiConfig.from_file(TARGET)
+    from serve_app.models.target_config import is_hybrid
+
+    target = K3Config.from_file(TARGET)
     draft = DSparkConfig.from_file(DRAFT)
+    assert is_hybrid(TARGET)  # the engine serves it as K3 (KDA state slots, rollback)
     assert json.loads((DRAFT / "config.json").read_text())["dflash_config"]["mask_token_id"] \
         == draft.mask_token_id
     assert draft.mask_token_id == tok.mask_token_id
     assert target.vocab_size == draft.vocab_size == tok.vocab_size
     assert target.eos_token_id == draft.eos_token_id == tok.eos_token_id
     assert draft.block_size == 7 and draft.num_target_layers == target.num_hidden_layers
-    assert len(draft.target_layer_ids) >= 3
-    # The features the engine serves: MLA with LoRA ranks, MoE + shared expert, dense first.
-    assert target.q_lora_rank and target.kv_lora_rank and target.n_shared_experts >= 1
-    assert target.first_k_dense_replace == 1 and target.n_routed_experts > 1
+    # K3's features, as in its config.json: KDA and NoPE gated MLA layers 3:1, Attention
+    # Residuals, a dense first layer then latent MoE with shared experts, SiTU.
+    assert len(target.kda_layers) == 3 * len(target.mla_layers)
+    assert target.mla_use_nope and target.mla_use_output_gate and target.uses_attn_res
+    assert target.is_latent_moe and target.num_shared_experts >= 1
+    assert target.first_k_dense_replace == 1 and target.hidden_act == "situ"
+    # The draft taps by K3's convention: every MLA layer and the last one among its taps.
+    assert set(target.mla_layers) | {target.num_hidden_layers - 1} <= set(draft.target_layer_ids)
 
 
 def test_draft_has_the_published_tensor_names() -> None:

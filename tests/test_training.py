@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tiny_models import write_tiny_pair
@@ -120,25 +122,73 @@ def test_heldout_split_is_stable() -> None:
     assert [is_heldout(f"m{i}.py") for i in range(3)] == [is_heldout(f"m{i}.py") for i in range(3)]
 
 
-def test_draft_batch_targets_equal_the_full_forward(pair: tuple) -> None:
-    """_batch computes target logits only at block rows; they equal the full forward's."""
+def test_draft_batch_targets_equal_the_full_forward() -> None:
+    """_batch reads the K3 target's taps by K3's convention and computes its logits only at
+    block rows; both equal the serving forward's (capture_layers)."""
+    from tiny_models import random_k3, tiny_k3_config
+
     from serve_app.training import train_draft as td
 
-    target, _ = pair
-    ids = torch.randint(0, 60, (2, 24), generator=torch.Generator().manual_seed(2))
+    target = random_k3(tiny_k3_config(), seed=3)
+    layers = td.tap_layers(target)
+    assert layers == (1, 3, 5, 7)  # both MLA layers (3, 7), the last one included
+    ids = torch.randint(0, 250, (2, 24), generator=torch.Generator().manual_seed(2))
     anchors = torch.tensor([[1, 9], [4, 16]])
-    old = td.TAP_LAYERS
-    td.TAP_LAYERS = (0, 2)  # the tiny target has 4 layers; its last one is not tapped
-    try:
-        taps, tlogits, labels = td._batch(target, ids, anchors)
-    finally:
-        td.TAP_LAYERS = old
-    full = target.forward_train(ids, capture_layers=[0, 2])
+    taps, tlogits, labels = td._batch(target, ids, anchors)
+    logits, _, full_taps = target.capture_layers(ids, layers)
     rows = anchors[:, :, None] + torch.arange(td.GAMMA)
     for b in range(2):
-        torch.testing.assert_close(tlogits[b], full.logits[b, rows[b]])
+        torch.testing.assert_close(tlogits[b], logits[b, rows[b]])
         assert labels[b].tolist() == ids[b, rows[b] + 1].tolist()
-    torch.testing.assert_close(taps, full.taps)
+    torch.testing.assert_close(taps, full_taps)
+
+
+def test_loop_detection_tells_a_loop_from_code() -> None:
+    from serve_app.training.evaluate import is_looping, repeated_ngram_coverage
+
+    loop = [5, 6, 7, 8, 9] * 6 + [1, 2]
+    assert is_looping(loop) and repeated_ngram_coverage(loop) > 0.9
+    varied = [*range(40), 3, 4, 5, 6, *range(100, 116)]  # one repeated 4-gram
+    assert repeated_ngram_coverage(varied) == pytest.approx(8 / 60)
+    assert not is_looping(varied)
+    assert not is_looping([1, 1, 1])  # too short to say
+
+
+def test_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
+    """The committed training command, short: the same code (`all`: the K3 target, then its
+    DSpark draft, then the cards) on 24 training files for a 1.2-minute budget. It must learn
+    (held-out perplexity well under the uniform 4096), write loadable folders that record how
+    they were made, and yield a lossless speculative pair."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from serve_app.embedded import DRAFT, TARGET, TOKENIZER
+    from serve_app.models.dspark import load_dspark
+    from serve_app.models.k3_weights import load_k3
+    from serve_app.training.train_draft import tap_layers
+
+    shutil.copytree(TOKENIZER, tmp_path / TOKENIZER.name)
+    argv = ["all", "--budget-minutes", "1.2", "--max-files", "24", "--eval-prompts", "2",
+            "--seed", "3", "--out", str(tmp_path)]
+    run = subprocess.run([sys.executable, "-m", "serve_app.training", *argv],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "target   [" in run.stdout and "draft    [" in run.stdout  # the progress bars
+    tm = json.loads((tmp_path / TARGET.name / "training_metrics.json").read_text())
+    dm = json.loads((tmp_path / DRAFT.name / "training_metrics.json").read_text())
+    assert tm["steps"] > 0 and dm["steps"] > 0 and tm["train_tokens_per_s"] > 0
+    assert tm["heldout_perplexity"] < 2048
+    for m in (tm, dm):
+        assert m["provenance"]["command"] == "python -m serve_app.training " + " ".join(argv)
+        assert m["provenance"]["torch"] == torch.__version__
+    target = load_k3(tmp_path / TARGET.name)
+    draft = load_dspark(tmp_path / DRAFT.name)
+    assert tuple(draft.config.target_layer_ids) == tap_layers(target)
+    assert dm["engine_heldout_greedy"]["identical_to_target_only"] is True
+    card = (tmp_path / TARGET.name / "MODEL_CARD.md").read_text()
+    assert tm["provenance"]["command"] in card and str(tm["heldout_perplexity"]) in card
 
 
 def test_thread_tuner_keeps_the_faster_count() -> None:

@@ -59,10 +59,15 @@ def provenance(argv: list[str]) -> dict[str, Any]:
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def _corpus() -> tuple[list, list]:
+def _corpus(max_files: int | None = None) -> tuple[list, list]:
+    """(training files, held-out files); `max_files` keeps the first that many training files
+    and one held-out file per 20 of them (CI's short run of the recipe)."""
     from serve_app.training.corpus import split_files, stdlib_files
 
-    return split_files(stdlib_files())
+    train, held = split_files(stdlib_files())
+    if max_files is not None:
+        train, held = train[:max_files], held[:max(1, max_files // 20)]
+    return train, held
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> None:
@@ -80,7 +85,7 @@ def cmd_target(args: argparse.Namespace, budget_s: float) -> None:
     from serve_app.tokenizer import load_tokenizer
     from serve_app.training.train_target import train_target
 
-    train, held = _corpus()
+    train, held = _corpus(args.max_files)
     tok_dir, target_dir, _ = _paths(args.out)
     train_target(load_tokenizer(tok_dir), train, held, target_dir, args.seed, budget_s,
                  threads=args.threads, provenance=args.provenance)
@@ -90,10 +95,12 @@ def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
     from serve_app.tokenizer import load_tokenizer
     from serve_app.training.train_draft import train_draft
 
-    train, held = _corpus()
+    train, held = _corpus(args.max_files)
     tok_dir, target_dir, draft_dir = _paths(args.out)
     train_draft(load_tokenizer(tok_dir), train, held, target_dir, draft_dir, args.seed,
-                budget_s, threads=args.threads, provenance=args.provenance)
+                budget_s, threads=args.threads, provenance=args.provenance,
+                eval_prompts=args.eval_prompts, layers=args.draft_layers,
+                markov_rank=args.markov_rank)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ASSETS, help="assets folder to write")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="the draft's layers (default: the embedded draft's)")
+    parser.add_argument("--markov-rank", type=int, default=None,
+                        help="the draft's Markov head rank (default: the embedded draft's)")
+    parser.add_argument("--max-files", type=int, default=None,
+                        help="train on the first N training files only (a short run)")
+    parser.add_argument("--eval-prompts", type=int, default=None,
+                        help="held-out prompts the draft's engine measurement decodes "
+                             "(default all)")
     parser.add_argument("--bench-json", type=Path, default=None,
                         help="cards: a bench/spec_decode.py --json report to include")
     args = parser.parse_args(argv)

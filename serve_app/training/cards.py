@@ -1,5 +1,5 @@
-"""Write the model cards of the embedded pair from the metrics the trainings saved (and,
-if given, a `bench/spec_decode.py --json` report)."""
+"""Write the model cards of the embedded pair from what the trainings recorded (their metrics and
+provenance) and, if given, a `bench/spec_decode.py --json` report."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-TRAIN_COMMAND = "python -m serve_app.training all --budget-minutes 55 --seed 0"
+from serve_app.embedded import DRAFT, TARGET
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -19,105 +19,134 @@ def _bytes(folder: Path) -> int:
                if f.is_file() and f.suffix in (".safetensors", ".json"))
 
 
-def _bench_lines(bench: dict[str, Any]) -> list[str]:
+def _made_by(metrics: dict[str, Any]) -> str:
+    p = metrics.get("provenance") or {}
+    if not p:
+        return "Provenance not recorded."
+    clean = {True: "clean", False: "WITH UNCOMMITTED EDITS", None: "unknown"}[
+        p.get("training_code_clean")]
+    return (f"Made by `{p.get('command')}` at commit `{p.get('commit')}` (training code "
+            f"{clean}), Python {p.get('python')}, torch {p.get('torch')}, {p.get('cpus')} CPUs, "
+            f"started {p.get('started_utc')}; wall time {metrics.get('wall_s', 0) / 60:.1f} min.")
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def bench_lines(bench: dict[str, Any]) -> list[str]:
+    """The benchmark's results as a markdown table and notes (the README quotes the same)."""
     if not bench:
         return ["Run `python bench/spec_decode.py` for speed and acceptance on this machine."]
     lines = [f"`python bench/spec_decode.py` ({bench['prompts']} held-out prompts x "
              f"{bench['max_tokens']} new tokens, batch 1, {bench['threads']} thread(s), "
-             f"{bench['repeats']} repeats; medians over prompts):", "",
-             "| temperature | target-only tok/s | speculative tok/s | speedup (median / aggregate) "
-             "| accept length (macro / token-weighted) | accept rate | lossless |",
-             "|---|---|---|---|---|---|---|"]
+             f"{bench['repeats']} repeats, target-only and speculative alternating in one run):",
+             "",
+             "| T | target-only tok/s | speculative tok/s | speedup (median / aggregate) "
+             "| accept length, non-looping (macro) | accept length, all (macro / token-w.) "
+             "| loop fraction | lossless |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in bench["results"]:
         lossless = {True: "identical outputs", False: "NOT identical",
                     None: "exact sampling (by construction)"}[r["lossless_identical"]]
+        nl = r["by_loop_class"]["non_looping"]
         lines.append(
             f"| {r['temperature']} | {r['target_only_tok_s']['median']:.1f} | "
             f"{r['speculative_tok_s']['median']:.1f} | {r['speedup']['median']:.2f}x / "
-            f"{r['speedup']['aggregate']:.2f}x | {r['spec_accept_length']['macro']:.2f} / "
-            f"{r['spec_accept_length']['token_weighted']:.2f} | {r['spec_accept_rate']:.3f} | "
+            f"{r['speedup']['aggregate']:.2f}x | {_fmt(nl['spec_accept_length_macro'])} "
+            f"({nl['prompts']} prompts) | {r['spec_accept_length']['macro']:.2f} / "
+            f"{r['spec_accept_length']['token_weighted']:.2f} | {r['loop_fraction']:.2f} | "
             f"{lossless} |")
     lines.append("")
     for r in bench["results"]:
-        lines.append(f"- T={r['temperature']}: spec_correct_drafts_histogram "
-                     f"{r['spec_correct_drafts_histogram']}")
+        b = r.get("speedup_bound")
+        if b:
+            lines.append(
+                f"- T={r['temperature']}: per call, verify {b['verify_ms']:.2f} ms, draft "
+                f"{b['draft_ms']:.2f} ms, commit {b['commit_ms']:.2f} ms against a "
+                f"{b['decode_ms']:.2f} ms decode forward; the bound acceptance / (verify/decode "
+                f"+ draft/decode) = {b['bound_verify_draft']:.2f}x, measured "
+                f"{r['speedup']['aggregate']:.2f}x ({100 * r['speedup_over_bound']:.0f}%); "
+                f"histogram {r['spec_correct_drafts_histogram']}.")
     return lines
 
 
-def write_cards(assets: Path, bench: dict[str, Any] | None = None) -> None:
-    target_dir, draft_dir = assets / "kimi-mini", assets / "kimi-mini-dspark"
-    tm = _load(target_dir / "training_metrics.json")
-    dm = _load(draft_dir / "training_metrics.json")
-    tcfg = _load(target_dir / "config.json")
-    dcfg = _load(draft_dir / "config.json")
-    eng = dm.get("engine_heldout_greedy", {})
-    bench_lines = _bench_lines(bench or {})
-    common_data = [
-        "## Data",
-        "The Python standard library's own `.py` sources on the training machine (CPython "
-        "3.11.7; `test/`, `idlelib/`, `lib2to3/`, `encodings/` and a few other folders skipped), "
-        "read at training time; nothing downloaded. Files are split by a hash of their path: "
-        "1 in 20 is held out (`serve_app/assets/heldout_prompts.json` lists them). About a "
-        "quarter of the training characters are chat exchanges built from the training files "
-        "(user: `Write the function NAME from the MODULE module.`, assistant: its source).",
-    ]
+def _target_card(tm: dict[str, Any], tcfg: dict[str, Any], bench: list[str],
+                 data: list[str], folder: Path) -> list[str]:
+    t = tcfg.get("text_config", {})
+    la = t.get("linear_attn_config", {})
     p = tm.get("parameters", {})
-    target_card = [
-        "# kimi-mini: a tiny Kimi K2 / DeepseekV3-architecture target for CPU demos", "",
+    n = t.get("num_hidden_layers")
+    return [
+        f"# {TARGET.name}: a miniature Kimi K3 (KDA + MLA hybrid) for CPU demos", "",
         "Trained from scratch on CPU so that the project's demo and tests show real speculative "
-        "decoding offline. It writes Python-looking code; it is not a useful assistant.", "",
+        "decoding of the K3 architecture offline. It continues Python code; it is not a useful "
+        "assistant.", "",
         "## Architecture",
-        f"DeepseekV3 layout (`config.json` parses as `KimiConfig`): hidden {tcfg.get('hidden_size')}, "
-        f"{tcfg.get('num_hidden_layers')} layers (first {tcfg.get('first_k_dense_replace')} dense, "
-        f"intermediate {tcfg.get('intermediate_size')}), MLA with q_lora {tcfg.get('q_lora_rank')} / "
-        f"kv_lora {tcfg.get('kv_lora_rank')}, rope {tcfg.get('qk_rope_head_dim')} / nope "
-        f"{tcfg.get('qk_nope_head_dim')} / v {tcfg.get('v_head_dim')}, "
-        f"{tcfg.get('num_attention_heads')} heads; MoE with {tcfg.get('n_routed_experts')} "
-        f"routed experts (top-{tcfg.get('num_experts_per_tok')}, sigmoid, noaux_tc bias) + "
-        f"{tcfg.get('n_shared_experts')} shared, moe_intermediate "
-        f"{tcfg.get('moe_intermediate_size')}; vocab {tcfg.get('vocab_size')}.",
+        f"K3's `config.json` layout (`kimi_k3` wrapper around a `kimi_linear` text_config; "
+        f"parses as `K3Config`): {n} layers, hidden {t.get('hidden_size')}; KDA (linear "
+        f"attention with a per-request recurrent state, {la.get('num_heads')} heads x "
+        f"{la.get('head_dim')}, short conv {la.get('short_conv_kernel_size')}, gate lower bound "
+        f"{la.get('gate_lower_bound')}, full-rank output gate) on 1-based layers "
+        f"{la.get('kda_layers')} and MLA with no positional encoding and a gated output on "
+        f"{la.get('full_attn_layers')} (q_lora {t.get('q_lora_rank')}, kv_lora "
+        f"{t.get('kv_lora_rank')}, {t.get('num_attention_heads')} heads); Attention Residuals "
+        f"(blocks of {t.get('attn_res_block_size')}); a dense first layer (SiTU, intermediate "
+        f"{t.get('intermediate_size')}) then latent MoE: {t.get('num_experts')} experts "
+        f"(top-{t.get('num_experts_per_token')}, sigmoid noaux_tc router) of intermediate "
+        f"{t.get('moe_intermediate_size')} in a {t.get('routed_expert_hidden_size')}-wide "
+        f"latent, plus {t.get('num_shared_experts')} shared; vocab {t.get('vocab_size')}.",
         f"Parameters: {p.get('total', 0):,} ({p.get('active_per_token', 0):,} active per token). "
-        f"Weights bf16 (router bias fp32), {_bytes(target_dir) / 1e6:.1f} MB.", "",
-        *common_data, "",
+        f"Weights bf16 (KDA A_log, dt_bias, convs and the router bias fp32, as SGLang keeps "
+        f"them), {_bytes(folder) / 1e6:.1f} MB.", "",
+        *data, "",
         "## Training",
-        f"`{TRAIN_COMMAND}` (or `python -m serve_app.training train-target --budget-minutes 34`): "
-        "next-token cross-entropy, AdamW (lr 3e-3, betas 0.9/0.95, wd 0.1), warm-up then cosine "
-        "decay over the wall-time budget, 8 x 512-token random windows per step, DeepSeek-V3 "
-        "auxiliary-loss-free expert balancing, 2 CPU threads, seed 0.",
-        f"Steps {tm.get('steps')}, {tm.get('train_tokens', 0):,} training tokens, wall time "
-        f"{tm.get('wall_s', 0) / 60:.1f} min.", "",
+        _made_by(tm),
+        "Next-token cross-entropy, AdamW (lr 2.5e-3, betas 0.9/0.95, wd 0.1), warm-up then cosine "
+        "decay over the wall-time budget, 4 x 512-token random windows per step, DeepSeek-V3 "
+        "auxiliary-loss-free expert balancing, fp32 on 2 CPU threads, seed 0.",
+        f"Steps {tm.get('steps')}, {tm.get('train_tokens', 0):,} training tokens at "
+        f"{tm.get('train_tokens_per_s', 0):,} tokens/s.", "",
         "## Quality",
         f"Held-out perplexity {tm.get('heldout_perplexity')} (per token, on "
-        f"{tm.get('heldout_tokens', 0):,} tokens of held-out files, measured on the saved bf16 "
-        f"weights). Final training loss (EMA) {tm.get('train_loss_ema')}.", "",
-        "## Speculative decoding with kimi-mini-dspark", *bench_lines, "",
+        f"{tm.get('heldout_tokens', 0):,} tokens of held-out files in 512-token windows, "
+        f"measured on the saved bf16 weights). Final training loss (EMA) "
+        f"{tm.get('train_loss_ema')}.", "",
+        f"## Speculative decoding with {DRAFT.name}", *bench, "",
     ]
-    draft_card = [
-        "# kimi-mini-dspark: the DSpark draft of kimi-mini", "",
+
+
+def _draft_card(dm: dict[str, Any], dcfg: dict[str, Any], bench: list[str],
+                data: list[str], folder: Path) -> list[str]:
+    fl = dcfg.get("dflash_config", {})
+    eng = dm.get("engine_heldout_greedy", {})
+    return [
+        f"# {DRAFT.name}: the DSpark draft of {TARGET.name}", "",
         "## Architecture",
         f"Published DSpark format (`config.json` with `dflash_config`, parses as `DSparkConfig`; "
         f"`kimi-dspark inspect` validates the tensor names): {dcfg.get('num_hidden_layers')} "
-        f"Qwen3-style layers, hidden {dcfg.get('hidden_size')}, "
+        f"Qwen3-style layer(s), hidden {dcfg.get('hidden_size')}, "
         f"{dcfg.get('num_attention_heads')} q / {dcfg.get('num_key_value_heads')} kv heads x "
-        f"{dcfg.get('head_dim')}, taps target layers "
-        f"{dcfg.get('dflash_config', {}).get('target_layer_ids')}, block size (gamma) "
-        f"{dcfg.get('block_size')}, Markov head rank {dcfg.get('dflash_config', {}).get('markov_rank')}, "
-        f"confidence head, MASK token id {dcfg.get('dflash_config', {}).get('mask_token_id')} "
-        "(`<|mask|>`); the target's embedding and lm_head are used, not stored.",
-        f"Parameters: {dm.get('parameters', 0):,}. Weights bf16, {_bytes(draft_dir) / 1e6:.1f} MB.", "",
-        *common_data, "",
+        f"{dcfg.get('head_dim')}; taps target layers {fl.get('target_layer_ids')} by K3's "
+        "convention (0-based layer outputs, no shift: the AttnRes mixture the next layer reads, "
+        "the last layer's through the output read); block size (gamma) "
+        f"{dcfg.get('block_size')}, Markov head rank {fl.get('markov_rank')}, confidence head, "
+        f"MASK token id {fl.get('mask_token_id')} (`<|mask|>`); the target's embedding and "
+        "lm_head are used, not stored.",
+        f"Parameters: {dm.get('parameters', 0):,}. Weights bf16, {_bytes(folder) / 1e6:.1f} MB.",
+        "",
+        *data, "",
         "## Training",
-        f"`{TRAIN_COMMAND}` (or `python -m serve_app.training train-draft --budget-minutes 21`), "
-        "after the target. The DSpark objective (SpecForge defaults): per block row k, "
+        _made_by(dm),
+        "After the target. The DSpark objective (SpecForge defaults): per block row k, "
         "0.1 CE + 0.9 L1(p_draft, p_target) + 1.0 BCE(confidence, 1 - L1/2), weighted by "
         "exp(-k/7); teacher-forced Markov inputs; 24 random anchors per sequence, each block "
         "seeing the context strictly before its anchor. Context features and target "
         "distributions come from the shipped (bf16) target itself. Each step mixes 4 corpus "
-        "windows with 12 sequences the target generated itself from training prompts (two "
-        "thirds greedy, one third at temperature 0.7; a quarter are chat requests), anchors "
-        "mostly in the generated part: that is the text the draft meets when the engine decodes.",
-        f"Steps {dm.get('steps')}, {dm.get('generated_sequences')} generated sequences, wall "
-        f"time {dm.get('wall_s', 0) / 60:.1f} min.", "",
+        "windows with 12 sequences the target generated itself from training prompts (half "
+        "greedy, half at temperature 0.7; a quarter are chat requests), anchors mostly in the "
+        "generated part: that is the text the draft meets when the engine decodes.",
+        f"Steps {dm.get('steps')}, {dm.get('generated_sequences')} generated sequences.", "",
         "## Quality",
         f"Teacher-forced agreement with the target's greedy token on held-out generations, by "
         f"block row: {dm.get('heldout_teacher_forced_agreement_by_row')}.",
@@ -125,10 +154,28 @@ def write_cards(assets: Path, bench: dict[str, Any] | None = None) -> None:
         f"{eng.get('max_tokens')} tokens: spec_accept_length "
         f"{eng.get('spec_accept_length_macro', 0):.2f} (macro over prompts) / "
         f"{eng.get('spec_accept_length_token_weighted', 0):.2f} (token-weighted), accept rate "
-        f"{eng.get('spec_accept_rate', 0):.3f}, histogram "
-        f"{eng.get('spec_correct_drafts_histogram')}; outputs identical to target-only: "
+        f"{eng.get('spec_accept_rate', 0):.3f}; outputs identical to target-only: "
         f"{eng.get('identical_to_target_only')}.", "",
-        "## Speed", *bench_lines, "",
+        "## Speed", *bench, "",
     ]
-    (target_dir / "MODEL_CARD.md").write_text("\n".join(target_card))
-    (draft_dir / "MODEL_CARD.md").write_text("\n".join(draft_card))
+
+
+def write_cards(assets: Path, bench: dict[str, Any] | None = None) -> None:
+    """MODEL_CARD.md of both folders under `assets`."""
+    target_dir, draft_dir = assets / TARGET.name, assets / DRAFT.name
+    tm = _load(target_dir / "training_metrics.json")
+    dm = _load(draft_dir / "training_metrics.json")
+    lines = bench_lines(bench or {})
+    data = [
+        "## Data",
+        "The Python standard library's own `.py` sources on the training machine (CPython "
+        "3.11.7; `test/`, `idlelib/`, `lib2to3/`, `encodings/` and a few other folders skipped), "
+        "read at training time; nothing downloaded. Files are split by a hash of their path: "
+        "1 in 20 is held out (`serve_app/assets/heldout_prompts.json` is cut from those). About "
+        "a quarter of the training characters are chat exchanges built from the training files "
+        "(user: `Write the function NAME from the MODULE module.`, assistant: its source).",
+    ]
+    (target_dir / "MODEL_CARD.md").write_text("\n".join(
+        _target_card(tm, _load(target_dir / "config.json"), lines, data, target_dir)))
+    (draft_dir / "MODEL_CARD.md").write_text("\n".join(
+        _draft_card(dm, _load(draft_dir / "config.json"), lines, data, draft_dir)))

@@ -200,6 +200,9 @@ def train_draft(
     budget_s: float,
     threads: int = 2,
     provenance: dict[str, Any] | None = None,
+    eval_prompts: int | None = None,
+    layers: int | None = None,
+    markov_rank: int | None = None,
     prompt_len: int = 128,
     new_tokens: int = 128,
     batch_corpus: int = 4,
@@ -226,7 +229,7 @@ def train_draft(
     progress = Progress("generate", gen_budget)
     i = 0
     gen_tuner = ThreadTuner(threads, every_s=60.0, trial=1)
-    while progress.elapsed < gen_budget and len(pool) < 64:
+    while not pool or (progress.elapsed < gen_budget and len(pool) < 64):
         t_batch = time.monotonic()
         # Half greedy, half sampled at 0.7: chat users sample, and the sampled continuations
         # are where a draft that only learned the target's argmax falls short.
@@ -244,7 +247,7 @@ def train_draft(
     held_gen = generate(target, held_prompts, new_tokens, 0.0, gen)
 
     # 2. The draft.
-    config = mini_draft_config(target, tok)
+    config = mini_draft_config(target, tok, layers or DRAFT_LAYERS, markov_rank or MARKOV_RANK)
     draft = DSparkDraft(config)
     init_draft(draft)
     params = sum(p.numel() for p in draft.parameters())
@@ -258,7 +261,7 @@ def train_draft(
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=peak_lr, betas=(0.9, 0.95))
     # Keep time for saving, the held-out agreement and the engine measurement after the loop.
-    loop_budget = budget_s - (time.monotonic() - start) - 75
+    loop_budget = budget_s - (time.monotonic() - start) - min(75.0, 0.1 * budget_s)
     progress = Progress("draft", loop_budget)
     tuner = ThreadTuner(threads)
     step, ema = 0, float("nan")
@@ -317,8 +320,8 @@ def train_draft(
     from serve_app.embedded import heldout_prompt_ids
     from serve_app.training.evaluate import measure_acceptance
 
-    metrics["engine_heldout_greedy"] = measure_acceptance(target_dir, out,
-                                                          heldout_prompt_ids(tok))
+    metrics["engine_heldout_greedy"] = measure_acceptance(
+        target_dir, out, heldout_prompt_ids(tok)[:eval_prompts])
     print(f"draft: engine, held-out greedy: {metrics['engine_heldout_greedy']}", flush=True)
     (out / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return result

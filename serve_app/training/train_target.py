@@ -197,7 +197,7 @@ def train_target(
                             lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(seed)
     # Keep time for the held-out evaluation and the save after the loop.
-    loop_budget = budget_s - (time.monotonic() - start) - 60
+    loop_budget = budget_s - (time.monotonic() - start) - min(60.0, 0.1 * budget_s)
     progress = Progress("target", loop_budget)
     tuner = ThreadTuner(threads)
     model.train()
