@@ -50,7 +50,8 @@ def provenance(argv: list[str]) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return None
 
-    dirty = git("status", "--porcelain", "--", "serve_app")
+    # Tracked files only: the cards and metrics a run writes are outputs, not code.
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "serve_app")
     return {"command": " ".join(["python -m serve_app.training", *argv]),
             "commit": git("rev-parse", "HEAD"),
             "training_code_clean": None if dirty is None else dirty == "",
