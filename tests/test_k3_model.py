@@ -365,12 +365,15 @@ def test_verify_window_and_commit() -> None:
         full, _, full_taps = model.capture_layers(ids, [3, 7])
         _, state = model(ids[:, :5])
         logits, windows, taps = model.verify(ids[:, 5:9], state, [3, 7])
-        assert torch.allclose(logits, full[:, 5:9], atol=1e-4)
-        assert torch.allclose(taps, full_taps[:, 5:9], atol=1e-4)
+        # Equivalent fp32 paths (the window's all-positions KDA form, the chunked prefill's,
+        # token by token; dense or looped experts) differ by up to 2e-4 on these logits
+        # (|logit| <= 2.2): this random model amplifies rounding. A wrong state is O(1) off.
+        assert torch.allclose(logits, full[:, 5:9], atol=5e-4)
+        assert torch.allclose(taps, full_taps[:, 5:9], atol=5e-4)
         for accepted in (0, 1, 3):
             committed = windows.at(accepted)
             keep = 5 + accepted + 1
             assert committed.length == keep
             nxt, _ = model(ids[:, keep : keep + 1], committed)
-            assert torch.allclose(nxt, full[:, keep : keep + 1], atol=1e-4)
+            assert torch.allclose(nxt, full[:, keep : keep + 1], atol=5e-4)
     assert all(cache.shape[1] == 5 for cache in state.mla.values())  # input state untouched
