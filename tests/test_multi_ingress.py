@@ -15,9 +15,7 @@ import httpx
 import openai
 import pytest
 from ray import serve
-from tiny_models import served, write_k3_serving_pair
-
-from serve_app.config import AppConfig
+from tiny_models import served, tiny_k3_app
 
 pytestmark = pytest.mark.slow
 
@@ -29,19 +27,14 @@ QUEUE = 16
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    paths = write_k3_serving_pair(tmp_path_factory.mktemp("multi"), tiny=True)
-    cfg = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": KV, "state_slots": SLOTS,
-                                 "speculation": {"enabled": True}}},
-        "parallelism": {"tp": 1},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},
-        "ingress": {"default_max_tokens": 16, "max_tokens_limit": 1500, "replicas": 2,
-                    "ingress_cpus": 0.1},
-        "router": {"block_size": 16, "queue_size": QUEUE, "queue_timeout_s": 120,
-                   "long_threshold": 256, "client_max_kv_share": 1.0},
-    })
+    cfg = tiny_k3_app(
+        tmp_path_factory.mktemp("multi"),
+        engine={"kv_capacity_tokens": KV, "state_slots": SLOTS, "speculation": {"enabled": True}},
+        ingress={"default_max_tokens": 16, "max_tokens_limit": 1500, "replicas": 2,
+                 "ingress_cpus": 0.1},
+        router={"block_size": 16, "queue_size": QUEUE, "queue_timeout_s": 120,
+                "long_threshold": 256, "client_max_kv_share": 1.0},
+        model=MODEL)
     with served(cfg) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}",
                                            timeout=180) as client:
         yield client
@@ -197,20 +190,14 @@ def _overhead(ingress_replicas: int, requests: int) -> dict[str, float]:
     from pathlib import Path
 
     with tempfile.TemporaryDirectory() as tmp:
-        paths = write_k3_serving_pair(Path(tmp), tiny=True)
         ingress: dict[str, Any] = {"default_max_tokens": 16, "max_tokens_limit": 1500}
         if ingress_replicas != 1:  # a build without the field takes the default only
             ingress["replicas"] = ingress_replicas
-        cfg = AppConfig.model_validate({
-            "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                       "served_model_name": MODEL},
-            "engine": {"reference": {"kv_capacity_tokens": KV, "state_slots": SLOTS,
-                                     "speculation": {"enabled": True}}},
-            "parallelism": {"tp": 1},
-            "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},
-            "ingress": ingress,
-            "router": {"block_size": 16, "client_max_kv_share": 1.0},
-        })
+        cfg = tiny_k3_app(
+            Path(tmp),
+            engine={"kv_capacity_tokens": KV, "state_slots": SLOTS,
+                    "speculation": {"enabled": True}},
+            ingress=ingress, router={"block_size": 16, "client_max_kv_share": 1.0}, model=MODEL)
         with served(cfg) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}",
                                                timeout=60) as client:
             for i in range(20):

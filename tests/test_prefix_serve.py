@@ -14,9 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from ray import serve
-from tiny_models import served, write_k3_serving_pair
-
-from serve_app.config import AppConfig
+from tiny_models import served, tiny_k3_app
 
 pytestmark = pytest.mark.slow
 
@@ -26,18 +24,14 @@ GRID = 32
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    paths = write_k3_serving_pair(tmp_path_factory.mktemp("prefix"), tiny=True)
-    cfg = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": 2048, "state_slots": 4,
-                                 "prefix_cache": {"enabled": True, "snapshot_interval": GRID}}},
-        "parallelism": {"tp": 1},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},
-        "ingress": {"default_max_tokens": 8, "max_tokens_limit": 512, "replicas": 2,
-                    "ingress_cpus": 0.1},
-        "router": {"block_size": 16, "long_threshold": 4096, "client_max_kv_share": 1.0},
-    })
+    cfg = tiny_k3_app(
+        tmp_path_factory.mktemp("prefix"),
+        engine={"kv_capacity_tokens": 2048, "state_slots": 4,
+                "prefix_cache": {"enabled": True, "snapshot_interval": GRID}},
+        ingress={"default_max_tokens": 8, "max_tokens_limit": 512, "replicas": 2,
+                 "ingress_cpus": 0.1},
+        router={"block_size": 16, "long_threshold": 4096, "client_max_kv_share": 1.0},
+        model=MODEL)
     with served(cfg) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}",
                                            timeout=180) as client:
         yield client

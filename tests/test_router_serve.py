@@ -12,9 +12,7 @@ import httpx
 import openai
 import pytest
 from ray import serve
-from tiny_models import served, write_k3_serving_pair
-
-from serve_app.config import AppConfig
+from tiny_models import served, tiny_k3_app
 
 pytestmark = pytest.mark.slow
 
@@ -26,20 +24,15 @@ QUEUE = 4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    paths = write_k3_serving_pair(tmp_path_factory.mktemp("router"), tiny=True)
-    cfg = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": KV, "state_slots": SLOTS,
-                                 "speculation": {"enabled": True}}},
-        "parallelism": {"tp": 1},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},
-        "ingress": {"default_max_tokens": 16, "max_tokens_limit": 1500},
+    cfg = tiny_k3_app(
+        tmp_path_factory.mktemp("router"),
+        engine={"kv_capacity_tokens": KV, "state_slots": SLOTS, "speculation": {"enabled": True}},
+        ingress={"default_max_tokens": 16, "max_tokens_limit": 1500},
         # One client sends everything here: the per-client KV share would hold back what
         # these tests count on the capacity to admit (tests/test_hardening.py tests it).
-        "router": {"block_size": 16, "queue_size": QUEUE, "queue_timeout_s": 120,
-                   "long_threshold": 256, "client_max_kv_share": 1.0},
-    })
+        router={"block_size": 16, "queue_size": QUEUE, "queue_timeout_s": 120,
+                "long_threshold": 256, "client_max_kv_share": 1.0},
+        model=MODEL)
     with served(cfg) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}",
                                            timeout=180) as client:
         yield client
