@@ -6,7 +6,7 @@ writes the asset folders (default: `serve_app/assets/`). `all` trains the target
 with the committed tokenizer (`train-tokenizer` remakes it). CI runs a short version of the same
 recipe (tests/test_training.py).
 
-    python -m serve_app.training all --budget-minutes 90 --seed 0
+    python -m serve_app.training all --budget-minutes 130 --seed 0
 
 Give it the machine: with another process on one of the 2 cores, training runs several times
 slower (the ThreadTuner falls back to one thread).
@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-# Share of the `all` budget for the target; the draft gets the rest (90 minutes: 50 + 40, the
-# stage commands that made the committed pair).
-_TARGET_SHARE = 5 / 9
+# Share of the `all` budget for the target; the draft gets the rest (130 minutes: 78 + 52). The
+# 50 + 40 run left both still improving (target loss falling at 49 min, the draft's acceptance
+# rising at 39); the target gets the larger share because the draft learns from its features.
+_TARGET_SHARE = 0.6
 
 
 def _paths(out: Path) -> tuple[Path, Path, Path]:
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "all", "cards"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-minutes", type=float, default=None,
-                        help="wall-time budget of this command (all: 5/9 target)")
+                        help="wall-time budget of this command (all: 60%% target)")
     parser.add_argument("--out", type=Path, default=ASSETS, help="assets folder to write")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--vocab-size", type=int, default=4096)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.provenance = provenance(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    defaults = {"train-tokenizer": 2.0, "train-target": 50.0, "train-draft": 40.0, "all": 90.0,
+    defaults = {"train-tokenizer": 2.0, "train-target": 78.0, "train-draft": 52.0, "all": 130.0,
                 "cards": 0.0}
     budget_s = 60 * (args.budget_minutes if args.budget_minutes is not None
                      else defaults[args.command])
