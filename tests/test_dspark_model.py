@@ -24,7 +24,6 @@ from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.kv_cache import PagedKVCache
 from serve_app.models.layers import apply_rotary, rope_inv_freq
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference"
 PUBLISHED_CONFIG = Path(__file__).resolve().parents[1] / "serve_app/assets/kimi-k3-dspark-config.json"
 
 # The table of dspark.md, written out: name -> shape for the published config.
@@ -85,7 +84,7 @@ def make_draft(seed: int = 0, **overrides: object) -> DSparkDraft:
 
 
 def test_published_config_parameter_count_and_tensor_names() -> None:
-    config = DSparkConfig.from_file(REFERENCE / "kimi-k3-dspark-config.json")
+    config = DSparkConfig.from_file(PUBLISHED_CONFIG)
     expected = expected_tensors(config)
     assert {k: list(v.shape) for k, v in expected.items()} == PUBLISHED_SHAPES
     assert len(expected) == 62
