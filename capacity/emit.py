@@ -164,6 +164,8 @@ def app_args(desc: ServeDescription) -> dict[str, Any]:
         "placement": {"accelerator": "GPU", "gpu_type": desc.gpu,
                       "cpus_per_rank": desc.cpus_per_rank, "replicas": desc.replicas},
         "ingress": dict(desc.ingress),
+        # Kimi K3's sampling contract, as Moonshot verifies vendors (serve_app/chat/parameters.py).
+        "api": {"parameter_policy": "k3"},
     }
 
 

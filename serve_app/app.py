@@ -15,6 +15,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from serve_app.chat.formats import chat_format_for
 from serve_app.config import AppConfig, ConfigError, model_configs
 from serve_app.models.dspark_config import check_pair
 from serve_app.serving.ingress import OpenAIIngress
@@ -57,6 +58,7 @@ def validate(config: AppConfig) -> None:
                 problems.append(f"parallelism.tp={tp} cannot shard {field}: {exc}")
     try:
         tokenizer = load_tokenizer(config.models.tokenizer_path())
+        chat_format_for(tokenizer)  # the ingress serves chats in the folder's own format
         if tokenizer.vocab_size > target.vocab_size:
             problems.append(f"models.tokenizer has {tokenizer.vocab_size} tokens, more than the "
                             f"target's vocab_size={target.vocab_size}")

@@ -146,6 +146,15 @@ class IngressConfig(_Strict):
         return self
 
 
+class ApiConfig(_Strict):
+    """How the served model's API behaves beyond OpenAI's shapes."""
+
+    parameter_policy: Literal["k3", "open"] = Field(
+        default="open", description="k3: Kimi K3's sampling contract (temperature in [0, 1], "
+        "default 1.0 thinking / 0.6 not; top_p 0.95, unset or 1.0 taken as 0.95; other values "
+        "a 400), as Moonshot verifies vendors; open: any value OpenAI allows")
+
+
 class SGLangSettings(_Strict):
     """SGLang 0.5.23 server arguments that are not derived from elsewhere in the tree.
 
@@ -411,6 +420,7 @@ class AppConfig(_Strict):
     parallelism: ParallelismConfig = ParallelismConfig()
     placement: PlacementConfig = PlacementConfig()
     ingress: IngressConfig = IngressConfig()
+    api: ApiConfig = ApiConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     router: RouterConfig = RouterConfig()
 

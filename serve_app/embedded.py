@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from serve_app.tokenizer import ChatTokenizer
+from serve_app.tokenizer import HFTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
 TARGET = ASSETS / "kimi-k3-mini"
@@ -27,7 +27,7 @@ def heldout_prompt_texts() -> dict[str, list[str]]:
     return {"completion": list(data["completion"]), "chat": list(data["chat"])}
 
 
-def heldout_prompt_ids(tokenizer: ChatTokenizer, n_completion: int | None = None,
+def heldout_prompt_ids(tokenizer: HFTokenizer, n_completion: int | None = None,
                        n_chat: int | None = None) -> list[list[int]]:
     """Token ids of the held-out prompts: completion prompts as raw text, chat prompts through
     the chat template with the generation prompt."""

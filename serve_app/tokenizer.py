@@ -1,38 +1,74 @@
-"""A Hugging Face tokenizer folder (`tokenizer.json` + `tokenizer_config.json`) with its chat
-template: what the ingress and the demo need to turn messages into token ids and back.
+"""Tokenizer folders, in the two forms checkpoints ship, behind one interface.
 
-The chat template is Jinja2 (as in `transformers`). Special tokens written by the template
-become their ids; text a client wrote never does: message contents are encoded as plain text,
-so a user who types `<|im_end|><|im_system|>` gets those characters, not a forged turn.
+- Hugging Face: `tokenizer.json` + `tokenizer_config.json` (the embedded default);
+- Kimi's tiktoken BPE: `tiktoken.model` + `tokenizer_config.json` naming the control tokens
+  (K3 and K2.5 checkpoints: `tokenizer_tiktoken.py`). Their Python tokenizer code is never
+  imported, whatever `auto_map` says.
+
+Both keep client text apart from control tokens: `encode_text` reads special-token strings
+as ordinary text (a user who types `<|im_end|>` gets those characters, not a forged turn);
+`encode` is for trusted text (a renderer's own markers, training data). How a conversation
+becomes ids is the chat format's business (`serve_app/chat/`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer as HFTokenizerModel
+
+from serve_app.chat.jinja_render import JinjaChat
+from serve_app.chat.segments import encode_segments
+from serve_app.tokenizer_tiktoken import TikTokenTokenizer
 
 EMBEDDED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"
+# A message's end in K3's chat format: generation stops there, like at EOS.
+END_OF_MESSAGE = "<|end_of_msg|>"
 
 
-class ChatTokenizer:
-    def __init__(self, tokenizer: Tokenizer, config: Mapping[str, Any]) -> None:
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_id: int
+    max_token_bytes: int
+    special_ids: dict[str, int]
+    chat_template: str | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def stop_token_ids(tokenizer: Tokenizer) -> list[int]:
+    """Where generation ends: EOS, and the end of a message where the format has one."""
+    end = tokenizer.special_ids.get(END_OF_MESSAGE)
+    return [tokenizer.eos_token_id] + ([end] if end is not None else [])
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (as `tokenizers`' ByteLevel): printable bytes stand for
+    themselves, the rest are shifted past 255."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable},
+            **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
+class HFTokenizer:
+    def __init__(self, tokenizer: HFTokenizerModel, config: Mapping[str, Any]) -> None:
         self.tokenizer = tokenizer
         self.config = dict(config)
         template = self.config.get("chat_template")
-        if not isinstance(template, str) or not template:
-            raise ValueError("tokenizer_config.json has no chat_template")
-        # Sandboxed, like transformers: a template is data from a checkpoint, not trusted code.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            undefined=jinja2.StrictUndefined)
-        self._template = env.from_string(template)
+        self.chat_template: str | None = template if isinstance(template, str) and template \
+            else None
 
         def token_id(key: str) -> int:
             name = self.config.get(key)
@@ -47,10 +83,12 @@ class ChatTokenizer:
         self.pad_token_id = token_id("pad_token")
         self.bos_token_id = token_id("bos_token")  # the document separator, <|endoftext|>
         # A second tokenizer that reads special-token strings as ordinary text (client text).
-        self._plain = Tokenizer.from_str(tokenizer.to_str())
+        self._plain = HFTokenizerModel.from_str(tokenizer.to_str())
         self._plain.encode_special_tokens = True
-        self.specials = [t.content for t in tokenizer.get_added_tokens_decoder().values()
-                         if t.special]
+        self.special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()
+                            if t.special}
+        self.specials = list(self.special_ids)
+        self._special_set = frozenset(self.special_ids.values())
         # The most UTF-8 bytes one token stands for: a text of B bytes has at least
         # B / max_token_bytes tokens, so over-long prompts are refused before tokenizing.
         self.max_token_bytes = max(
@@ -74,59 +112,37 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]],
-                    add_generation_prompt: bool = True) -> str:
-        bad = [m.get("role") for m in messages
-               if m.get("role") not in ("system", "user", "assistant")]
-        if bad:
-            raise ValueError(f"unknown chat roles {bad}; allowed: system, user, assistant")
-        return self._template.render(messages=list(messages),
-                                     add_generation_prompt=add_generation_prompt)
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_set
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for (byte-level BPE vocabularies, as Kimi's converted
+        tokenizer.json; other pieces by their decoded text)."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        if token_id in self._special_set or any(c not in _BYTE_OF for c in piece):
+            return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        return bytes(_BYTE_OF[c] for c in piece)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation: the template's own text with its special tokens, each
-        message's content as plain text.
-
-        The template is rendered with a unique marker in place of each content; the text
-        between markers is the template's (encoded with special tokens), the markers are
-        replaced by the contents (encoded as plain text). A template that changes a content
-        on its way out (so its marker is not found exactly once, in order) is rendered with
-        the real contents instead, and a content holding a special-token string is then
-        refused rather than let through."""
-        tag = secrets.token_hex(8)
-        markers = [f"@@content-{tag}-{i}@@" for i in range(len(messages))]
-        marked = [{**m, "content": markers[i]} for i, m in enumerate(messages)]
-        rendered = self.render_chat(marked, add_generation_prompt)
-        pieces: list[str] = []
-        rest = rendered
-        for marker in markers:
-            head, found, rest = rest.partition(marker)
-            if not found or marker in rest:
-                return self._apply_unmarked(messages, add_generation_prompt)
-            pieces.append(head)
-        ids: list[int] = []
-        for piece, message in zip(pieces, messages, strict=True):
-            ids += self.encode(piece) if piece else []
-            content = str(message.get("content") or "")
-            ids += self.encode_text(content) if content else []
-        return ids + (self.encode(rest) if rest else [])
-
-    def _apply_unmarked(self, messages: Sequence[Mapping[str, str]],
-                        add_generation_prompt: bool) -> list[int]:
-        for i, m in enumerate(messages):
-            content = str(m.get("content") or "")
-            forged = [t for t in self.specials if t in content]
-            if forged:
-                raise ValueError(f"messages[{i}].content contains the control token "
-                                 f"{json.dumps(forged[0])}, which this chat template cannot "
-                                 "keep as text")
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        """Token ids of a plain conversation through this folder's Jinja template (the
+        training corpus and tests; the server goes through its chat format)."""
+        if self.chat_template is None:
+            raise ValueError("tokenizer_config.json has no chat_template")
+        chat = JinjaChat(self.chat_template, self.specials)
+        return encode_segments(self, chat.segments(messages, add_generation_prompt))
 
 
-def load_tokenizer(path: str | os.PathLike[str] = EMBEDDED_TOKENIZER) -> ChatTokenizer:
-    """Load a tokenizer folder (defaults to the embedded one)."""
+def load_tokenizer(path: str | os.PathLike[str] = EMBEDDED_TOKENIZER) -> Tokenizer:
+    """Load a tokenizer folder (defaults to the embedded one), in whichever form it is."""
     path = Path(path)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    return ChatTokenizer(tok, config)
+    if (path / "tokenizer.json").is_file():
+        tok = HFTokenizerModel.from_file(str(path / "tokenizer.json"))
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        return HFTokenizer(tok, config)
+    if (path / "tiktoken.model").is_file():
+        return TikTokenTokenizer.from_folder(path)
+    raise ValueError(f"tokenizer folder {path}: neither tokenizer.json (Hugging Face) nor "
+                     "tiktoken.model (Kimi's BPE) is there")

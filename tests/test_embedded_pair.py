@@ -8,11 +8,12 @@ import statistics
 import pytest
 import torch
 
+from serve_app.chat.jinja_render import JinjaChat
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, asset_bytes, heldout_prompt_ids
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.k3_config import K3Config
-from serve_app.tokenizer import ChatTokenizer, load_tokenizer
+from serve_app.tokenizer import HFTokenizer, load_tokenizer
 from serve_app.training.evaluate import pair_engine
 
 # Measured on the committed pair: the macro mean accept length on these 6 prompts is 3.30 (the
@@ -24,17 +25,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tok() -> ChatTokenizer:
+def tok() -> HFTokenizer:
     return load_tokenizer(TOKENIZER)
 
 
 @pytest.fixture(scope="module")
-def prompts(tok: ChatTokenizer) -> list[list[int]]:
+def prompts(tok: HFTokenizer) -> list[list[int]]:
     # 5 code-completion prompts and 1 chat request, all from held-out files.
     return heldout_prompt_ids(tok, n_completion=5, n_chat=1)
 
 
-def test_asset_configs_parse_and_agree(tok: ChatTokenizer) -> None:
+def test_asset_configs_parse_and_agree(tok: HFTokenizer) -> None:
     from serve_app.models.target_config import is_hybrid
 
     target = K3Config.from_file(TARGET)
@@ -67,12 +68,12 @@ def test_assets_fit_the_wheel_budget() -> None:
     assert asset_bytes() < 25_000_000
 
 
-def test_tokenizer_round_trip_and_chat_template(tok: ChatTokenizer) -> None:
+def test_tokenizer_round_trip_and_chat_template(tok: HFTokenizer) -> None:
     text = 'def f(x):\n    """Docstring — ünïcode ✓."""\n\treturn x  # tab\n'
     assert tok.decode(tok.encode(text)) == text
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Write the function f."}]
-    assert tok.render_chat(messages) == (
+    assert JinjaChat(tok.chat_template, tok.specials).render(messages) == (
         "<|im_system|>Be brief.<|im_end|><|im_user|>Write the function f.<|im_end|>"
         "<|im_assistant|>")
     ids = tok.apply_chat_template(messages)

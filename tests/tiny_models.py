@@ -305,3 +305,32 @@ def tiny_k3_app(folder: Path, engine: dict[str, Any], ingress: dict[str, Any],
         "ingress": ingress,
         "router": router,
     })
+
+
+DATA = Path(__file__).parent / "data"
+# A K3-style tokenizer folder: the public Kimi BPE (the K2.5 fixture's tiktoken.model, K3's
+# vocabulary) with K3's control tokens (tests/data/kimi-k3-style/tokenizer_config.json).
+K3_STYLE_TOKENIZER = (DATA / "kimi-k25-tokenizer" / "tiktoken.model",
+                      DATA / "kimi-k3-style" / "tokenizer_config.json")
+K3_EOS, K3_BOS, K3_PAD, K3_MASK = 163586, 163584, 163839, 163824  # kimi-k3(-dspark) config.json
+
+
+def write_k3_style_tokenizer(folder: Path) -> Path:
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in K3_STYLE_TOKENIZER:
+        shutil.copyfile(source, folder / source.name)
+    return folder
+
+
+def write_k3_format_pair(folder: Path, seed: int = 0, tiny: bool = True) -> dict[str, Path]:
+    """A random mini K3 pair in K3's chat format: K3's vocabulary (163,840) and special ids,
+    the K3-style tokenizer in the target folder; `tiny` at the test widths (the embedding
+    and head are most of its ~21 M parameters)."""
+    make = tiny_k3_config if tiny else mini_k3_config
+    config = make(vocab_size=163_840, eos_token_id=K3_EOS, bos_token_id=K3_BOS,
+                  pad_token_id=K3_PAD)
+    target, draft = write_random_k3_pair(folder, config, seed, mask_token_id=K3_MASK)
+    write_k3_style_tokenizer(target)
+    return {"target": target, "draft": draft}

@@ -38,6 +38,10 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
+from serve_app.chat.formats import ChatPlan, chat_format_for
+from serve_app.chat.output import ChatOutput
+from serve_app.chat.parameters import sampling_values
+from serve_app.chat.segments import encode_segments, text_bytes
 from serve_app.config import AppConfig, context_length
 from serve_app.engines.types import (
     EngineUnavailable,
@@ -356,6 +360,44 @@ def error_for(exc: BaseException, retry_after_s: int, request_id: str = "") -> O
     return OpenAIError(500, "internal error", "server_error", code="internal_error")
 
 
+# --- a request's prompt and answer ---------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    plan: ChatPlan | None = None  # None: a /v1/completions prompt
+
+
+@dataclass
+class Answer:
+    """One response being assembled: chat deltas from the chat format's output assembler,
+    completion text as the engine sent it; usage without the format's generation stub."""
+
+    prompt: Prompt
+    output: ChatOutput | None
+
+    @property
+    def chat(self) -> bool:
+        return self.output is not None
+
+    def feed(self, out: RequestOutput) -> list[dict[str, Any]]:
+        if self.output is None:
+            return [{"content": out.text}] if out.text else []
+        return self.output.feed(out)
+
+    def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        return self.output.finish(reason) if self.output is not None else ([], reason)
+
+    def prompt_tokens(self, last: RequestOutput) -> int:
+        stub = self.prompt.plan.stub_tokens if self.prompt.plan else 0
+        return max(0, last.prompt_tokens - stub)
+
+    def usage(self, last: RequestOutput) -> dict[str, Any]:
+        return usage(self.prompt_tokens(last), last.completion_tokens, last.spec,
+                     last.cached_tokens)
+
+
 # --- a request's hold on the router and the target ------------------------------------------------
 
 
@@ -490,6 +532,7 @@ class OpenAIIngress:
         self.target = target
         self._generate = target.options(stream=True).generate  # made once, not per request
         self.tokenizer = load_tokenizer(self.config.models.tokenizer_path())
+        self.chat = chat_format_for(self.tokenizer)
         self.model_name = self.config.models.served_model_name
         self.max_model_len = context_length(self.config)
         ing = self.config.ingress
@@ -568,9 +611,8 @@ class OpenAIIngress:
             try:
                 body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
                 self._check_model(body)
-                prompt_ids = await self._tokenize(body, chat)
-                return await self._serve(body, prompt_ids, chat, telemetry,
-                                         self._client_of(request))
+                prompt = await self._tokenize(body)
+                return await self._serve(body, prompt, telemetry, self._client_of(request))
             except OpenAIError as exc:
                 telemetry.finish(exc.status)
                 raise
@@ -593,38 +635,35 @@ class OpenAIIngress:
                               f"serves {quote(self.model_name)}", param="model",
                               code="model_not_found")
 
-    async def _tokenize(self, body: _Request, chat: bool) -> list[int]:
+    async def _tokenize(self, body: _Request) -> Prompt:
         """Token ids of the prompt, computed off the event loop (a long prompt must not stall
         /health or other requests). A text that cannot fit the context even at the
         tokenizer's most bytes per token is refused without tokenizing it."""
-        param = "messages" if chat else "prompt"
-        if chat:
-            assert isinstance(body, ChatCompletionRequest)
-            messages = body.conversation()
-            size = sum(len(m["content"].encode("utf-8")) for m in messages)
-            work: Callable[[], list[int]] = lambda: self.tokenizer.apply_chat_template(messages)  # noqa: E731
+        if isinstance(body, ChatCompletionRequest):
+            plan = self.chat.plan(body)
+            param, size = "messages", text_bytes(plan.segments)
+            work: Callable[[], list[int]] = lambda: encode_segments(self.tokenizer, plan.segments)  # noqa: E731
         else:
             assert isinstance(body, CompletionRequest)
-            prompt = body.prompt_ids_or_text()
-            if not isinstance(prompt, str):
+            plan, param = None, "prompt"
+            text = body.prompt_ids_or_text()
+            if not isinstance(text, str):
                 vocab = self.tokenizer.vocab_size
-                if any(not 0 <= t < vocab for t in prompt):
+                if any(not 0 <= t < vocab for t in text):
                     raise OpenAIError(400, f"prompt token ids must be in [0, {vocab})",
                                       param="prompt")
-                return prompt
-            size = len(prompt.encode("utf-8"))
-            work = lambda: self.tokenizer.encode_text(prompt)  # noqa: E731
+                return Prompt(text)
+            size = len(text.encode("utf-8"))
+            work = lambda: self.tokenizer.encode_text(text)  # noqa: E731
         if size > self.max_model_len * self.tokenizer.max_token_bytes:
             raise OpenAIError(400, f"This model's maximum context length is "
                               f"{self.max_model_len} tokens; the {param} ({size} bytes of "
                               f"text) is longer than that", param=param,
                               code="context_length_exceeded")
-        try:
-            if size <= INLINE_TOKENIZE_BYTES:
-                return work()
-            return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work)
-        except ValueError as exc:  # the chat template refused the conversation
-            raise OpenAIError(400, str(exc), param=param) from None
+        if size <= INLINE_TOKENIZE_BYTES:
+            return Prompt(work(), plan)
+        return Prompt(await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work),
+                      plan)
 
     def _limits(self, body: _Request, prompt_ids: list[int], chat: bool) -> int:
         """max_tokens against this server's limit and the context: the request's max_tokens."""
@@ -645,10 +684,13 @@ class OpenAIIngress:
                 param=param, code="context_length_exceeded")
         return max_tokens
 
-    async def _serve(self, body: _Request, prompt_ids: list[int], chat: bool,
-                     telemetry: RequestTelemetry, client: str) -> Any:
+    async def _serve(self, body: _Request, prompt: Prompt, telemetry: RequestTelemetry,
+                     client: str) -> Any:
+        chat, prompt_ids = prompt.plan is not None, prompt.ids
         max_tokens = self._limits(body, prompt_ids, chat)
-        params = body.sampling(max_tokens)
+        thinking = bool(prompt.plan and prompt.plan.k3 and prompt.plan.k3.thinking)
+        params = body.sampling(max_tokens, *sampling_values(
+            self.config.api.parameter_policy, body, thinking))
         rid = new_id("chatcmpl" if chat else "cmpl")
         telemetry.span.set_attribute("request_id", rid)
         telemetry.span.set_attribute("max_tokens", max_tokens)
@@ -695,11 +737,12 @@ class OpenAIIngress:
             lease.finished = first.finished
             lease.prefill_done()
             telemetry.first_token()
+            answer = Answer(prompt, self.chat.output(prompt.plan) if prompt.plan else None)
             if body.stream:
-                sse = self._sse(body, rid, chat, first, lease, telemetry)
+                sse = self._sse(body, rid, answer, first, lease, telemetry)
                 lease = None  # the stream owns it now (or its finalizer, if never started)
                 return StreamingResponse(sse, media_type="text/event-stream")
-            response = await self._collect(body, rid, chat, first, lease)
+            response = await self._collect(rid, answer, first, lease)
             # Metrics, the closing log line and the span end (0.7-1 ms) run once the response
             # has left: they are the server's bookkeeping, not the client's latency. Neither a
             # Starlette BackgroundTask nor call_soon is late enough under Serve (the body is
@@ -712,71 +755,78 @@ class OpenAIIngress:
             if lease is not None:
                 lease.close()
 
-    async def _collect(self, body: _Request, rid: str, chat: bool, first: RequestOutput,
+    async def _collect(self, rid: str, answer: Answer, first: RequestOutput,
                        lease: Lease) -> dict[str, Any]:
-        text, last = first.text, first
+        outs, last = [first], first
         try:
             if not first.finished:
                 async for out in lease.stream:
-                    text += out.text
+                    outs.append(out)
                     last = out
         except Exception as exc:
             raise error_for(exc, self.retry_after_s, rid) from None
         lease.finished = last.finished
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
-                                  "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+        text = "".join(o.text for o in outs)
+        for out in outs:
+            answer.feed(out)
+        finish = answer.finish(last.finish_reason)[1]
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if answer.output is not None:
+            choice["message"] = answer.output.message()
         else:
             choice["text"] = text
         return {
-            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "id": rid, "object": "chat.completion" if answer.chat else "text_completion",
             "created": now(), "model": self.model_name, "choices": [choice],
-            "usage": usage(last.prompt_tokens, last.completion_tokens, last.spec,
-                           last.cached_tokens),
+            "usage": answer.usage(last),
         }
 
-    async def _sse(self, body: _Request, rid: str, chat: bool, first: RequestOutput,
+    async def _sse(self, body: _Request, rid: str, answer: Answer, first: RequestOutput,
                    lease: Lease, telemetry: RequestTelemetry) -> AsyncIterator[str]:
         created = now()
+        chat = answer.chat
         kind = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = body.include_usage(
+            default=bool(answer.prompt.plan and answer.prompt.plan.stream_usage))
 
         def event(payload: dict[str, Any]) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=True)}\n\n"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
             if chat:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                if text is not None:
-                    delta["content"] = text
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
                                           "logprobs": None}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish,
-                          "logprobs": None}
+                choice = {"index": 0, "text": delta.get("content", ""),
+                          "finish_reason": finish, "logprobs": None}
             payload: dict[str, Any] = {"id": rid, "object": kind, "created": created,
                                        "model": self.model_name, "choices": [choice]}
-            if body.include_usage:
+            if include_usage:
                 payload["usage"] = None
             return event(payload)
 
         last = first
         try:
-            yield chunk(first.text, None, role=True)
+            if chat:
+                yield chunk({"role": "assistant", "content": ""})
+            for delta in answer.feed(first):
+                yield chunk(delta)
             if not first.finished:
                 async for out in lease.stream:
                     last = out
-                    if out.text:
-                        yield chunk(out.text, None)
+                    for delta in answer.feed(out):
+                        yield chunk(delta)
             lease.finished = last.finished
-            yield chunk(None if chat else "", last.finish_reason)
-            if body.include_usage:
+            deltas, finish = answer.finish(last.finish_reason)
+            for delta in deltas:
+                yield chunk(delta)
+            yield chunk({}, finish)
+            if include_usage:
                 yield event({"id": rid, "object": kind, "created": created,
                              "model": self.model_name, "choices": [],
-                             "usage": usage(last.prompt_tokens, last.completion_tokens,
-                                            last.spec, last.cached_tokens)})
+                             "usage": answer.usage(last)})
             yield "data: [DONE]\n\n"
-            telemetry.finish(200, last.prompt_tokens, last.completion_tokens)
+            telemetry.finish(200, answer.prompt_tokens(last), last.completion_tokens)
         except Exception as exc:
             # Headers are sent: the error travels as an event, and the stream still ends the
             # way every OpenAI stream ends.

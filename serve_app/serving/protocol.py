@@ -79,16 +79,12 @@ class _Strictish(BaseModel):
 # OpenAI fields this server does not implement: the values that mean "not used" (numbers
 # compare by value, so 0 also stands for 0.0), and why any other value is refused with a 400
 # naming the field.
-_TOOLS = "tool calling is not supported by this server"
 _LOGPROBS = "logprobs are not supported by this server"
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str | None]] = {
-    "tools": ((None, []), _TOOLS),
-    "tool_choice": ((None, "none"), _TOOLS),
-    "functions": ((None, []), "function calling is not supported by this server"),
-    "function_call": ((None, "none"), "function calling is not supported by this server"),
-    "parallel_tool_calls": ((None, True, False), _TOOLS),  # meaningless without tools
-    "response_format": ((None, {"type": "text"}), "only response_format {\"type\": \"text\"} "
-                        "is supported (no JSON mode or schemas)"),
+    # The deprecated forms of `tools` / `tool_choice`.
+    "functions": ((None, []), "functions is deprecated and not supported; use tools"),
+    "function_call": ((None, "none"), "function_call is deprecated and not supported; use "
+                      "tool_choice"),
     "logit_bias": ((None, {}), None),
     "logprobs": ((None, False, 0), _LOGPROBS),
     "top_logprobs": ((None, 0), _LOGPROBS),
@@ -105,7 +101,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str | None]] = {
     "audio": ((None,), None),
     "modalities": ((None, ["text"]), None),
     "web_search_options": ((None,), None),
-    "reasoning_effort": ((None,), None),
     "guided_json": ((None,), None),
     "guided_regex": ((None,), None),
     "guided_choice": ((None,), None),
@@ -144,7 +139,7 @@ def _refuse_unsupported(data: Any) -> Any:
 
 
 class StreamOptions(_Strictish):
-    include_usage: bool = False
+    include_usage: bool | None = None  # None: the chat format's default
 
 
 class _Request(_Strictish):
@@ -184,16 +179,16 @@ class _Request(_Strictish):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def include_usage(self, default: bool = False) -> bool:
+        asked = self.stream_options.include_usage if self.stream_options else None
+        return default if asked is None else asked
 
     def requested_max_tokens(self, default_max_tokens: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default_max_tokens
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, temperature: float, top_p: float) -> SamplingParams:
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            temperature=temperature, top_p=top_p, top_k=self.top_k,
             max_tokens=max_tokens, stop=tuple(self.stop_list),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             seed=self.seed,
@@ -203,12 +198,12 @@ class _Request(_Strictish):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["text"]
+    type: Literal["text", "input_text"]
     text: Text
 
 
 class ContentPart(BaseModel):
-    """Any content part: only `text` parts are served; others are refused by name."""
+    """Any content part: only text parts are served; others are refused by name."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -216,36 +211,70 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message. The fields of tool calling and reasoning are taken as sent and checked by
+    the chat format, which knows what its model can express (errors name the field)."""
+
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart | ContentPart] | None = None
+    name: Text | None = Field(default=None, max_length=256)
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
+    tools: Any = None
 
-    def text(self, where: str) -> str:
+    def text_parts(self, where: str) -> list[str]:
         if not isinstance(self.content, list):
-            return self.content or ""
+            return [self.content] if self.content else []
         for j, part in enumerate(self.content):
             if not isinstance(part, TextPart):
-                if part.type == "text":  # a text part whose text is missing or not a string
+                if part.type in ("text", "input_text"):  # its text is missing or not a string
                     raise OpenAIError(400, "a text content part needs a string `text`",
                                       param=f"{where}.content[{j}].text")
                 raise OpenAIError(400, f"content part type {quote(part.type)} is not "
                                   "supported; only \"text\"", param=f"{where}.content[{j}].type")
-        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+        return [p.text for p in self.content if isinstance(p, TextPart)]
+
+    def text(self, where: str) -> str:
+        return "".join(self.text_parts(where))
+
+
+# Chat fields whose meaning the chat format decides (K3's contract, or a 400 where a
+# checkpoint's template cannot express them); /v1/completions refuses them.
+CHAT_FORMAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "response_format",
+                      "thinking", "reasoning_effort", "chat_template_kwargs")
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    thinking: Any = None
+    reasoning_effort: Any = None
+    chat_template_kwargs: Any = None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(f"messages[{i}]")}
-                for i, m in enumerate(self.messages)]
+    def sent(self, name: str) -> bool:
+        """The client set this field to something other than null."""
+        return name in self.model_fields_set and getattr(self, name) is not None
 
 
 class CompletionRequest(_Request):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
     suffix: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_chat_fields(cls, data: Any) -> Any:
+        for name in CHAT_FORMAT_FIELDS:
+            if isinstance(data, dict) and data.get(name) is not None:
+                raise OpenAIError(400, f"{name} is a chat field: send it to "
+                                  "/v1/chat/completions", param=name)
+        return data
 
     @model_validator(mode="after")
     def _no_echo_or_suffix(self) -> CompletionRequest:

@@ -137,11 +137,10 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
 
     from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
     from serve_app.engines.reference.builder import build_engine
-    from serve_app.tokenizer import load_tokenizer
+    from serve_app.tokenizer import load_tokenizer, stop_token_ids
 
     tokenizer = load_tokenizer(config.models.tokenizer_path())
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-    core = build_engine(runner, config.engine.reference, eos_token_ids=eos,
+    core = build_engine(runner, config.engine.reference, eos_token_ids=stop_token_ids(tokenizer),
                         detokenize=tokenizer.decode)
     if config.engine.max_model_len:
         core.max_model_len = config.engine.max_model_len

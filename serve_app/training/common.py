@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve_app.tokenizer import ChatTokenizer
+from serve_app.tokenizer import HFTokenizer
 from serve_app.training.bpe import SPECIAL_TOKENS
 from serve_app.training.corpus import SourceFile, chat_documents
 
@@ -64,7 +64,7 @@ def cosine_lr(fraction: float, step: int, peak: float, warmup: int, floor: float
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction))))
 
 
-def encode_documents(tok: ChatTokenizer, files: list[SourceFile], seed: int,
+def encode_documents(tok: HFTokenizer, files: list[SourceFile], seed: int,
                      chat_fraction: float = 0.25) -> torch.Tensor:
     """One token stream: every file and some chat exchanges (about `chat_fraction` of the
     documents), shuffled with the seed, each followed by <|endoftext|>."""

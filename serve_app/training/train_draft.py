@@ -30,7 +30,7 @@ from serve_app.models.dspark import DSparkDraft, save_dspark
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.k3 import K3ForCausalLM, K3State
 from serve_app.models.k3_weights import load_k3
-from serve_app.tokenizer import ChatTokenizer
+from serve_app.tokenizer import HFTokenizer
 from serve_app.training.common import (
     Progress,
     ThreadTuner,
@@ -59,7 +59,7 @@ def tap_layers(target: K3ForCausalLM) -> tuple[int, ...]:
     return tuple(range(1, n, 2))
 
 
-def mini_draft_config(target: K3ForCausalLM, tok: ChatTokenizer, layers: int = DRAFT_LAYERS,
+def mini_draft_config(target: K3ForCausalLM, tok: HFTokenizer, layers: int = DRAFT_LAYERS,
                       markov_rank: int = MARKOV_RANK) -> DSparkConfig:
     """The published DSpark layout (a Qwen3-style block drafter with the Markov and confidence
     heads, K3's rms eps) at the target's width."""
@@ -119,7 +119,7 @@ def generate(target: K3ForCausalLM, prompts: torch.Tensor, new_tokens: int,
     return torch.cat(out, dim=1)
 
 
-def generation_prompts(tok: ChatTokenizer, stream: torch.Tensor, files: list[SourceFile],
+def generation_prompts(tok: HFTokenizer, stream: torch.Tensor, files: list[SourceFile],
                        n: int, length: int, rng: random.Random,
                        gen: torch.Generator) -> torch.Tensor:
     """[n, length] prompts: corpus windows, and (a quarter of them) a chat request placed after
@@ -194,7 +194,7 @@ def _batch(target: K3ForCausalLM, ids: torch.Tensor, anchors: torch.Tensor
 
 
 def train_draft(
-    tok: ChatTokenizer,
+    tok: HFTokenizer,
     train_files: list[SourceFile],
     heldout_files: list[SourceFile],
     target_dir: Path,

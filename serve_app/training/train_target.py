@@ -19,7 +19,7 @@ from serve_app.models.k3 import K3ForCausalLM
 from serve_app.models.k3_blocks import LatentMoE
 from serve_app.models.k3_config import K3Config
 from serve_app.models.k3_weights import is_fp32_tensor, load_k3, save_k3
-from serve_app.tokenizer import ChatTokenizer
+from serve_app.tokenizer import HFTokenizer
 from serve_app.training.common import (
     Progress,
     ThreadTuner,
@@ -35,7 +35,7 @@ from serve_app.training.corpus import SourceFile
 ASSET_SHARD_BYTES = 7 * 2**20
 
 
-def mini_target_config(tok: ChatTokenizer) -> K3Config:
+def mini_target_config(tok: HFTokenizer) -> K3Config:
     """K3's layout at a few million parameters: 8 layers, KDA except the 4th and 8th (K3's 3:1
     ratio, 1-based `full_attn_layers` as in its config), AttnRes blocks of 3, a dense first
     layer then latent MoE (16 experts, top-4 plus 2 shared, sigmoid noaux_tc router), SiTU.
@@ -161,7 +161,7 @@ class TargetResult:
 
 
 def train_target(
-    tok: ChatTokenizer,
+    tok: HFTokenizer,
     train_files: list[SourceFile],
     heldout_files: list[SourceFile],
     out: Path,

@@ -1,0 +1,1 @@
+"""The K3 chat path: request handling, XTML rendering and output parsing."""

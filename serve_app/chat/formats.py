@@ -1,0 +1,122 @@
+"""The chat format a checkpoint speaks, chosen from its tokenizer folder (never from a flag):
+K3's XTML when the folder declares the XTML control tokens, else the folder's Jinja template.
+
+A format turns a validated request into a plan (segments to encode, what the output parser
+must know) and makes the per-request output assembler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from serve_app.chat import k3_request
+from serve_app.chat.jinja_render import JinjaChat
+from serve_app.chat.k3_request import K3Request
+from serve_app.chat.output import ChatOutput, PlainOutput, XTMLOutput
+from serve_app.chat.segments import Segment
+from serve_app.chat.xtml_output import XTMLControls, XTMLOutputParser
+from serve_app.chat.xtml_render import (
+    CLOSE,
+    END_OF_MSG,
+    GENERATION_STUB_TOKENS,
+    MARKERS,
+    OPEN,
+    SEP,
+    RenderError,
+    render,
+)
+from serve_app.serving.protocol import CHAT_FORMAT_FIELDS, ChatCompletionRequest, OpenAIError
+from serve_app.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    segments: list[Segment]
+    # Trailing prompt tokens that are the format's generation stub, not the client's prompt
+    # (usage.prompt_tokens leaves them out).
+    stub_tokens: int = 0
+    # Streams carry usage even without stream_options.include_usage (K3's API does).
+    stream_usage: bool = False
+    k3: K3Request | None = None
+
+
+class ChatFormat(Protocol):
+    name: str
+
+    def plan(self, body: ChatCompletionRequest) -> ChatPlan: ...
+
+    def output(self, plan: ChatPlan) -> ChatOutput: ...
+
+
+class JinjaFormat:
+    """A checkpoint's Jinja template: plain conversations of system, user and assistant
+    text. What the template cannot express is refused, not ignored."""
+
+    name = "jinja"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        assert tokenizer.chat_template is not None
+        self.chat = JinjaChat(tokenizer.chat_template, list(tokenizer.special_ids))
+
+    def plan(self, body: ChatCompletionRequest) -> ChatPlan:
+        for name in CHAT_FORMAT_FIELDS:
+            if body.sent(name) and not _neutral(name, getattr(body, name)):
+                raise OpenAIError(400, f"{name} is not supported by this model's chat format",
+                                  param=name, code="unsupported_parameter")
+        messages = []
+        for i, m in enumerate(body.messages):
+            role = "system" if m.role == "developer" else m.role
+            if role == "tool" or m.tool_calls or m.tools is not None:
+                raise OpenAIError(400, "tool messages and tool calls are not supported by this "
+                                  "model's chat format", param=f"messages[{i}]")
+            messages.append({"role": role, "content": m.text(f"messages[{i}]")})
+        try:
+            return ChatPlan(self.chat.segments(messages))
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from None
+
+    def output(self, plan: ChatPlan) -> ChatOutput:
+        return PlainOutput()
+
+
+def _neutral(name: str, value: object) -> bool:
+    """Values that ask nothing of the format."""
+    return {"tools": value == [], "tool_choice": value in ("none", "auto"),
+            "response_format": value == {"type": "text"},
+            "parallel_tool_calls": isinstance(value, bool)}.get(name, False)
+
+
+class K3Format:
+    name = "k3"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        ids = tokenizer.special_ids
+        self.controls = XTMLControls(ids[OPEN], ids[CLOSE], ids[SEP], ids[END_OF_MSG])
+        self.tokenizer = tokenizer
+
+    def plan(self, body: ChatCompletionRequest) -> ChatPlan:
+        request = k3_request.parse(body)
+        try:
+            segments = render(request.messages, request.options)
+        except RenderError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from None
+        return ChatPlan(segments, GENERATION_STUB_TOKENS, stream_usage=True, k3=request)
+
+    def output(self, plan: ChatPlan) -> ChatOutput:
+        assert plan.k3 is not None
+        tok = self.tokenizer
+        parser = XTMLOutputParser(self.controls, tok.token_bytes,  # type: ignore[attr-defined]
+                                  thinking=plan.k3.thinking,
+                                  tools_allowed=plan.k3.tools_allowed,
+                                  is_special=tok.is_special)  # type: ignore[attr-defined]
+        return XTMLOutput(parser, plan.k3.thinking, frozenset(plan.k3.tool_names))
+
+
+def chat_format_for(tokenizer: Tokenizer) -> ChatFormat:
+    if all(m in tokenizer.special_ids for m in MARKERS):
+        return K3Format(tokenizer)
+    if tokenizer.chat_template is not None:
+        return JinjaFormat(tokenizer)
+    raise ValueError("the tokenizer folder declares neither K3's XTML control tokens "
+                     f"({', '.join(MARKERS)}) nor a Jinja chat_template")
