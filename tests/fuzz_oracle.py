@@ -341,17 +341,57 @@ def app_config(paths: dict[str, Path], model: str = MODEL) -> dict[str, Any]:
     }
 
 
+def k3_app_config(paths: dict[str, Path], model: str = MODEL) -> dict[str, Any]:
+    """The same, serving a pair in Kimi K3's chat format under K3's parameter policy."""
+    return {**app_config(paths, model), "api": {"parameter_policy": "k3"}}
+
+
 @contextlib.contextmanager
-def local_server(folder: Path, model: str = MODEL) -> Iterator[str]:
-    """A local Ray cluster serving the tiny pair (tests/tiny_models.py) over HTTP; yields the
-    base URL."""
+def local_server(folder: Path, model: str = MODEL, k3_format: bool = False) -> Iterator[str]:
+    """A local Ray cluster serving the tiny pair (tests/tiny_models.py) over HTTP, or with
+    `k3_format` the random mini K3 in K3's chat format; yields the base URL."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from tiny_models import served, write_tiny_serving_pair
+    from tiny_models import served, write_k3_format_pair, write_tiny_serving_pair
 
     from serve_app.config import AppConfig
 
-    paths = write_tiny_serving_pair(folder)
-    with served(AppConfig.model_validate(app_config(paths, model))) as port:
+    if k3_format:
+        config = k3_app_config(write_k3_format_pair(folder), model)
+    else:
+        config = app_config(write_tiny_serving_pair(folder), model)
+    with served(AppConfig.model_validate(config)) as port:
         yield f"http://127.0.0.1:{port}"
+
+
+def fuzz(client: httpx.Client, base: str, named: list[FuzzRequest], strategy: Any, total: int,
+         down: list[str], max_outages: int = 2) -> FuzzReport:
+    """Send the named cases, then Hypothesis' examples (derandomized: CI sends the same
+    requests every run), recording every answer. `down` carries a server found down from one
+    test to the next, which then fail at once instead of each waiting out the recovery."""
+    import pytest
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    if down:
+        pytest.fail(f"the server is down since an earlier test: {down[0]}")
+    report = FuzzReport(max_outages=max_outages)
+    for request in named:
+        report.run(client, base, request)
+
+    @settings(max_examples=max(1, total - len(named)), deadline=None, derandomize=True,
+              database=None, phases=[Phase.generate], print_blob=False,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def generated(request: FuzzRequest) -> None:
+        report.run(client, base, request)
+
+    generated()
+    if report.server_down:
+        down.append(report.stopped or "")
+    print(report.summary())  # shown with -s, and in the failure message
+    return report
+
+
+def check(report: FuzzReport) -> None:
+    assert report.failures == 0 and not report.outages and not report.stopped, report.summary()

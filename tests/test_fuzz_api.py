@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from fuzz_oracle import FuzzReport, local_server, plain_request
+from fuzz_oracle import FuzzReport, check, fuzz, local_server, plain_request
 from fuzz_strategies import (
     COMPLETIONS,
     FuzzRequest,
@@ -30,7 +30,6 @@ from fuzz_strategies import (
     explicit_routes,
     raw_requests,
 )
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
@@ -58,28 +57,10 @@ def client() -> Iterator[httpx.Client]:
 
 def _fuzz(client: httpx.Client, base: str, named: list[FuzzRequest],
           strategy: st.SearchStrategy[FuzzRequest], total: int) -> FuzzReport:
-    if _DOWN:
-        pytest.fail(f"the server is down since an earlier test: {_DOWN[0]}")
-    report = FuzzReport(max_outages=MAX_OUTAGES)
-    for request in named:
-        report.run(client, base, request)
-
-    @settings(max_examples=max(1, total - len(named)), deadline=None, derandomize=True,
-              database=None, phases=[Phase.generate], print_blob=False,
-              suppress_health_check=list(HealthCheck))
-    @given(strategy)
-    def generated(request: FuzzRequest) -> None:
-        report.run(client, base, request)
-
-    generated()
-    if report.server_down:
-        _DOWN.append(report.stopped or "")
-    print(report.summary())  # shown with -s, and in the failure message below
-    return report
+    return fuzz(client, base, named, strategy, total, _DOWN, MAX_OUTAGES)
 
 
-def _check(report: FuzzReport) -> None:
-    assert report.failures == 0 and not report.outages and not report.stopped, report.summary()
+_check = check
 
 
 def test_chat_completions(server: str, client: httpx.Client) -> None:

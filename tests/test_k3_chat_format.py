@@ -360,3 +360,24 @@ def test_the_verifiers_prompt_token_cases(k3_tokenizer: Any, case: dict[str, Any
     checked: effort messages, empty think blocks in history, tool declarations, arguments."""
     request = {k: v for k, v in case["request"].items() if k != "model"}
     assert prompt_tokens(k3_tokenizer, request) == case["expected_prompt_tokens"]
+
+
+WALLE = sorted((DATA / "kvv" / "walle_validator_cases" / "validator_cases").glob("*/valid.jsonl"))
+WALLE_SCHEMAS = [(f"{p.parent.name}:{i}", json.loads(line)) for p in WALLE
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if line.strip()]
+
+
+def test_every_walle_schema_is_accepted_as_tool_parameters_and_response_schema() -> None:
+    """KVV's tool-call schema suite sends each as the strict tool's `value` property (a 4xx is
+    a failure); as a response_format schema too. 212 schemas, Draft 2020-12 and Draft 7."""
+    assert len(WALLE_SCHEMAS) == 212
+    for name, schema in WALLE_SCHEMAS:
+        defs = schema.pop("$defs", None) if isinstance(schema, dict) else None
+        params = {"type": "object", "required": ["value"], "additionalProperties": False,
+                  "properties": {"value": schema}, **({"$defs": defs} if defs else {})}
+        tool = {"type": "function", "function": {"name": "kvv_walle_case", "parameters": params,
+                                                 "strict": True}}
+        plan = k3_request.parse(request(tools=[tool], tool_choice="required"))
+        assert plan.constraint is not None and plan.constraint.kind == "tool_call", name
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": params}}
+        assert k3_request.parse(request(response_format=rf)).constraint is not None, name

@@ -19,6 +19,7 @@ import openai
 import pydantic
 import pytest
 import ray
+import yaml
 from ray import serve
 from tiny_models import write_k3_format_pair
 
@@ -33,6 +34,7 @@ from serve_app.serving.protocol import ChatCompletionRequest
 from serve_app.tokenizer import load_tokenizer
 
 MODEL = "k3-format"
+PRODUCTION = Path(__file__).resolve().parents[1] / "deployments" / "kimi_dspark.yaml"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -121,9 +123,17 @@ def server(folder: Path) -> Iterator[tuple[str, Any]]:
         target = ScriptedTarget.bind(str(folder))
         ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
             ray_actor_options={"num_cpus": 0.1})
-        handle = serve.run(ingress.bind(target, json.loads(config.model_dump_json())),
-                           name="k3", route_prefix="/")
-        del handle
+        serve.run(ingress.bind(target, json.loads(config.model_dump_json())), name="k3",
+                  route_prefix="/")
+        # The production file's ingress, on the K3-style tokenizer folder (its checkpoints are
+        # on GPU nodes: only models.tokenizer points here, and Serve's own routing stands in
+        # for the router, which needs real replicas' ledgers).
+        prod = yaml.safe_load(PRODUCTION.read_text())["applications"][0]["args"]
+        assert prod["engine"]["sglang"]["trust_remote_code"] is False
+        prod["models"]["tokenizer"] = str(folder)
+        prod["router"] = {"policy": "ray_default"}
+        serve.run(ingress.bind(ScriptedTarget.bind(str(folder)), prod), name="prod",
+                  route_prefix="/prod")
         yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("ScriptedTarget", "k3")
     finally:
         try:
@@ -311,3 +321,17 @@ def test_contract_refusals_are_400s_naming_the_field(server: tuple[str, Any], bo
 def test_k3_values_are_accepted(client: openai.OpenAI, body: dict[str, Any]) -> None:
     r = client.chat.completions.create(**ask("think", 4), **body)
     assert isinstance(r.choices[0].message.content, str)
+
+
+def test_the_production_ingress_starts_on_a_k3_tokenizer_folder(server: tuple[str, Any]) -> None:
+    """deployments/kimi_dspark.yaml's ingress (trust_remote_code false) serves K3's format from
+    a folder with tiktoken.model and no tokenizer.json, no Jinja template, no code run."""
+    client = openai.OpenAI(base_url=server[0] + "/prod/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["kimi-k3"]
+    r = client.chat.completions.create(model="kimi-k3", tools=[WEATHER], messages=[
+        {"role": "user", "content": "script=tool/2"}])
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["days"] == 3
+    bad = httpx.post(server[0] + "/prod/v1/chat/completions", json={
+        "model": "kimi-k3", "top_p": 0.8, "messages": [{"role": "user", "content": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"

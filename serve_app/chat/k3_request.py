@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jsonschema import Draft202012Validator
+from jsonschema import Draft7Validator, Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from serve_app.chat.xtml_render import EFFORTS, HistoryCall, Message, RenderOptions
@@ -79,11 +79,16 @@ def _check_json(param: str, value: Any) -> None:
 
 
 def _check_schema(param: str, schema: Any) -> None:
+    """A schema valid under Draft 2020-12 or Draft 7 (which tool schemas in the wild still
+    follow: e.g. `$id` with a fragment, which 2020-12 forbids)."""
     _check_json(param, schema)
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        raise _bad(param, f"is not a valid JSON Schema ({_short(exc.message)})") from None
+        try:
+            Draft7Validator.check_schema(schema)
+        except SchemaError:
+            raise _bad(param, f"is not a valid JSON Schema ({_short(exc.message)})") from None
     except RecursionError:
         raise _bad(param, "is nested too deeply") from None
 
