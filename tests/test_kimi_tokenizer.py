@@ -1,13 +1,14 @@
 """serve_app.tokenizer_tiktoken: a Kimi tokenizer folder loaded with `tiktoken`, no remote code.
 
 The reference ids come from the `tiktoken` library itself, built here independently from the same
-`tiktoken.model` with Kimi's pattern (copied from tokenization_kimi.py, not imported from the
+`tiktoken.model` with Kimi's pattern (read from tokenization_kimi.py's syntax tree, not imported from the
 module under test). Data: tests/data/kimi-k25-tokenizer (the public K2.5 tokenizer, same BPE as
 K3) and tests/data/kimi-k3-style (a K3-style tokenizer_config.json).
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import itertools
 import json
@@ -26,16 +27,20 @@ K25 = DATA / "kimi-k25-tokenizer"
 K3_CONFIG = DATA / "kimi-k3-style" / "tokenizer_config.json"
 N_RANKS = 163_584
 
-REF_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+def _kimi_pattern() -> str:
+    """`TikTokenTokenizer.pat_str` as Kimi's tokenization_kimi.py writes it: read from its
+    syntax tree, never executed (a checkpoint's code is data here too)."""
+    tree = ast.parse((K25 / "tokenization_kimi.py").read_text())
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "pat_str"):
+            call = node.value
+            assert isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            return "|".join(ast.literal_eval(call.args[0]))
+    raise AssertionError("tokenization_kimi.py has no pat_str")
+
+
+REF_PAT_STR = _kimi_pattern()
 
 CONTROL_TEXT = [
     '<|open|>message role="user"<|sep|>hi<|close|>',

@@ -1,37 +1,36 @@
-"""The OpenAI-compatible ingress: validation, chat template, tokenization, SSE.
+"""The OpenAI-compatible ingress: HTTP transport, limits and streaming.
 
 (No `from __future__ import annotations` here: FastAPI must see the real request classes
 after Serve rewrites the route signatures.)
 
 It turns requests into token ids + sampling parameters, sends them to a target replica, and
-turns the committed-token events that stream back into OpenAI responses. It never knows which
-engine backend runs behind the handle.
+turns the committed-token events that stream back into OpenAI responses or SSE. What a chat
+means (rendering, request semantics, output parsing) is the chat format's (serve_app/chat/);
+the ingress never knows which engine backend runs behind the handle.
 
-What a request meets, in order (each checked once, here): the edge guard (API key -> 401, body
-size -> 413, anything unexpected -> an OpenAI-shaped 500), JSON parsing and the schema
-(protocol.py: every field, 400 naming it), the model name (404), the prompt's size before and
-after tokenizing and max_tokens against the context (400), the router (per-client limits and
-queue -> 429, capacity -> 400, queue timeout -> 503), then the engine.
+What a request meets, in order: the edge guard (edge.py: API key -> 401, body size -> 413,
+anything unexpected -> an OpenAI-shaped 500), JSON parsing and the schema (protocol.py: every
+field, 400 naming it), the model name (404), the chat format's rules (400), the prompt's size
+before and after tokenizing and max_tokens against the context (400), the sampling policy
+(400), the router (per-client limits and queue -> 429, capacity -> 400, queue timeout -> 503),
+then the engine; failures as clients see them in errors.py.
 """
 
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from opentelemetry import trace
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
@@ -44,18 +43,22 @@ from serve_app.chat.parameters import sampling_values
 from serve_app.chat.segments import encode_segments, text_bytes
 from serve_app.config import AppConfig, context_length
 from serve_app.engines.types import (
-    EngineUnavailable,
     GenerateRequest,
-    RequestFailed,
     RequestOutput,
 )
-from serve_app.models.kv_capacity import KVCapacityError
 from serve_app.observability.logs import get_logger, install_trace_ids
-from serve_app.observability.metrics import app_metrics
-from serve_app.observability.tracing import tracer
+from serve_app.observability.request_telemetry import RequestTelemetry
 from serve_app.routing.admission import AdmissionStage, ReplicaList
-from serve_app.routing.policy import ClientLimit, QueueFull, RequestTooLarge, RouterError
+from serve_app.routing.policy import RouterError
 from serve_app.routing.reservation import ReplicaFull
+from serve_app.serving.edge import (
+    EdgeGuard,
+    OpenAIJSONResponse,
+    configure_edge,
+    error_response,
+)
+from serve_app.serving.errors import error_for, router_error, unavailable, unwrap
+from serve_app.serving.health import HealthProbe
 from serve_app.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,7 +74,6 @@ from serve_app.tokenizer import load_tokenizer
 
 logger = get_logger("ingress")
 
-_DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 # Prompts up to this size are tokenized on the event loop (tens of microseconds, less than the
 # hop to a thread); longer ones on the tokenizer threads, so that they never hold the loop
 # (/health and every other request included).
@@ -80,28 +82,15 @@ INLINE_TOKENIZE_BYTES = 8192
 TELEMETRY_DELAY_S = 0.005
 
 
-class OpenAIJSONResponse(JSONResponse):
-    """JSON that is always ASCII: no client string (a lone surrogate in a field name) can make
-    rendering an error fail."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False,
-                          separators=(",", ":")).encode("ascii")
-
-
 # No trailing-slash redirects: a 307 with an empty body is not an answer an OpenAI client
 # understands; a wrong path is a 404 like any other.
 app = FastAPI(title="Kimi + DSpark (OpenAI-compatible)", default_response_class=OpenAIJSONResponse,
               redirect_slashes=False)
 
 
-def _error_response(err: OpenAIError) -> OpenAIJSONResponse:
-    return OpenAIJSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
 @app.exception_handler(OpenAIError)
 async def _openai_error(_request: Request, exc: OpenAIError) -> JSONResponse:
-    return _error_response(exc)
+    return error_response(exc)
 
 
 @app.exception_handler(HTTPException)
@@ -112,252 +101,15 @@ async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
         exc.status_code, "request refused")
     err = OpenAIError(exc.status_code, message, code=kind)
     err.headers = dict(exc.headers or {}) or None
-    return _error_response(err)
+    return error_response(err)
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    return _error_response(OpenAIError(400, "invalid request"))
-
-
-# --- the edge guard: authentication, body size, last-resort errors -----------------------------
-
-
-@dataclass
-class EdgeSettings:
-    """Set once per process by the ingress's constructor (one ingress per replica process)."""
-
-    key_digests: list[bytes] = field(default_factory=list)
-    max_body_bytes: int = 1 << 20
-    expose_docs: bool = False
-
-
-EDGE = EdgeSettings()
-
-
-def configure_edge(keys: list[str], max_body_bytes: int, expose_docs: bool) -> EdgeSettings:
-    """Set the process's edge settings. A function of this module on purpose: Serve pickles
-    the ingress class by value, so its methods would see a copy of EDGE, not this one."""
-    EDGE.key_digests = [_digest(k) for k in keys]
-    EDGE.max_body_bytes = max_body_bytes
-    EDGE.expose_docs = expose_docs
-    return EDGE
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "replace")).digest()
-
-
-def key_matches(presented: str, digests: list[bytes]) -> int | None:
-    """Index of the matching key, comparing in constant time against every key (SHA-256
-    digests first, so lengths leak nothing either)."""
-    d = _digest(presented)
-    found = None
-    for i, k in enumerate(digests):
-        if hmac.compare_digest(d, k) and found is None:
-            found = i
-    return found
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class EdgeGuard:
-    """Pure ASGI middleware, outermost: what every request meets before FastAPI parses it."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", [])}
-        if path in _DOC_PATHS and not EDGE.expose_docs:
-            await _send_error(send, OpenAIError(404, "unknown path", code="not_found"))
-            return
-        if EDGE.key_digests and path != "/health":
-            auth = headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            index = (key_matches(token.strip(), EDGE.key_digests)
-                     if scheme.lower() == "bearer" else None)
-            if index is None:
-                await _send_error(send, OpenAIError(
-                    401, "a valid API key is required (Authorization: Bearer KEY)",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
-                return
-            scope.setdefault("state", {})["client"] = f"key-{index}"
-        length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > EDGE.max_body_bytes):
-            await _send_error(send, _too_large())
-            return
-        seen = 0
-
-        async def counted_receive() -> dict[str, Any]:
-            nonlocal seen
-            message = await receive()
-            if message.get("type") == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > EDGE.max_body_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        started = False
-
-        async def tracked_send(message: dict[str, Any]) -> None:
-            nonlocal started
-            if message.get("type") == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, tracked_send)
-        except _BodyTooLarge:
-            if not started:
-                await _send_error(send, _too_large())
-        except Exception:
-            logger.exception("unhandled error on %s", path)
-            if not started:
-                await _send_error(send, OpenAIError(500, "internal error", "server_error"))
-
-
-def _too_large() -> OpenAIError:
-    return OpenAIError(413, f"the request body exceeds this server's limit of "
-                       f"{EDGE.max_body_bytes} bytes", param=None, code="request_too_large")
-
-
-async def _send_error(send: Any, err: OpenAIError) -> None:
-    response = _error_response(err)
-    await send({"type": "http.response.start", "status": response.status_code,
-                "headers": response.raw_headers})
-    await send({"type": "http.response.body", "body": response.body})
+    return error_response(OpenAIError(400, "invalid request"))
 
 
 app.add_middleware(EdgeGuard)
-
-
-# --- telemetry ------------------------------------------------------------------------------------
-
-
-class RequestTelemetry:
-    """One request's span, metrics and closing log line (the ingress view: arrival to last
-    token, as the client sees it). Labels carry the server's own names only: a client's
-    `model` string never becomes a metric series."""
-
-    def __init__(self, endpoint: str, model: str) -> None:
-        self.started = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.model = model
-        self.span = tracer().start_span("ingress.request",
-                                        attributes={"endpoint": endpoint, "model": model})
-        self._done = False
-
-    def active(self) -> Any:
-        """Make the span current, so handle calls made inside carry it to the replicas."""
-        return trace.use_span(self.span, end_on_exit=False)
-
-    def first_token(self) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-
-    def finish(self, status: int, prompt_tokens: int = 0, completion_tokens: int = 0,
-               end: float | None = None) -> None:
-        """`end`: when the answer was complete, if this runs later (perf_counter)."""
-        if self._done:
-            return
-        self._done = True
-        end = end or time.perf_counter()
-        e2e = end - self.started
-        ttft = (self.first_token_at - self.started) if self.first_token_at else None
-        m = app_metrics()
-        if m is not None:
-            t = {"model": self.model}
-            m.requests.inc(1, tags={**t, "status": str(status)})
-            if status == 200:
-                m.e2e_latency.observe(e2e, tags=t)
-                m.prompt_tokens.inc(prompt_tokens, tags=t)
-                if completion_tokens:
-                    m.generation_tokens.inc(completion_tokens, tags=t)
-                if ttft is not None:
-                    m.time_to_first_token.observe(ttft, tags=t)
-                    if completion_tokens > 1:
-                        m.time_per_output_token.observe(
-                            (e2e - ttft) / (completion_tokens - 1), tags=t)
-        self.span.set_attribute("status", status)
-        self.span.set_attribute("prompt_tokens", prompt_tokens)
-        self.span.set_attribute("completion_tokens", completion_tokens)
-        if ttft is not None:
-            self.span.set_attribute("ttft_s", ttft)
-        with self.active():
-            logger.info("request finished: status %d, %d prompt + %d completion tokens, "
-                        "%.1f ms", status, prompt_tokens, completion_tokens, e2e * 1e3,
-                        extra={"status": status, "prompt_tokens": prompt_tokens,
-                               "completion_tokens": completion_tokens,
-                               "e2e_ms": round(e2e * 1e3, 2)})
-        self.span.end()
-
-
-# --- errors clients see ---------------------------------------------------------------------------
-
-
-_RAY_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
-    ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
-    ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError)
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    # Ray wraps a replica's exception; the original is its cause.
-    return getattr(exc, "cause", None) or exc
-
-
-def _unavailable(message: str, retry_after_s: int) -> OpenAIError:
-    return OpenAIError(503, message, "server_error", code="service_unavailable",
-                       headers={"Retry-After": str(retry_after_s)})
-
-
-def _router_error(exc: RouterError, retry_after_s: int) -> OpenAIError:
-    """Router refusals: 400 (larger than any replica), 429 + Retry-After (queue or client
-    limit), 503 + Retry-After (queue timeout)."""
-    if isinstance(exc, QueueFull):
-        code = "client_limit" if isinstance(exc, ClientLimit) else "router_queue_full"
-        return OpenAIError(429, str(exc), "rate_limit_error", code=code,
-                           headers={"Retry-After": str(max(1, round(exc.retry_after_s)))})
-    if isinstance(exc, RequestTooLarge):
-        return OpenAIError(400, str(exc), param="max_tokens", code="kv_capacity_exceeded")
-    err = _unavailable(str(exc), retry_after_s)
-    err.code = "router_queue_timeout"
-    return err
-
-
-def error_for(exc: BaseException, retry_after_s: int, request_id: str = "") -> OpenAIError:
-    """Any failure as what a client may see: no reprs, paths or internal addresses; faults
-    that a retry can cure are 503 with Retry-After."""
-    cause = _unwrap(exc)
-    if isinstance(cause, OpenAIError):
-        return cause
-    if isinstance(cause, RouterError):
-        return _router_error(cause, retry_after_s)
-    if isinstance(cause, KVCapacityError):
-        return OpenAIError(400, str(cause), code="kv_capacity_exceeded")
-    if isinstance(cause, EngineUnavailable):
-        return _unavailable(str(cause) or "the engine is unavailable", retry_after_s)
-    if isinstance(cause, RequestFailed):
-        logger.error("request %s failed in the engine: %s", request_id, cause)
-        return OpenAIError(500, str(cause) or "the request failed in the engine",
-                           "server_error", code="request_failed")
-    if isinstance(cause, ValueError):  # the engine refused it before queueing: names the field
-        return OpenAIError(400, str(cause))
-    if isinstance(exc, _RAY_UNAVAILABLE) or isinstance(cause, _RAY_UNAVAILABLE) or type(
-            cause).__name__ in ("BackPressureError", "DeploymentUnavailableError"):
-        logger.warning("request %s: target replica unavailable", request_id, exc_info=exc)
-        return _unavailable("the model replica is unavailable (restarting or overloaded); "
-                            "retry", retry_after_s)
-    logger.error("request %s failed", request_id, exc_info=exc)
-    return OpenAIError(500, "internal error", "server_error", code="internal_error")
 
 
 # --- a request's prompt and answer ---------------------------------------------------------------
@@ -435,58 +187,6 @@ class Lease:
             # RuntimeError: the loop is closed, the process is going away.
             with contextlib.suppress(RuntimeError):
                 self.loop.call_soon_threadsafe(self.close)
-
-
-# --- health ----------------------------------------------------------------------------------------
-
-
-class HealthProbe:
-    """GET /health: a target replica's own account of itself (its engine loop, watchdog and
-    ranks), cached briefly so that probes stay cheap. No answer within the timeout (no
-    replica running, all stuck) is a 503."""
-
-    def __init__(self, target: DeploymentHandle, cache_s: float, timeout_s: float) -> None:
-        self.target = target
-        self.cache_s = cache_s
-        self.timeout_s = timeout_s
-        self._at = -1e9
-        self._problem: str | None = "not checked yet"
-        self._lock = asyncio.Lock()
-
-    async def problem(self) -> str | None:
-        async with self._lock:
-            if time.monotonic() - self._at > self.cache_s:
-                self._problem = await self._ask()
-                self._at = time.monotonic()
-            return self._problem
-
-    async def _ask(self) -> str | None:
-        # A probe that lands on a broken replica while another is healthy asks again: the
-        # answer is "can any replica serve", not "is the first one fine".
-        problem = None
-        deadline = time.monotonic() + self.timeout_s
-        for _ in range(3):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            response = self.target.health_status.remote()
-            try:
-                status = await asyncio.wait_for(_result(response), left)
-            except TimeoutError:
-                response.cancel()
-                return f"no target replica answered within {self.timeout_s:g} s"
-            except Exception as exc:
-                logger.warning("health probe failed", exc_info=exc)
-                problem = "no target replica is reachable"
-                continue
-            if status.get("ok"):
-                return None
-            problem = str(status.get("problem") or "the target replica is unhealthy")
-        return problem
-
-
-async def _result(response: Any) -> Any:
-    return await response
 
 
 # --- the deployment --------------------------------------------------------------------------------
@@ -580,7 +280,7 @@ class OpenAIIngress:
         problem = await self.health_probe.problem()
         if problem is None:
             return {"status": "ok"}
-        return _error_response(_unavailable(problem, self.retry_after_s))
+        return error_response(unavailable(problem, self.retry_after_s))
 
     @app.get("/v1/router")
     async def router_state(self) -> dict[str, Any]:
@@ -700,7 +400,7 @@ class OpenAIIngress:
             try:
                 replica = await self.router.admit(rid, prompt_ids, max_tokens, client)
             except RouterError as exc:
-                raise _router_error(exc, self.retry_after_s) from None
+                raise router_error(exc, self.retry_after_s) from None
         lease: Lease | None = Lease(rid, self.router, asyncio.get_running_loop())
         try:
             assert lease is not None
@@ -720,7 +420,7 @@ class OpenAIIngress:
                     raise OpenAIError(500, "the engine returned no output",
                                       "server_error") from None
                 except Exception as exc:
-                    full = _unwrap(exc)
+                    full = unwrap(exc)
                     if not (isinstance(full, ReplicaFull) and self.router is not None
                             and replica is not None):
                         raise error_for(exc, self.retry_after_s, rid) from None
@@ -731,7 +431,7 @@ class OpenAIIngress:
                         replica = await self.router.requeue(
                             rid, str(full.info.get("replica") or replica), full.info)
                     except RouterError as err:
-                        raise _router_error(err, self.retry_after_s) from None
+                        raise router_error(err, self.retry_after_s) from None
                     continue
                 break
             lease.finished = first.finished
