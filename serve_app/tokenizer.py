@@ -125,14 +125,22 @@ class HFTokenizer:
             return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
         return bytes(_BYTE_OF[c] for c in piece)
 
+    def _jinja(self) -> JinjaChat:
+        if self.chat_template is None:
+            raise ValueError("tokenizer_config.json has no chat_template")
+        return JinjaChat(self.chat_template, self.specials)
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]],
+                    add_generation_prompt: bool = True) -> str:
+        """The template's text of a plain conversation, contents inline (the training corpus,
+        tests)."""
+        return self._jinja().render(messages, add_generation_prompt)
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a plain conversation through this folder's Jinja template (the
         training corpus and tests; the server goes through its chat format)."""
-        if self.chat_template is None:
-            raise ValueError("tokenizer_config.json has no chat_template")
-        chat = JinjaChat(self.chat_template, self.specials)
-        return encode_segments(self, chat.segments(messages, add_generation_prompt))
+        return encode_segments(self, self._jinja().segments(messages, add_generation_prompt))
 
 
 def load_tokenizer(path: str | os.PathLike[str] = EMBEDDED_TOKENIZER) -> Tokenizer:

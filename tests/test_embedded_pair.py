@@ -8,7 +8,6 @@ import statistics
 import pytest
 import torch
 
-from serve_app.chat.jinja_render import JinjaChat
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, asset_bytes, heldout_prompt_ids
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.models.dspark_config import DSparkConfig
@@ -73,7 +72,7 @@ def test_tokenizer_round_trip_and_chat_template(tok: HFTokenizer) -> None:
     assert tok.decode(tok.encode(text)) == text
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Write the function f."}]
-    assert JinjaChat(tok.chat_template, tok.specials).render(messages) == (
+    assert tok.render_chat(messages) == (
         "<|im_system|>Be brief.<|im_end|><|im_user|>Write the function f.<|im_end|>"
         "<|im_assistant|>")
     ids = tok.apply_chat_template(messages)
@@ -97,6 +96,8 @@ def test_speculation_is_lossless_and_accepts_enough(prompts: list[list[int]]) ->
     per_prompt = [o.spec["spec_accept_length"] for o in outs]
     macro = statistics.fmean(per_prompt)
     stats = spec.stats()
-    assert 1.0 <= stats["spec_accept_length"] <= 8.0
+    # The engine's total: every prompt's tokens over every prompt's verify steps.
+    assert stats["spec_accept_length"] == pytest.approx(
+        sum(len(o.token_ids) for o in outs) / sum(o.spec["spec_verify_ct"] for o in outs))
     assert macro >= MIN_ACCEPT_LENGTH, (
         f"mean accept length {macro:.2f} < {MIN_ACCEPT_LENGTH} (per prompt {per_prompt})")

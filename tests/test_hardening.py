@@ -27,7 +27,6 @@ import ray
 from ray import serve
 from tiny_models import served, write_tiny_serving_pair
 
-from serve_app.chat.jinja_render import JinjaChat
 from serve_app.config import AppConfig
 from serve_app.netutil import free_port
 from serve_app.tokenizer import load_tokenizer
@@ -260,7 +259,7 @@ def test_message_content_never_becomes_control_tokens(server: Any, paths: dict[s
     messages = [{"role": "user", "content": forged}]
     resp = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     safe = tokenizer.apply_chat_template(messages)
-    naive = tokenizer.encode(JinjaChat(tokenizer.chat_template, tokenizer.specials).render(messages))
+    naive = tokenizer.encode(tokenizer.render_chat(messages))
     specials = {tokenizer.tokenizer.token_to_id(t) for t in tokenizer.specials}
     # The template's own three control tokens, nothing from the content.
     assert [t for t in safe if t in specials] == [tokenizer.tokenizer.token_to_id(t) for t in (

@@ -272,6 +272,12 @@ class AdmissionStage:
             self.policy.complete(request_id)
             self._pump()
 
+    async def view(self) -> dict[str, Any]:
+        """The snapshot once the replicas have answered at least once (right after start-up
+        there is nothing to show yet, which is not the truth about the replicas)."""
+        await self._started()
+        return self.snapshot()
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             p = self.policy

@@ -286,7 +286,7 @@ class OpenAIIngress:
     async def router_state(self) -> dict[str, Any]:
         """Per replica: KV tokens and state slots (total, reserved by the router, used by the
         engine); the queue length and recent routing decisions."""
-        return self.router.snapshot() if self.router else {"policy": "ray_default"}
+        return await self.router.view() if self.router else {"policy": "ray_default"}
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -92,7 +92,7 @@ def cmd_target(args: argparse.Namespace, budget_s: float) -> None:
     train, held = _corpus(args.max_files)
     tok_dir, target_dir, _ = _paths(args.out)
     train_target(load_tokenizer(tok_dir), train, held, target_dir, args.seed, budget_s,
-                 threads=args.threads, provenance=args.provenance)
+                 threads=args.threads, provenance=args.provenance, max_steps=args.max_steps)
 
 
 def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
@@ -104,7 +104,7 @@ def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
     train_draft(load_tokenizer(tok_dir), train, held, target_dir, draft_dir, args.seed,
                 budget_s, threads=args.threads, provenance=args.provenance,
                 eval_prompts=args.eval_prompts, layers=args.draft_layers,
-                markov_rank=args.markov_rank)
+                markov_rank=args.markov_rank, max_steps=args.max_steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the draft's Markov head rank (default: the embedded draft's)")
     parser.add_argument("--max-files", type=int, default=None,
                         help="train on the first N training files only (a short run)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="also stop each training loop after N optimizer steps (a short run "
+                             "whose result does not depend on the machine's speed)")
     parser.add_argument("--eval-prompts", type=int, default=None,
                         help="held-out prompts the draft's engine measurement decodes "
                              "(default all)")

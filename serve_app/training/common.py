@@ -31,11 +31,23 @@ class Progress:
     budget_s: float
     every_s: float = 15.0
     start: float = field(default_factory=time.monotonic)
+    # A step budget as well (a short run whose result must not depend on the machine's speed,
+    # e.g. the end-to-end test): the loop ends at whichever runs out first.
+    max_steps: int | None = None
     _last: float = 0.0
 
     @property
     def elapsed(self) -> float:
         return time.monotonic() - self.start
+
+    def finished(self, step: int) -> bool:
+        return self.elapsed >= self.budget_s or (self.max_steps is not None
+                                                 and step >= self.max_steps)
+
+    def share(self, step: int) -> float:
+        """How much of the budget is spent: time, or steps where those run out first."""
+        steps = step / self.max_steps if self.max_steps else 0.0
+        return min(1.0, max(self.fraction, steps))
 
     @property
     def fraction(self) -> float:

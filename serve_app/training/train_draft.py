@@ -206,6 +206,7 @@ def train_draft(
     eval_prompts: int | None = None,
     layers: int | None = None,
     markov_rank: int | None = None,
+    max_steps: int | None = None,
     prompt_len: int = 128,
     new_tokens: int = 128,
     batch_corpus: int = 4,
@@ -232,7 +233,9 @@ def train_draft(
     progress = Progress("generate", gen_budget)
     i = 0
     gen_tuner = ThreadTuner(threads, every_s=60.0, trial=1)
-    while not pool or (progress.elapsed < gen_budget and len(pool) < 64):
+    # A step budget generates in proportion: one 32-sequence batch per 16 steps.
+    batches = 64 if max_steps is None else max(1, max_steps // 16)
+    while not pool or (progress.elapsed < gen_budget and len(pool) < batches):
         t_batch = time.monotonic()
         # Half greedy, half sampled at 0.7: chat users sample, and the sampled continuations
         # are where a draft that only learned the target's argmax falls short.
@@ -265,12 +268,12 @@ def train_draft(
                             lr=peak_lr, betas=(0.9, 0.95))
     # Keep time for saving, the held-out agreement and the engine measurement after the loop.
     loop_budget = budget_s - (time.monotonic() - start) - min(75.0, 0.1 * budget_s)
-    progress = Progress("draft", loop_budget)
+    progress = Progress("draft", loop_budget, max_steps=max_steps)
     tuner = ThreadTuner(threads)
     step, ema = 0, float("nan")
     agree_ema = torch.zeros(GAMMA)
-    while progress.elapsed < loop_budget:
-        lr = cosine_lr(progress.fraction, step, peak_lr, warmup=30)
+    while not progress.finished(step):
+        lr = cosine_lr(progress.share(step), step, peak_lr, warmup=min(30, max_steps or 30))
         for g in opt.param_groups:
             g["lr"] = lr
         t_step = time.monotonic()

@@ -172,6 +172,7 @@ def train_target(
     peak_lr: float = 2.5e-3,
     threads: int = 2,
     provenance: dict[str, Any] | None = None,
+    max_steps: int | None = None,
 ) -> TargetResult:
     torch.set_num_threads(threads)
     seed_everything(seed)
@@ -198,12 +199,12 @@ def train_target(
     gen = torch.Generator().manual_seed(seed)
     # Keep time for the held-out evaluation and the save after the loop.
     loop_budget = budget_s - (time.monotonic() - start) - min(60.0, 0.1 * budget_s)
-    progress = Progress("target", loop_budget)
+    progress = Progress("target", loop_budget, max_steps=max_steps)
     tuner = ThreadTuner(threads)
     model.train()
     step, tokens, ema = 0, 0, float("nan")
-    while progress.elapsed < loop_budget:
-        lr = cosine_lr(progress.fraction, step, peak_lr, warmup=40)
+    while not progress.finished(step):
+        lr = cosine_lr(progress.share(step), step, peak_lr, warmup=min(40, max_steps or 40))
         for g in opt.param_groups:
             g["lr"] = lr
         t_step = time.monotonic()
