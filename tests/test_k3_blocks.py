@@ -321,8 +321,10 @@ def test_mla_prefill_then_decode_equals_full_forward(variant: str) -> None:
         out, cache = mla(x[:, t : t + 1], cache=cache)
         pieces.append(out)
     assert cache.shape == full_cache.shape
-    assert torch.allclose(cache, full_cache, atol=1e-6)
-    assert close(torch.cat(pieces, dim=1), full, 1e-6)
+    # Chunked and full paths sum in different orders (matmuls over 10, 4, 3 or 1 rows): measured
+    # up to 3.5e-6 on outputs of scale 5.7 (6e-7 relative; seeds 15-24, 1 and 2 threads).
+    assert close(cache, full_cache, 1e-5)
+    assert close(torch.cat(pieces, dim=1), full, 1e-5)
 
 
 def test_mla_bf16_cache_round_trip() -> None:

@@ -216,7 +216,10 @@ def test_batch_rows_are_independent() -> None:
     with torch.no_grad():
         batched, _ = model(ids)
         one, _ = model(ids[1:2], K3State())
-    assert torch.allclose(batched[1:2], one, atol=1e-5)
+    # Only fp32 summation order differs (a batch of 3 and of 1 pick different matmul blockings):
+    # measured up to 3.4e-5 of the logits' scale over batches 2-8, rows, 1 and 2 threads.
+    err = (batched[1:2] - one).abs().max() / one.abs().max()
+    assert err <= 2e-4, err
 
 
 # --- 3. the Attention Residual against the naive loop ------------------------------------------
