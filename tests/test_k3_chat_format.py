@@ -185,6 +185,12 @@ def test_history_arguments_are_typed_or_kept_raw(arguments: str, body: str) -> N
     assert f'<|open|>call tool="f" index="1"<|sep|>{body}<|close|>call<|sep|>' in text
 
 
+def test_an_empty_dynamic_tool_list_declares_nothing() -> None:
+    text, _ = rendered({"messages": [{"role": "system", "content": "Be brief.", "tools": []},
+                                     {"role": "user", "content": "q", "tools": []}]})
+    assert '<|open|>message role="system"<|sep|>Be brief.' in text and "Tools" not in text
+
+
 def test_dynamic_tools_render_in_place_and_count_as_tools() -> None:
     text, _ = rendered({"tool_choice": "required", "messages": [
         {"role": "user", "content": "q"},

@@ -240,7 +240,7 @@ def _message(i: int, m: ChatMessage, declared: dict[str, dict[str, Any]]) -> Mes
     role = "system" if m.role == "developer" else m.role
     if m.name is not None and not isinstance(m.name, str):
         raise _bad(f"{where}.name", "must be a string")
-    if m.tools is not None:
+    if m.tools is not None and m.tools != []:  # an empty list declares nothing
         if role != "system":
             raise _bad(f"{where}.tools", "tools may only be declared in a system message")
         tools = _tool_list(f"{where}.tools", m.tools)
