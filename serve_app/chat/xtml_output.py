@@ -2,7 +2,7 @@
 
 K3 writes structure with four control tokens (`<|open|>`, `<|close|>`, `<|sep|>`,
 `<|end_of_msg|>`), each one token id; tag names and attributes are ordinary text between them
-(docs: kimi-k3-api.md 2.1, 4.1-4.3). Structure is decided from the ids alone: text that merely
+(docs/chat-format.md). Structure is decided from the ids alone: text that merely
 spells `<|open|>` is text and can never forge a channel or a tool call, and no marker ever
 reaches reasoning, content or arguments.
 
