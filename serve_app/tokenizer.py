@@ -43,6 +43,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def is_special(self, token_id: int) -> bool: ...
+
 
 def stop_token_ids(tokenizer: Tokenizer) -> list[int]:
     """Where generation ends: EOS, and the end of a message where the format has one."""

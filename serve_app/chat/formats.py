@@ -67,7 +67,7 @@ class JinjaFormat:
         messages = []
         for i, m in enumerate(body.messages):
             role = "system" if m.role == "developer" else m.role
-            if role == "tool" or m.tool_calls or m.tools is not None:
+            if role == "tool" or m.tool_calls or m.tools not in (None, []):
                 raise OpenAIError(400, "tool messages and tool calls are not supported by this "
                                   "model's chat format", param=f"messages[{i}]")
             messages.append({"role": role, "content": m.text(f"messages[{i}]")})
@@ -106,10 +106,8 @@ class K3Format:
     def output(self, plan: ChatPlan) -> ChatOutput:
         assert plan.k3 is not None
         tok = self.tokenizer
-        parser = XTMLOutputParser(self.controls, tok.token_bytes,  # type: ignore[attr-defined]
-                                  thinking=plan.k3.thinking,
-                                  tools_allowed=plan.k3.tools_allowed,
-                                  is_special=tok.is_special)  # type: ignore[attr-defined]
+        parser = XTMLOutputParser(self.controls, tok.token_bytes, thinking=plan.k3.thinking,
+                                  tools_allowed=plan.k3.tools_allowed, is_special=tok.is_special)
         return XTMLOutput(parser, plan.k3.thinking, frozenset(plan.k3.tool_names))
 
 
