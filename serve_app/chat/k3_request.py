@@ -45,15 +45,20 @@ class Constraint:
 class K3Request:
     messages: list[Message]
     options: RenderOptions
-    tool_names: tuple[str, ...] = ()
     tools_allowed: bool = False  # tool calls may be delivered (tools exist, choice is not none)
     parallel_tool_calls: bool = True
     constraint: Constraint | None = None
-    declared: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> function
+    # Every declared tool (request-level and dynamic): name -> its function object, the
+    # schemas a grammar for strict tools compiles.
+    declared: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def thinking(self) -> bool:
         return self.options.thinking
+
+    @property
+    def tool_names(self) -> tuple[str, ...]:
+        return tuple(self.declared)
 
 
 def _bad(param: str, message: str) -> OpenAIError:
@@ -348,6 +353,6 @@ def parse(body: ChatCompletionRequest, add_generation_prompt: bool = True) -> K3
         tool_choice=choice if choice in ("required", "none") and names else None,
         response_format=kind, response_schema=schema,
         add_generation_prompt=add_generation_prompt)
-    return K3Request(messages, options, names, tools_allowed=bool(names) and choice != "none",
+    return K3Request(messages, options, tools_allowed=bool(names) and choice != "none",
                      parallel_tool_calls=body.parallel_tool_calls is not False,
                      constraint=constraint, declared=declared)

@@ -38,7 +38,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from serve_app.chat.formats import ChatPlan, chat_format_for
-from serve_app.chat.output import ChatOutput
+from serve_app.chat.output import ChatOutput, PlainOutput
 from serve_app.chat.parameters import sampling_values
 from serve_app.chat.segments import encode_segments, text_bytes
 from serve_app.config import AppConfig, context_length
@@ -123,23 +123,22 @@ class Prompt:
 
 @dataclass
 class Answer:
-    """One response being assembled: chat deltas from the chat format's output assembler,
-    completion text as the engine sent it; usage without the format's generation stub."""
+    """One response being assembled by its output assembler (the chat format's; for a
+    completion the engine's text as it came, PlainOutput); usage without the format's
+    generation stub."""
 
     prompt: Prompt
-    output: ChatOutput | None
+    output: ChatOutput
 
     @property
     def chat(self) -> bool:
-        return self.output is not None
+        return self.prompt.plan is not None
 
     def feed(self, out: RequestOutput) -> list[dict[str, Any]]:
-        if self.output is None:
-            return [{"content": out.text}] if out.text else []
         return self.output.feed(out)
 
     def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        return self.output.finish(reason) if self.output is not None else ([], reason)
+        return self.output.finish(reason)
 
     def prompt_tokens(self, last: RequestOutput) -> int:
         stub = self.prompt.plan.stub_tokens if self.prompt.plan else 0
@@ -437,7 +436,8 @@ class OpenAIIngress:
             lease.finished = first.finished
             lease.prefill_done()
             telemetry.first_token()
-            answer = Answer(prompt, self.chat.output(prompt.plan) if prompt.plan else None)
+            answer = Answer(prompt, self.chat.output(prompt.plan) if prompt.plan
+                            else PlainOutput())
             if body.stream:
                 sse = self._sse(body, rid, answer, first, lease, telemetry)
                 lease = None  # the stream owns it now (or its finalizer, if never started)
@@ -471,7 +471,7 @@ class OpenAIIngress:
             answer.feed(out)
         finish = answer.finish(last.finish_reason)[1]
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if answer.output is not None:
+        if answer.chat:
             choice["message"] = answer.output.message()
         else:
             choice["text"] = text
