@@ -18,7 +18,7 @@ then the engine; failures as clients see them in errors.py.
 
 
 import asyncio
-import contextlib
+import functools
 import json
 import os
 import time
@@ -155,14 +155,11 @@ class Answer:
 class Lease:
     """One admitted request: its router reservation and its handle stream. `close` releases
     both exactly once, whoever calls it first: the normal end, an error, a cancellation at any
-    await, or, for a streaming response the server never started sending (the client left
-    first), the finalizer when the response is dropped."""
+    await, or the end of a streaming response's send, however it ends (`LeasedStream`)."""
 
-    def __init__(self, request_id: str, router: AdmissionStage | None,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, router: AdmissionStage | None) -> None:
         self.request_id = request_id
         self.router = router
-        self.loop = loop
         self.stream: Any = None
         self.finished = False
         self._closed = False
@@ -181,11 +178,27 @@ class Lease:
         if self.router is not None:
             self.router.release(self.request_id)
 
-    def __del__(self) -> None:
-        if not self._closed:
-            # RuntimeError: the loop is closed, the process is going away.
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.close)
+
+class LeasedStream(StreamingResponse):
+    """The SSE response of one admitted request, which closes its lease when sending ends, on
+    every path. The body generator's own `finally` is not enough: when the client leaves before
+    the first byte, Starlette cancels the send before the generator starts, and a generator
+    that never started runs no `finally`. The lease was then released only when the garbage
+    collector reached the dropped response, seconds later or, in a reference cycle, much later:
+    its tokens stayed committed in the router meanwhile."""
+
+    def __init__(self, body: AsyncIterator[str], lease: Lease,
+                 on_abandon: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.lease, self.on_abandon = lease, on_abandon
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.lease.finished:
+                self.on_abandon()
+            self.lease.close()
 
 
 # --- the deployment --------------------------------------------------------------------------------
@@ -400,7 +413,7 @@ class OpenAIIngress:
                 replica = await self.router.admit(rid, prompt_ids, max_tokens, client)
             except RouterError as exc:
                 raise router_error(exc, self.retry_after_s) from None
-        lease: Lease | None = Lease(rid, self.router, asyncio.get_running_loop())
+        lease: Lease | None = Lease(rid, self.router)
         try:
             assert lease is not None
             # The reservation rides on the generate call (no extra round trip): the replica
@@ -440,8 +453,10 @@ class OpenAIIngress:
                             else PlainOutput())
             if body.stream:
                 sse = self._sse(body, rid, answer, first, lease, telemetry)
-                lease = None  # the stream owns it now (or its finalizer, if never started)
-                return StreamingResponse(sse, media_type="text/event-stream")
+                response = LeasedStream(sse, lease, functools.partial(
+                    telemetry.finish, 499, first.prompt_tokens, first.completion_tokens))
+                lease = None  # the response owns it now
+                return response
             response = await self._collect(rid, answer, first, lease)
             # Metrics, the closing log line and the span end (0.7-1 ms) run once the response
             # has left: they are the server's bookkeeping, not the client's latency. Neither a
