@@ -497,8 +497,8 @@ def make_k3_engine(target: Path, draft: Path, rollback: str | None, timer: CallT
         runner.cache.commit = timer.wrap(  # type: ignore[method-assign]
             "commit_kda_truncate", runner.cache.commit)
         assert runner.proposer is not None
-        runner.proposer.commit = timer.wrap(  # type: ignore[method-assign]
-            "commit_draft_append", runner.proposer.commit)
+        runner.proposer.append = timer.wrap(  # type: ignore[method-assign]
+            "commit_draft_append", runner.proposer.append)
     return engine
 
 

@@ -256,3 +256,61 @@ def test_admission_counts_a_cached_prefix_once(pairs: dict, family: str) -> None
     alone = engine_from(pairs[family], engine=CHUNKED)
     assert ([engine.generate([q], GREEDY)[0].token_ids for q in doc[1:]]
             == [o.token_ids for o in alone.generate(doc[1:], GREEDY)])
+
+
+@pytest.mark.parametrize("spec", [{"enabled": False}, {"kda_rollback": "scratch"},
+                                  {"kda_rollback": "replay"}])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_a_full_snapshot_pool_behaves_the_same_in_prefill_and_decode(
+        pairs: dict, phase: str, spec: dict[str, Any]) -> None:
+    """One snapshot slot, held by an earlier document's unlocked snapshot: a new snapshot, at a
+    prefill grid line or a decode one (from the verify window when speculating), evicts it
+    and is taken; the earlier document is no longer reusable, the new position is."""
+    engine = cached_engine(pairs["k3"], spec=spec,
+                           prefix_cache={"enabled": True, "snapshot_interval": GRID,
+                                         "decode_snapshot_interval": GRID,
+                                         "state_snapshots": 1})
+    short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = document_prompts("k3", 2, doc_len=100, seed=1)
+    engine.generate(first[:1], short)
+    prefix = engine.runner.prefix
+    assert prefix.snapshots == 1 and engine.stats()["prefix_evicted_snapshots"] == 0
+    if phase == "prefill":
+        second = document_prompts("k3", 2, doc_len=100, seed=2)
+        engine.generate(second[:1], short)
+        follow_up = second[1]
+    else:
+        prompt = document_prompts("k3", 1, doc_len=40, seed=2)[0]
+        answer = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40,
+                                                          ignore_eos=True))[0].token_ids
+        follow_up = [*prompt, *answer[: GRID + 5 - len(prompt)], 7, 8, 9]
+    assert engine.stats()["prefix_evicted_snapshots"] == 1
+    assert prefix.snapshots == 1 and engine.runner.cache.snapshots.used == 1
+    out = engine.generate([follow_up], GREEDY)[0]
+    assert out.cached_tokens == GRID
+    assert engine.generate([first[1]], GREEDY)[0].cached_tokens == 0
+    expected = engine_from(pairs["k3"], engine=CHUNKED, **spec).generate([follow_up], GREEDY)
+    assert out.token_ids == expected[0].token_ids
+    check_tree(engine)
+
+
+def test_incremental_counts_equal_a_walk_of_the_tree(pairs: dict) -> None:
+    """The prefix cache's kept counts (pages, snapshots, pinned tokens) equal what a walk of
+    the tree counts, through hits, evictions and requests still running."""
+    engine = cached_engine(pairs["k3"], kv_capacity_tokens=320, max_batch_size=2,
+                           prefix_cache={"enabled": True, "snapshot_interval": 32,
+                                         "state_snapshots": 3})
+    prefix = engine.runner.prefix
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    walked = 0
+    for seed in range(4):
+        for q in document_prompts("k3", 2, doc_len=90, seed=seed):
+            engine.add_request(q, params)
+        while engine.has_work:
+            engine.step()
+            nodes = prefix.nodes()
+            assert prefix.cached_pages == len(nodes)
+            assert prefix.snapshots == sum(n.snapshot is not None for n in nodes)
+            assert prefix.pinned_tokens == 16 * sum(n.locks > 0 for n in nodes)
+            walked += 1
+    assert walked > 20 and engine.stats()["prefix_evicted_pages"] > 0

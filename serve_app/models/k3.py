@@ -42,7 +42,7 @@ commits accepted + 1 tokens (KDA: that position's state; MLA: the cache truncate
 Batching: [B, T] with every request at the same length (the same number of cached tokens); a
 ragged batch is run one request at a time (KDA has no padding masks, see kda.py).
 
-Tensor parallelism (optional `tp`, kimi.py's TPContext; default one rank = the plain model):
+Tensor parallelism (optional `tp`, target.py's TPContext; default one rank = the plain model):
 KDA and MLA heads, the dense MLP / shared-expert widths and the routed experts are split across
 ranks as kda.py and k3_blocks.py describe, each block all-reducing its own output. The
 embedding, every norm, the AttnRes reads, the final norm and lm_head are replicated (the
@@ -63,8 +63,8 @@ from torch import nn
 from serve_app.models.k3_blocks import K3MLA, K3MLP, LatentMoE
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kda import KDASizes, KDAState, KDAWindowStates, KimiDeltaAttention
-from serve_app.models.kimi import TPContext
 from serve_app.models.layers import RMSNorm
+from serve_app.models.target import TPContext
 
 __all__ = [
     "DenseStates",

@@ -29,11 +29,12 @@ renames, §1.8), so one layer's `self_attn.` / `mlp.` state dict loads by name. 
 fusions (`gate_up_proj`, `fused_qkv_a_proj_with_mqa`) are never materialized here.
 
 The MLA cache is the latent-only layout SGLang keeps: per token [c (kv_lora_rank), k_pe
-(qk_rope_head_dim)] = `K3Config.mla_cache_dim` elements, a plain tensor [B, L, mla_cache_dim]
-passed in and returned (no paged allocator). Attention runs in the weight-absorbed form over
+(qk_rope_head_dim)] = `K3Config.mla_cache_dim` elements: a plain tensor [B, L, mla_cache_dim]
+passed in and returned (`forward`, the dense path), or the engine's paged pool
+(`forward_paged`, through k3_paged.py). Attention runs in the weight-absorbed form over
 that cache, so per-head keys and values are never materialized.
 
-Tensor parallelism (optional `tp: TPContext`, kimi.py's; default one rank = the plain model):
+Tensor parallelism (optional `tp: TPContext`, target.py's; default one rank = the plain model):
   - K3MLP (dense MLP, shared experts): gate/up split by rows, down by columns, output
     all-reduced inside the module;
   - LatentMoE: rank r owns the contiguous experts [r·E/tp, (r+1)·E/tp) (global names); the
@@ -51,9 +52,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from serve_app.models.k3_config import K3Config
-from serve_app.models.kimi import TPContext
 from serve_app.models.kv_cache import PagedBatch
 from serve_app.models.layers import MLAProjections, RMSNorm, noaux_tc_topk
+from serve_app.models.target import TPContext
 
 __all__ = [
     "K3MLA",

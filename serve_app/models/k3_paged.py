@@ -1,12 +1,12 @@
 """Kimi K3 as the reference engine runs it: MLA latents in the paged KV pool, KDA states in fixed
 per-request slots, and a verify window whose KDA state is rolled back at commit.
 
-`PagedK3` puts a K3ForCausalLM behind the engine's target interface (KimiForCausalLM's:
-`new_cache`, and a forward over right-padded rows of many requests that appends to the cache).
-Its cache, `HybridCache`, holds per request
+`PagedK3` puts a K3ForCausalLM behind the engine's target contract (target.py: `new_cache`, and
+a forward over right-padded rows of many requests that appends to the cache). Its cache,
+`HybridCache` (a TargetCache with StateCheckpoints), holds per request
 
 - the MLA layers' latent entries [kv_lora_rank + qk_rope_head_dim] per token, in pages shared
-  with the DSpark draft's context cache (one allocator, as for K2);
+  with the DSpark draft's context cache (one allocator);
 - one slot of the `KDAStatePool`: every KDA layer's conv window and recurrent state (§2),
   constant in context length, taken at admission and given back at finish or abort.
 
@@ -22,7 +22,9 @@ strategies (`rollback`, architecture notes §3):
   from the slot's state (--enable-linear-replayssm-spec). Less scratch, more work at commit.
 
 `HybridCache.commit(rids, lengths)` (or `truncate` for one request) keeps n tokens per request,
-n inside the last verify window (the MLA latents roll back by truncation, like K2's).
+n inside the last verify window (the MLA latents roll back by truncation). `checkpoint` copies
+a request's state at its length, or at a position inside its verify window, into a snapshot
+slot for the prefix cache, which decides when and what to evict (prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ import torch
 from serve_app.models.k3 import K3ForCausalLM
 from serve_app.models.k3_blocks import K3MLA
 from serve_app.models.kda import KDAState, KDAWindowLog, KDAWindowStates, KimiDeltaAttention
-from serve_app.models.kimi import KimiOutput
 from serve_app.models.kv_cache import PagedAllocator, PagedBatch, PagedKVCache
 from serve_app.models.kv_capacity import KVCapacityError
+from serve_app.models.target import TargetOutput
 
 Rollback = Literal["scratch", "replay"]
 
@@ -126,7 +128,7 @@ class HybridCache:
                                    capacity_tokens, page_size, dtype=w.dtype, device=w.device,
                                    allocator=allocator)
         self.states = KDAStatePool(model, state_slots)
-        # The prefix cache's KDA state snapshots (a slot each), taken at grid positions.
+        # The prefix cache's KDA state snapshots (a slot each), taken where it asks (`checkpoint`).
         self.snapshots = KDAStatePool(model, snapshot_slots) if snapshot_slots else None
         self._snapshot_ids = itertools.count()
         self.rollback: Rollback = rollback
@@ -153,29 +155,55 @@ class HybridCache:
     def length(self, rid: Hashable) -> int:
         return self.latent.length(rid)
 
-    def add(self, rid: Hashable, cached: int = 0, snapshot: int | None = None) -> None:
+    @property
+    def checkpoints(self) -> HybridCache:
+        """The KDA state is what tokens alone cannot rebuild: the prefix cache checkpoints it
+        here (target.py's StateCheckpoints)."""
+        return self
+
+    def add(self, rid: Hashable, cached: int = 0, checkpoint: int | None = None) -> None:
         """A new request: its page table (`cached` leading tokens already in its shared pages)
-        and a state slot, zeroed or, after a prefix-cache hit, a copy of `snapshot` (the state
-        at `cached`). Both, or neither."""
+        and a state slot, zeroed or, after a prefix-cache hit, a copy of `checkpoint` (the
+        state at `cached`). Both, or neither."""
         slot = self.states.take(rid)
         try:
             self.latent.add(rid, cached)
         except BaseException:
             self.states.give_back(rid)
             raise
-        if snapshot is not None:
+        if checkpoint is not None:
             assert self.snapshots is not None
-            self.states.copy(self.snapshots, self.snapshots.slot(snapshot), slot)
+            self.states.copy(self.snapshots, self.snapshots.slot(checkpoint), slot)
 
-    def snapshot(self, rid: Hashable) -> int | None:
-        """Copy `rid`'s current state into a snapshot slot; its id, or None if none is free."""
+    def checkpoint(self, rid: Hashable, position: int) -> int | None:
+        """A snapshot slot with `rid`'s state after `position` tokens: its committed length, or
+        a position inside its last verify window (before the window's commit; `replay` starts
+        from the slot's pre-window state). Its key, or None if no snapshot slot is free."""
+        window = self.window_rows.get(rid)
+        length = self.latent.length(rid)
+        if window is None and position != length:
+            raise ValueError(f"request {rid!r}: no state at {position} tokens outside a verify "
+                             f"window (it is at {length})")
+        if window is not None and not window[1] < position <= length:
+            raise ValueError(f"request {rid!r}: position {position} is outside its verify "
+                             f"window ({window[1]}, {length}]")
         if self.snapshots is None or not self.snapshots.free_slots:
             return None
         key = next(self._snapshot_ids)
-        self.snapshots.copy(self.states, self.states.slot(rid), self.snapshots.take(key))
+        target = self.snapshots.take(key)
+        slot = self.states.slot(rid)
+        if window is None:
+            self.snapshots.copy(self.states, slot, target)
+            return key
+        row, start = window
+        dev = self.device
+        row_t, step_t, slot_t, target_t = (torch.tensor([v], device=dev)
+                                           for v in (row, position - start - 1, slot, target))
+        for layer in self.windows:
+            self.snapshots.write(layer, target_t, self._state_at(layer, row_t, step_t, slot_t))
         return key
 
-    def drop_snapshot(self, key: int) -> None:
+    def drop_checkpoint(self, key: int) -> None:
         assert self.snapshots is not None
         self.snapshots.give_back(key)
 
@@ -213,31 +241,6 @@ class HybridCache:
                 self.states.write(layer, slot_t, self._state_at(layer, row_t, step_t, slot_t))
         for rid, length in zip(rids, lengths, strict=True):
             self.latent.truncate(rid, length)
-
-    def window_snapshots(self, positions: dict[Hashable, int]) -> dict[Hashable, int]:
-        """Snapshot, for each request, the state after its first `positions[rid]` tokens, a
-        position inside its last verify window (the decode snapshot grid): {rid: snapshot id}
-        for those a snapshot slot was free for. Call before `commit` (replay starts from the
-        slot's pre-window state)."""
-        out: dict[Hashable, int] = {}
-        if self.snapshots is None:
-            return out
-        for rid, position in positions.items():
-            window = self.window_rows.get(rid)
-            if window is None or not self.snapshots.free_slots:
-                continue
-            row, start = window
-            if not start < position <= self.latent.length(rid):
-                continue
-            row_t = torch.tensor([row], device=self.device)
-            step_t = torch.tensor([position - start - 1], device=self.device)
-            slot_t = torch.tensor([self.states.slot(rid)], device=self.device)
-            key = next(self._snapshot_ids)
-            target = torch.tensor([self.snapshots.take(key)], device=self.device)
-            for layer in self.windows:
-                self.snapshots.write(layer, target, self._state_at(layer, row_t, step_t, slot_t))
-            out[rid] = key
-        return out
 
     def _state_at(self, layer: int, rows: torch.Tensor, steps: torch.Tensor,
                   slots: torch.Tensor) -> KDAState:
@@ -349,7 +352,7 @@ class PagedK3:
         num_new: torch.Tensor,
         capture_layers: Sequence[int] = (),
         verify: bool = False,
-    ) -> KimiOutput:
+    ) -> TargetOutput:
         """Append num_new[b] tokens (row b of input_ids [B, T], right-padded) to each request;
         with `verify`, keep the KDA window for `cache.truncate` to commit from."""
         b, t = input_ids.shape
@@ -367,4 +370,4 @@ class PagedK3:
         layers = list(capture_layers)
         h, taps = self.model.model.run(ids, states, layers)
         cat = torch.cat([taps[i] for i in layers], dim=-1) if layers else None
-        return KimiOutput(logits=self.model.logits(h), taps=cat)
+        return TargetOutput(logits=self.model.logits(h), taps=cat)

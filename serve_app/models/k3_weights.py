@@ -47,7 +47,7 @@ from serve_app.models.checkpoint import (
 )
 from serve_app.models.k3 import K3ForCausalLM
 from serve_app.models.k3_config import K3Config, K3ConfigError, k3_tensor_shapes
-from serve_app.models.kimi import TPContext
+from serve_app.models.target import TPContext
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serve_app.models.kimi import TPContext
+from serve_app.models.target import TPContext
 
 __all__ = [
     "GatedRMSNorm",
@@ -554,9 +554,9 @@ class KimiDeltaAttention(nn.Module):
     def forward_logged(
         self, x: torch.Tensor, state: KDAState
     ) -> tuple[torch.Tensor, KDAWindowLog]:
-        """A verify window as ReplaySSM runs it: the same outputs as `forward_window`, but the
-        recurrence keeps only its running state and the window's inputs are logged; commit
-        with `log.replay`. `state` is not modified."""
+        """A verify window as ReplaySSM runs it: the same outputs as `forward_window`, but only
+        the window's inputs are kept (the per-position states it computes on the way are
+        dropped); commit with `log.replay`, which recomputes them. `state` is not modified."""
         q, k, v, g, beta, rows = self._inputs(x, state)
         o, _ = window_gated_delta_rule(q, k, v, g, beta, state.ssm)
         # v is a view into the q|k|v rows (fp32 already): cloned, so the log does not keep q.

@@ -40,28 +40,13 @@ from serve_app.models.layers import (
     noaux_tc_topk,
     rope_inv_freq,
 )
+from serve_app.models.target import TargetOutput, TPContext
 
 __all__ = [
     "KimiConfig",
     "KimiConfigError",
     "KimiForCausalLM",
-    "KimiOutput",
-    "TPContext",
 ]
-
-@dataclass(frozen=True)
-class TPContext:
-    """Where this replica of the modules sits in its tensor-parallel group."""
-
-    rank: int = 0
-    size: int = 1
-    group: dist.ProcessGroup | None = None
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
-        return x
-
 
 # --- rotary (DeepSeek: interleaved pairs) ------------------------------------------------------
 
@@ -133,31 +118,6 @@ class KimiAttention(MLAProjections):
         out = self.attend(q_nope, q_pe, keys, batch.mask)
         return self.tp.all_reduce(self.o_proj(out))
 
-    def forward_train(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Causal attention over whole sequences without a cache, differentiable (training).
-
-        Keys and values are materialized per head (the non-absorbed form, equal to `forward`'s
-        absorbed one up to float rounding): over a whole sequence it is the cheaper form, and
-        with q, k and (zero-padded) v of one head size, SDPA takes PyTorch's fused CPU kernel
-        instead of the math fallback that was half of a training step."""
-        b, t, _ = x.shape
-        q_nope, q_pe = self.query(x).split([self.nope, self.rope], dim=-1)
-        q_pe = apply_rotary_interleaved(q_pe, cos[:, :, None], sin[:, :, None])
-        entry = self.latent(x, cos, sin)  # [B, T, lora + rope]: what the cache would hold
-        c, k_pe = entry.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(c).view(b, t, self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, self.num_heads, -1)], dim=-1)
-        v = F.pad(v, (0, q.shape[-1] - self.v_dim))
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            scale=self.softmax_scale,
-        )[..., : self.v_dim]
-        out = out.transpose(1, 2).reshape(b, t, -1)
-        return self.tp.all_reduce(self.o_proj(out))
-
-
 # --- MLP and MoE -----------------------------------------------------------------------------
 
 
@@ -204,11 +164,6 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden] -> this rank's partial sum [N, hidden] (the caller all-reduces)."""
-        return self.forward_counts(x)[0]
-
-    def forward_counts(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """`forward`, plus how many tokens each expert received (training balances the router
-        bias with these counts, DeepSeek-V3's auxiliary-loss-free rule)."""
         weights, ids = self.gate(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat_ids = ids.flatten()
@@ -225,7 +180,7 @@ class KimiMoE(nn.Module):
             start += n
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
-        return out.to(x.dtype), counts
+        return out.to(x.dtype)
 
 
 # --- decoder ---------------------------------------------------------------------------------
@@ -264,12 +219,6 @@ class KimiModel(nn.Module):
             KimiDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-@dataclass
-class KimiOutput:
-    logits: torch.Tensor  # [B, T, vocab] float32
-    taps: torch.Tensor | None  # [B, T, len(capture_layers) * hidden], or None if none requested
 
 
 class KimiForCausalLM(nn.Module):
@@ -328,7 +277,7 @@ class KimiForCausalLM(nn.Module):
         num_new: torch.Tensor,
         capture_layers: Sequence[int] = (),
         verify: bool = False,
-    ) -> KimiOutput:
+    ) -> TargetOutput:
         """Append num_new[b] tokens (row b of input_ids, right-padded) to each request at
         positions cache.length(rids[b]) + arange(num_new[b]); attend causally over the cached
         tokens and the new ones; cache the new tokens' latents. A verify window (`verify`)
@@ -363,46 +312,7 @@ class KimiForCausalLM(nn.Module):
                 captured[i] = x
         logits = self.lm_head(self.model.norm(x)).float()
         taps = torch.cat([captured[i] for i in layers], dim=-1) if layers else None
-        return KimiOutput(logits=logits, taps=taps)
-
-    def forward_train(
-        self,
-        input_ids: torch.Tensor,
-        capture_layers: Sequence[int] = (),
-        expert_counts: list[list[int]] | None = None,
-        compute_logits: bool = True,
-    ) -> KimiOutput:
-        """Whole sequences [B, T] from position 0, causal, no cache, with autograd: the
-        language-model training forward (and the draft trainer's source of target taps and
-        distributions). Logits and taps equal the cached `forward` on the same tokens.
-        `expert_counts`, if given, receives each MoE layer's tokens per expert. With
-        compute_logits=False the logits are left empty (a caller that needs them at a few
-        positions only applies `logits_from_hidden` to the last layer's tap there)."""
-        b, t = input_ids.shape
-        dev = self.model.embed_tokens.weight.device
-        positions = torch.arange(t, device=dev)[None, :].expand(b, -1)
-        cos, sin = self.rotary(positions)
-        x = self.model.embed_tokens(input_ids.to(dev))
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn.forward_train(layer.input_layernorm(x), cos, sin)
-            h = layer.post_attention_layernorm(x)
-            if isinstance(layer.mlp, KimiMoE):
-                out, counts = layer.mlp.forward_counts(h.reshape(b * t, -1))
-                if expert_counts is not None:
-                    expert_counts.append(counts)
-                x = x + layer.tp.all_reduce(out.view_as(h))
-            else:
-                x = x + layer.tp.all_reduce(layer.mlp(h))
-            if i in capture_layers:
-                captured[i] = x
-        logits = self.logits_from_hidden(x) if compute_logits else x.new_empty(0)
-        taps = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
-        return KimiOutput(logits=logits, taps=taps)
-
-    def logits_from_hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """The last layer's output -> float32 logits (final norm, lm_head)."""
-        return self.lm_head(self.model.norm(x)).float()
+        return TargetOutput(logits=logits, taps=taps)
 
     def _attention_batch(
         self,

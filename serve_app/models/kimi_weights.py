@@ -29,8 +29,9 @@ from serve_app.models.checkpoint import (
     read_index,
     save_tensors,
 )
-from serve_app.models.kimi import KimiForCausalLM, TPContext
+from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_config import Fp8QuantConfig, KimiConfig
+from serve_app.models.target import TPContext
 
 __all__ = ["checkpoint_specs", "load_kimi", "save_kimi"]
 

@@ -178,8 +178,15 @@ class PagedKVCache:
     def device(self) -> torch.device:
         return next(iter(self.buffers.values())).device
 
-    def add(self, rid: Hashable, cached: int = 0) -> None:
+    # No per-request state beyond the pages (target.py's TargetCache): a prefix of pages is a
+    # prefix of the cache.
+    state_slots: None = None
+    checkpoints: None = None
+
+    def add(self, rid: Hashable, cached: int = 0, checkpoint: None = None) -> None:
         """A new request; `cached` leading tokens are already in its (shared) pages."""
+        if checkpoint is not None:
+            raise ValueError("a paged KV cache keeps no state checkpoints")
         if rid not in self.allocator:
             self.allocator.add(rid)
         self._lengths[rid] = cached

@@ -20,9 +20,10 @@ from serve_app.models.dspark import load_dspark
 from serve_app.models.dspark_config import check_pair
 from serve_app.models.k3_paged import PagedK3
 from serve_app.models.k3_weights import load_k3
-from serve_app.models.kimi import KimiForCausalLM, TPContext
+from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_cache import PagedAllocator
+from serve_app.models.target import TPContext
 from serve_app.models.target_config import is_hybrid
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,7 +99,7 @@ def build_runner(
         draft = shard_dspark(draft, tp_rank, tp_size, group)
         proposer = DSparkProposer(draft, target.embed_weight, target.lm_head_weight, allocator)
     return ModelRunner(target, proposer, allocator, tp_rank, tp_size, group,
-                       prefix_cache=config.prefix_cache.enabled)
+                       prefix_cache=config.prefix_cache if config.prefix_cache.enabled else None)
 
 
 def build_engine(
@@ -121,7 +122,5 @@ def build_engine(
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
         speculation=config.speculation,
-        snapshot_interval=config.prefix_cache.snapshot_interval,
-        decode_snapshot_interval=config.prefix_cache.decode_snapshot_interval,
         max_model_len=target_cfg.max_position_embeddings,
     )

@@ -76,24 +76,17 @@ class EngineCore:
         max_model_len: int | None = None,
         residual_rule: ResidualRule = residual_distribution,
         observer: EngineObserver | None = None,
-        snapshot_interval: int | None = None,
-        decode_snapshot_interval: int | None = None,
     ) -> None:
         """`residual_rule` is the rejection sampler's correction distribution; only tests
         replace it (to show that a wrong rule is detected). `max_prefill_tokens_per_request`:
         see Scheduler (None: a quarter of prefill_chunk_tokens)."""
         self.runner = runner
-        # The prefix cache's snapshots of a hybrid target's state (at `snapshot_interval`).
-        self._hybrid_cache = runner.prefix is not None and runner.prefix.hybrid
-        self.snapshot_interval = snapshot_interval
-        self.decode_snapshot_interval = decode_snapshot_interval
         self.residual_rule = residual_rule
         self.observer = observer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.detokenize = detokenize
         self.max_model_len = max_model_len
-        config = getattr(runner.target, "config", None)
-        self.vocab_size: int | None = getattr(config, "vocab_size", None)
+        self.vocab_size = runner.target.config.vocab_size
         spec = speculation or SpeculationConfig()
         proposer = runner.proposer
         self.speculative = spec.enabled and proposer is not None
@@ -112,7 +105,6 @@ class EngineCore:
             headroom_tokens=self.gamma + 1, page_size=runner.allocator.page_size,
             max_prefill_tokens_per_request=max_prefill_tokens_per_request,
             state_slots=runner.state_slots,
-            snapshot_grid=snapshot_interval if self._hybrid_cache else None,
             prefix=runner.prefix,
         )
         self.sequences: dict[str, Sequence] = {}
@@ -154,9 +146,8 @@ class EngineCore:
             i = next(i for i, t in enumerate(prompt_ids) if not is_int(t))
             raise ValueError(f"prompt: token {i} is {type(prompt_ids[i]).__name__}, not an int")
         vocab = self.vocab_size
-        if min(prompt_ids) < 0 or (vocab is not None and max(prompt_ids) >= vocab):
-            i, t = next((i, t) for i, t in enumerate(prompt_ids)
-                        if t < 0 or (vocab is not None and t >= vocab))
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            i, t = next((i, t) for i, t in enumerate(prompt_ids) if not 0 <= t < vocab)
             raise ValueError(f"prompt: token id {t} at position {i} is outside the "
                              f"vocabulary [0, {vocab})")
         if not isinstance(params, SamplingParams):  # which checks its own fields
@@ -251,14 +242,17 @@ class EngineCore:
         rids = [c.seq.request_id for c in chunks]
         logits = self.runner.forward(rows, rids, capture=self.speculative)
         lengths = [c.end for c in chunks]
-        self.runner.commit(rids, lengths, [c.end - c.start for c in chunks])
+        cache_at = {}
+        for c in chunks:
+            line = self._cache_point(c.seq, c.start, c.end)
+            if line:
+                cache_at[c.seq.request_id] = c.seq.prompt_ids[:line]
+        self.runner.commit(rids, lengths, [c.end - c.start for c in chunks], cache_at or None)
         done = []
         end_ns = time.time_ns()
         for b, c in enumerate(chunks):
             self._notify("on_prefill_chunk", c.seq, c.start, c.end, start_ns, end_ns)
             c.seq.num_cached = c.end
-            if self._caches_here(c.end, c.completes_prompt):
-                self.runner.cache_prefix(c.seq.request_id, c.seq.prompt_ids[: c.end])
             if c.completes_prompt:
                 seq = c.seq
                 stage = "sampling"
@@ -277,14 +271,20 @@ class EngineCore:
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         start_ns = time.time_ns()
         if not self.speculative:
-            logits = self.runner.forward([[s.anchor] for s in seqs],
-                                         [s.request_id for s in seqs], capture=False)
+            rids = [s.request_id for s in seqs]
+            logits = self.runner.forward([[s.anchor] for s in seqs], rids, capture=False)
             end_ns = time.time_ns()
+            cache_at = {}
+            for seq in seqs:
+                seq.num_cached += 1
+                line = self._cache_point(seq, seq.num_cached - 1, seq.num_cached)
+                if line:
+                    cache_at[seq.request_id] = seq.all_ids[:line]
+            # The same commit as every other forward's (it rolls nothing back here).
+            self.runner.commit(rids, [s.num_cached for s in seqs], [1] * len(seqs),
+                               cache_at or None)
             ok = []
             for b, seq in enumerate(seqs):
-                seq.num_cached += 1
-                if self._decode_grid_crossed(seq.num_cached - 1, seq.num_cached):
-                    self.runner.cache_prefix(seq.request_id, seq.all_ids[: seq.num_cached])
                 stage = "sampling"
                 try:
                     token = sample_token(logits[b, 0], seq.params, seq.generator)
@@ -313,7 +313,7 @@ class EngineCore:
                                      verify=True)
         end_ns = time.time_ns()
         ok, lengths, tap_rows = [], [], []
-        snapshots: dict[str, list[int]] = {}
+        cache_at: dict[str, list[int]] = {}
         for b, seq in enumerate(seqs):
             k = len(drafts[b])
             stage = "verifying drafts"
@@ -330,9 +330,9 @@ class EngineCore:
             # Cached now: the anchor and the accepted drafts; the last token is the new anchor.
             start = seq.num_cached
             seq.num_cached += verdict.accepted + 1
-            line = self._decode_grid_crossed(start, seq.num_cached)
+            line = self._cache_point(seq, start, seq.num_cached)
             if line:
-                snapshots[seq.request_id] = seq.all_ids[:line]
+                cache_at[seq.request_id] = seq.all_ids[:line]
             ok.append(seq)
             lengths.append(seq.num_cached)
             tap_rows.append(verdict.accepted + 1)
@@ -340,7 +340,7 @@ class EngineCore:
                          end_ns, True)
         # The same call on every path (with fewer requests when some failed): a failed
         # request's uncommitted verify rows go with its pages when step() frees it.
-        self.runner.commit([s.request_id for s in ok], lengths, tap_rows, snapshots or None)
+        self.runner.commit([s.request_id for s in ok], lengths, tap_rows, cache_at or None)
         return ok
 
     def _output(self, seq: Sequence, text: str) -> RequestOutput:
@@ -358,37 +358,23 @@ class EngineCore:
             cached_tokens=seq.cached_tokens,
         )
         if seq.finished:
-            if self.runner.prefix is not None and not self._hybrid_cache:
-                # A finished request donates what it cached (the hybrid's reusable prefix is
-                # what it snapshotted on the way).
-                self.runner.cache_prefix(seq.request_id, seq.all_ids[: seq.num_cached])
             if self.speculative:
                 out.spec = seq.stats.as_dict(len(seq.output_ids))
             self._notify("on_finished", seq, time.time_ns())
             self.totals.add_finished(len(seq.prompt_ids), len(seq.output_ids),
                                      seq.stats if self.speculative else None)
             self.scheduler.remove(seq)
-            self.runner.free(seq.request_id)
+            prefix = self.runner.prefix
+            donate = prefix.finish_point(seq.num_cached) if prefix is not None else 0
+            self.runner.free(seq.request_id, seq.all_ids[:donate])
             self.sequences.pop(seq.request_id, None)
         return out
 
-    def _decode_grid_crossed(self, start: int, end: int) -> int:
-        """The hybrid's decode snapshot line in (start, end], or 0: tokens [0, line) then go
-        into the prefix cache with the state there."""
-        grid = self.decode_snapshot_interval
-        if not self._hybrid_cache or not grid:
-            return 0
-        line = end // grid * grid
-        return line if line > start else 0
-
-    def _caches_here(self, end: int, completes_prompt: bool) -> bool:
-        """Whether a prefill chunk ending at `end` goes into the prefix cache: on the hybrid
-        where the snapshot grid falls (its state is there), on K2 at the prompt's end."""
-        if self.runner.prefix is None:
-            return False
-        if self._hybrid_cache:
-            return self.snapshot_interval is not None and end % self.snapshot_interval == 0
-        return completes_prompt
+    def _cache_point(self, seq: Sequence, start: int, end: int) -> int:
+        """The prefix cache's choice of what of `seq` to cache after its committed length went
+        from `start` to `end` (prefix_cache.py), or 0."""
+        prefix = self.runner.prefix
+        return prefix.cache_point(start, end, len(seq.prompt_ids)) if prefix is not None else 0
 
     # --- conveniences -------------------------------------------------------------------------
 
@@ -427,8 +413,8 @@ class EngineCore:
                 "prefix_evicted_snapshots": s["evicted_snapshots"]}
 
     def capacity(self) -> dict[str, int]:
-        """KV tokens and state slots. Every running request holds one slot (on the hybrid, its
-        KDA state; on either family, one of the batch's places), taken at admission."""
+        """KV tokens and state slots. Every running request holds one slot (its per-request
+        state, where the target has one, and one of the batch's places), taken at admission."""
         alloc = self.runner.allocator
         sched = self.scheduler
         return {

@@ -13,29 +13,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from serve_app.config import PrefixCacheConfig
 from serve_app.engines.reference.prefix_cache import PrefixCache
 from serve_app.engines.reference.proposer import Proposer
-from serve_app.models.k3_paged import HybridCache
-from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
+from serve_app.models.kv_cache import PagedAllocator
+from serve_app.models.target import Target, TargetCache, WindowedState
 
 
 class ModelRunner:
     def __init__(
         self,
-        target: Any,
+        target: Target,
         proposer: Proposer | None,
         allocator: PagedAllocator,
         tp_rank: int = 0,
         tp_size: int = 1,
         group: dist.ProcessGroup | None = None,
-        prefix_cache: bool = False,
+        prefix_cache: PrefixCacheConfig | None = None,
     ) -> None:
+        """`prefix_cache`: its settings, or None for no prefix cache."""
         self.target = target
         self.proposer = proposer
         self.allocator = allocator
-        self.cache: PagedKVCache | HybridCache = target.new_cache(
+        self.cache: TargetCache = target.new_cache(
             allocator.capacity_tokens, allocator.page_size, allocator=allocator
         )
+        # Everything of a request that a verify window runs ahead on (target.py).
+        self.windowed: list[WindowedState] = [self.cache]
+        if proposer is not None:
+            self.windowed.append(proposer)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.group = group
@@ -43,10 +49,8 @@ class ModelRunner:
         self._tap_rids: list[Hashable] = []
         # The same tree on every rank: every operation that changes it is broadcast.
         self.prefix: PrefixCache | None = None
-        if prefix_cache:
-            hybrid = isinstance(self.cache, HybridCache)
-            drop = self.cache.drop_snapshot if isinstance(self.cache, HybridCache) else None
-            self.prefix = PrefixCache(allocator, hybrid, drop)
+        if prefix_cache is not None:
+            self.prefix = PrefixCache(allocator, self.cache.checkpoints, prefix_cache)
 
     @property
     def device(self) -> torch.device:
@@ -54,8 +58,8 @@ class ModelRunner:
 
     @property
     def state_slots(self) -> int | None:
-        """The hybrid target's KDA state slots (one per running request), or None (K2)."""
-        return getattr(self.cache, "state_slots", None)
+        """Per-request state slots of the target's cache (one per running request), or None."""
+        return self.cache.state_slots
 
     # --- the protocol between rank 0 and followers ------------------------------------------
 
@@ -93,44 +97,28 @@ class ModelRunner:
         match = self.prefix.match(prompt, rid) if self.prefix is not None and prompt else None
         cached = match.length if match is not None else 0
         self.allocator.add(rid, match.pages if match is not None else ())
-        if isinstance(self.cache, HybridCache):
-            self.cache.add(rid, cached, match.snapshot if match is not None else None)
-        else:
-            self.cache.add(rid, cached)
+        self.cache.add(rid, cached, match.snapshot if match is not None else None)
         if self.proposer is not None:
             self.proposer.add(rid, cached)
         return cached
 
-    def cache_prefix(self, rid: Hashable, tokens: Sequence[int]) -> None:
-        """Put the full pages of `tokens` (the first len(tokens) cached tokens of `rid`) in the
-        prefix cache; on the hybrid, with a snapshot of the state (`rid` is at len(tokens))."""
-        self._broadcast("cache_prefix", rid, list(tokens))
-        self._cache_prefix(rid, tokens)
+    def free(self, rid: Hashable, donate: Sequence[int] = ()) -> None:
+        """The request is done. `donate`: its first committed tokens, for the prefix cache to
+        keep (SGLang's cache_finished_req); nothing for an abort or a failure."""
+        self._broadcast("free", rid, list(donate))
+        self._free(rid, donate)
 
-    def _cache_prefix(self, rid: Hashable, tokens: Sequence[int]) -> None:
-        if self.prefix is None:
-            return
-        snapshot = None
-        if isinstance(self.cache, HybridCache):
-            snapshot = self.cache.snapshot(rid)
-            if snapshot is None and self.prefix.evict_snapshot():  # the LRU one makes room
-                snapshot = self.cache.snapshot(rid)
-            if snapshot is None:
-                return  # no snapshot, no usable hybrid prefix: cache nothing
-        self.prefix.insert(tokens, self.allocator.pages(rid), snapshot)
-
-    def free(self, rid: Hashable) -> None:
-        self._broadcast("free", rid)
-        self._free(rid)
-
-    def _free(self, rid: Hashable) -> None:
-        if self.prefix is not None:
-            self.prefix.unlock(rid)
+    def _free(self, rid: Hashable, donate: Sequence[int] = ()) -> None:
         if rid not in self.allocator:
+            if self.prefix is not None:
+                self.prefix.unlock(rid)
             return
-        self.cache.free(rid)
-        if self.proposer is not None:
-            self.proposer.free(rid)
+        if self.prefix is not None:
+            if donate:
+                self.prefix.store(rid, donate, self.allocator.pages(rid))
+            self.prefix.unlock(rid)
+        for state in self.windowed:
+            state.free(rid)
         self.allocator.free(rid)
 
     def forward(
@@ -162,31 +150,30 @@ class ModelRunner:
 
     def commit(self, rids: Sequence[Hashable], lengths: Sequence[int],
                tap_rows: Sequence[int],
-               snapshots: dict[Hashable, list[int]] | None = None) -> None:
-        """Roll each request's target cache back to `lengths[i]` tokens, and give the proposer
-        the first `tap_rows[i]` rows of that request's taps from the last forward.
-        `snapshots` (hybrid, prefix cache): requests whose verify window crossed the decode
-        snapshot grid -> their tokens up to that grid line, cached with the state there."""
-        self._broadcast("commit", list(rids), list(lengths), list(tap_rows), snapshots)
-        self._commit(rids, lengths, tap_rows, snapshots)
+               cache_at: dict[Hashable, list[int]] | None = None) -> None:
+        """Roll each request's windowed state back to `lengths[i]` tokens, and give the
+        proposer the first `tap_rows[i]` rows of that request's taps from the last forward.
+        `cache_at` (prefix cache): requests whose prefix goes into the cache now -> its tokens
+        (SGLang's cache_unfinished_req), taken before the commit, so a length inside the
+        verify window still has its state."""
+        self._broadcast("commit", list(rids), list(lengths), list(tap_rows), cache_at)
+        self._commit(rids, lengths, tap_rows, cache_at)
 
     def _commit(self, rids: Sequence[Hashable], lengths: Sequence[int],
                 tap_rows: Sequence[int],
-                snapshots: dict[Hashable, list[int]] | None = None) -> None:
-        if snapshots and self.prefix is not None and isinstance(self.cache, HybridCache):
-            # Before the commit: the state at the grid line is still in the verify window.
-            keys = self.cache.window_snapshots({r: len(t) for r, t in snapshots.items()})
-            for rid, key in keys.items():
-                self.prefix.insert(snapshots[rid], self.allocator.pages(rid), key)
-        self.cache.commit(rids, lengths)
+                cache_at: dict[Hashable, list[int]] | None = None) -> None:
+        if cache_at and self.prefix is not None:
+            for rid, tokens in cache_at.items():
+                self.prefix.store(rid, tokens, self.allocator.pages(rid))
+        if self.proposer is not None and self._taps is not None:
+            index = {rid: b for b, rid in enumerate(self._tap_rids)}
+            taps = [self._taps[index[rid], :n] for rid, n in zip(rids, tap_rows, strict=True)]
+            self.proposer.append(rids, taps)
+        for state in self.windowed:
+            state.commit(rids, lengths)
         for rid, n in zip(rids, lengths, strict=True):
             # Pages past the committed length (a rejected verify tail) go back to the pool.
             self.allocator.truncate(rid, n)
-        if self.proposer is None or self._taps is None:
-            return  # speculation is off: the proposer is never fed, nor asked
-        index = {rid: b for b, rid in enumerate(self._tap_rids)}
-        taps = [self._taps[index[rid], :n] for rid, n in zip(rids, tap_rows, strict=True)]
-        self.proposer.commit(rids, taps)
 
     def propose(self, seqs: Sequence[Any]) -> Any:
         assert self.proposer is not None

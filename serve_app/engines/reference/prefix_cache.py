@@ -13,6 +13,15 @@ Eviction is LRU and never touches what a running request uses: a node is locked 
 that matched through it runs. KV pages go leaf first (a leaf's snapshot with it); snapshots
 have their own LRU and can go from an internal node alone (its KV stays).
 
+It also owns the policy of where a request's prefix is cached (`chunk_end`, `cache_point`,
+`finish_point`) and what happens when no checkpoint slot is free (`store`: the least recently
+used unlocked checkpoint goes, then one more try; still none, nothing is cached). The engine
+calls the same hooks for either family; the target's cache says which it is by offering
+`checkpoints` (target.py) or not.
+
+Its counts (pages, checkpoints, pinned tokens) are kept as the tree changes, and eviction takes
+from heaps ordered by last use: nothing on the step or admission path walks the tree.
+
 Every insertion and eviction is an event with the router's block hash (the hash chain of
 serve_app.routing.prefix_index over page-size blocks), so the router's index follows what the
 engine really holds instead of guessing.
@@ -20,13 +29,16 @@ engine really holds instead of guessing.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_app.config import PrefixCacheConfig
 from serve_app.models.kv_cache import PagedAllocator
+from serve_app.models.target import StateCheckpoints
 from serve_app.routing.prefix_index import chain_hashes
 
 # The router index's hash-chain seed (serve_app.routing.prefix_index): a node's block hash is
@@ -43,10 +55,11 @@ class Node:
     depth: int  # tokens from the root to this node's end
     block_hash: int
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
-    snapshot: int | None = None  # snapshot-pool slot of the KDA state at this node's end
+    snapshot: int | None = None  # checkpoint key of the KDA state at this node's end
     locks: int = 0  # running requests that matched through this node
     last_used: int = 0
     state_used: int = 0
+    attached: bool = True  # still in the tree (heap entries of removed nodes are skipped)
 
 
 @dataclass
@@ -58,18 +71,29 @@ class Match:
 
 
 class PrefixCache:
-    """See the module doc. `hybrid`: hits need a state snapshot; `drop_snapshot(slot)` gives a
-    snapshot slot back to its pool."""
+    """See the module doc. `states`: the target cache's checkpoints (a hit then needs one);
+    None: pages alone are a reusable prefix."""
 
-    def __init__(self, allocator: PagedAllocator, hybrid: bool,
-                 drop_snapshot: Callable[[int], None] | None = None) -> None:
+    def __init__(self, allocator: PagedAllocator, states: StateCheckpoints | None,
+                 config: PrefixCacheConfig | None = None) -> None:
+        config = config or PrefixCacheConfig(enabled=True)
         self.allocator = allocator
         self.page = allocator.page_size
-        self.hybrid = hybrid
-        self.drop_snapshot = drop_snapshot
+        self.states = states
+        self.prefill_grid = config.snapshot_interval
+        self.decode_grid = config.decode_snapshot_interval
         self.root = Node((), None, -1, 0, CHAIN_SEED)
         self._clock = itertools.count(1)
         self._locked: dict[Any, Node | None] = {}
+        # Kept as the tree changes (module doc): nodes, nodes holding a checkpoint, nodes a
+        # running request pins; and the LRU heaps of (last use, tie-break, node), whose stale
+        # entries (used again since, locked, removed) are skipped when popped.
+        self.cached_pages = 0
+        self.snapshots = 0
+        self._pinned_pages = 0
+        self._leaves: list[tuple[int, int, Node]] = []
+        self._held_states: list[tuple[int, int, Node]] = []
+        self._tie = itertools.count()
         # The engine thread changes the tree; the replica's routing_info reads the events and
         # the held blocks from another thread: both under this lock.
         self.lock = threading.RLock()
@@ -79,9 +103,38 @@ class PrefixCache:
                       "evicted_snapshots": 0}
         allocator.reclaim = self.evict
 
+    # --- where a request's prefix is cached (decided on rank 0) -------------------------------
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk [start, end) may end: with checkpoints, at the first grid line
+        it crosses (the state is copied where a chunk ends); else where it would."""
+        if self.states is None:
+            return end
+        line = end // self.prefill_grid * self.prefill_grid
+        return line if start < line < end else end
+
+    def cache_point(self, start: int, end: int, prompt_len: int) -> int:
+        """A request's committed length went from `start` to `end`: the length, in (start, end],
+        whose prefix goes into the cache now, or 0. With checkpoints: prefill chunks end on
+        the prefill grid, decode steps cross the decode grid (SGLang's
+        mamba_track_interval). Without: the whole prompt, once prefilled."""
+        if self.states is None:
+            return end if start < prompt_len <= end else 0
+        if end <= prompt_len:
+            return end if end % self.prefill_grid == 0 else 0
+        line = end // self.decode_grid * self.decode_grid
+        return line if line > max(start, prompt_len) else 0
+
+    def finish_point(self, length: int) -> int:
+        """What a finished request of `length` committed tokens donates: without checkpoints,
+        all of it (its pages are the prefix); with them, nothing more (its reusable prefixes
+        are the checkpoints it took on the way)."""
+        return length if self.states is None else 0
+
     # --- what is cached -----------------------------------------------------------------------
 
     def nodes(self) -> list[Node]:
+        """Every node (a walk: for resyncs and tests, never on the step path)."""
         out, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -90,12 +143,9 @@ class PrefixCache:
         return out
 
     @property
-    def cached_pages(self) -> int:
-        return len(self.nodes())
-
-    @property
-    def snapshots(self) -> int:
-        return sum(1 for n in self.nodes() if n.snapshot is not None)
+    def pinned_tokens(self) -> int:
+        """Tokens of the cached pages running requests use (not evictable)."""
+        return self._pinned_pages * self.page
 
     # --- match, lock, unlock ------------------------------------------------------------------
 
@@ -108,6 +158,8 @@ class PrefixCache:
         now = next(self._clock)
         for n in path:
             n.last_used = now
+            if n.locks == 0:
+                self._pinned_pages += 1
             n.locks += 1
         deepest = path[-1] if path else None
         if deepest is not None and deepest.snapshot is not None:
@@ -126,7 +178,7 @@ class PrefixCache:
 
     def _usable_path(self, tokens: Sequence[int]) -> list[Node]:
         """The cached nodes a prompt can start from: its matching full pages, leaving one
-        token to compute, and on the hybrid only up to the deepest one holding a state."""
+        token to compute, and with checkpoints only up to the deepest one holding a state."""
         node, path = self.root, []
         for i in range((len(tokens) - 1) // self.page):
             child = node.children.get(tuple(tokens[i * self.page:(i + 1) * self.page]))
@@ -134,34 +186,48 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
-        if self.hybrid:  # a recurrent state exists only at snapshots
+        if self.states is not None:  # a recurrent state exists only at checkpoints
             while path and path[-1].snapshot is None:
                 path.pop()
         return path
-
-    @property
-    def pinned_tokens(self) -> int:
-        """Tokens of the cached pages running requests use (not evictable)."""
-        return sum(self.page for n in self.nodes() if n.locks > 0)
 
     def unlock(self, rid: Any) -> None:
         node = self._locked.pop(rid, None)
         while node is not None and node is not self.root:
             node.locks -= 1
+            if node.locks == 0:
+                self._pinned_pages -= 1
+                self._evictable(node)
             node = node.parent
 
     # --- insert -------------------------------------------------------------------------------
 
+    def store(self, rid: Any, tokens: Sequence[int], pages: Sequence[int]) -> bool:
+        """Cache the full pages of `tokens`, the first len(tokens) tokens of running request
+        `rid` (`pages`: its page table), with a checkpoint of its state there if the target has
+        state. The one rule when no checkpoint slot is free, in prefill and decode alike: the
+        least recently used unlocked checkpoint makes room; if none can, nothing is cached
+        (pages without a state are no usable prefix). False if nothing was cached."""
+        snapshot = None
+        if self.states is not None:
+            snapshot = self.states.checkpoint(rid, len(tokens))
+            if snapshot is None and self.evict_snapshot():
+                snapshot = self.states.checkpoint(rid, len(tokens))
+            if snapshot is None:
+                return False
+        self.insert(tokens, pages, snapshot)
+        return True
+
     def insert(self, tokens: Sequence[int], pages: Sequence[int],
                snapshot: int | None = None) -> None:
         """Cache the full pages of `tokens` (whose pages they are: a request's table); the tree
-        takes a reference on each page it did not have. `snapshot`: a snapshot slot holding
-        the KDA state after the last of these tokens; given back (`drop_snapshot`) if the tree
-        does not take it (the node already has one, or `tokens` is not page-aligned)."""
+        takes a reference on each page it did not have. `snapshot`: a checkpoint of the state
+        after the last of these tokens; dropped if the tree does not take it (the node already
+        has one, or `tokens` is not page-aligned)."""
         with self.lock:
             left = self._insert(tokens, pages, snapshot)
-        if left is not None and self.drop_snapshot is not None:
-            self.drop_snapshot(left)
+        if left is not None and self.states is not None:
+            self.states.drop_checkpoint(left)
 
     def _insert(self, tokens: Sequence[int], pages: Sequence[int],
                 snapshot: int | None) -> int | None:
@@ -175,9 +241,12 @@ class PrefixCache:
                 self.allocator.hold(pages[i])
                 child = Node(key, node, pages[i], (i + 1) * self.page, block_hash)
                 node.children[key] = child
+                self.cached_pages += 1
                 stored.append(block_hash)
             child.last_used = now
             node = child
+        if node is not self.root:
+            self._evictable(node)
         if stored:
             self._publish("stored", stored)
         if snapshot is None:
@@ -185,45 +254,83 @@ class PrefixCache:
         if node is self.root or len(tokens) % self.page or node.snapshot is not None:
             return snapshot
         node.snapshot, node.state_used = snapshot, now
+        self.snapshots += 1
+        self._evictable(node)
         return None
 
     # --- evict --------------------------------------------------------------------------------
+
+    def _evictable(self, node: Node) -> None:
+        """`node` may have become an eviction candidate (unlocked, a leaf, a new checkpoint, or
+        used again): a heap entry with its current last use."""
+        if node.locks:
+            return
+        if not node.children:
+            heapq.heappush(self._leaves, (node.last_used, next(self._tie), node))
+        if node.snapshot is not None:
+            heapq.heappush(self._held_states, (node.state_used, next(self._tie), node))
+        if len(self._leaves) + len(self._held_states) > 4 * self.cached_pages + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap entries (amortized: only when they outnumber the nodes 4 to 1)."""
+        self._leaves = [e for e in self._leaves if self._leaf_entry_valid(e)]
+        self._held_states = [e for e in self._held_states if self._state_entry_valid(e)]
+        heapq.heapify(self._leaves)
+        heapq.heapify(self._held_states)
+
+    @staticmethod
+    def _leaf_entry_valid(entry: tuple[int, int, Node]) -> bool:
+        used, _, node = entry
+        return node.attached and not node.children and not node.locks and node.last_used == used
+
+    @staticmethod
+    def _state_entry_valid(entry: tuple[int, int, Node]) -> bool:
+        used, _, node = entry
+        return (node.attached and node.snapshot is not None and not node.locks
+                and node.state_used == used)
 
     def evict(self, pages: int) -> None:
         """Let go of up to `pages` pages' worth of unlocked leaves, least recently used first
         (the allocator's reclaim hook; a page a running request still holds is not freed by
         this, so eviction goes on until enough pages are really free or nothing is left)."""
         with self.lock:
-            target = len(self.allocator._free_pages) + pages
-            while len(self.allocator._free_pages) < target:
-                leaves = [n for n in self.nodes() if not n.children and n.locks == 0]
-                if not leaves:
-                    return
-                self._remove(min(leaves, key=lambda n: n.last_used))
+            target = self.allocator.free_tokens + pages * self.page
+            while self.allocator.free_tokens < target and self._leaves:
+                entry = heapq.heappop(self._leaves)
+                if self._leaf_entry_valid(entry):
+                    self._remove(entry[2])
 
     def evict_snapshot(self) -> bool:
-        """Drop the least recently used unlocked snapshot (its node's KV stays); False if none."""
-        held = [n for n in self.nodes() if n.snapshot is not None and n.locks == 0]
-        if not held:
-            return False
-        node = min(held, key=lambda n: n.state_used)
-        self._drop_state(node)
-        return True
+        """Drop the least recently used unlocked checkpoint (its node's KV stays); False if
+        none."""
+        while self._held_states:
+            entry = heapq.heappop(self._held_states)
+            if self._state_entry_valid(entry):
+                self._drop_state(entry[2])
+                return True
+        return False
 
     def _drop_state(self, node: Node) -> None:
-        if node.snapshot is not None and self.drop_snapshot is not None:
-            self.drop_snapshot(node.snapshot)
+        if node.snapshot is not None and self.states is not None:
+            self.states.drop_checkpoint(node.snapshot)
+            self.snapshots -= 1
         node.snapshot = None
         self.stats["evicted_snapshots"] += 1
 
     def _remove(self, node: Node) -> None:
         if node.snapshot is not None:
             self._drop_state(node)
-        assert node.parent is not None
-        del node.parent.children[node.key]
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key]
+        node.attached = False
+        self.cached_pages -= 1
         self.allocator.release(node.page)
         self.stats["evicted_pages"] += 1
         self._publish("evicted", [node.block_hash])
+        if parent is not self.root:
+            self._evictable(parent)
 
     def _publish(self, kind: str, hashes: list[int]) -> None:
         self.events.append({"seq": self.event_seq, "type": kind, "block_hashes": hashes,
@@ -242,4 +349,3 @@ class PrefixCache:
     def block_hashes_held(self) -> list[int]:
         with self.lock:
             return [n.block_hash for n in self.nodes()]
-

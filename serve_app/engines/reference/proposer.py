@@ -1,7 +1,8 @@
 """Draft proposers behind one interface: the DSpark draft, or anything a test plugs in.
 
-A proposer sees the target's taps for every committed token (`commit`) and proposes gamma
-tokens per request after its anchor (`propose`). On tensor-parallel followers only the part
+A proposer sees the target's taps for every committed token (`append`) and proposes gamma
+tokens per request after its anchor (`propose`). It is windowed state (target.py): `commit`
+keeps a prefix of what it holds, like the target's cache. On tensor-parallel followers only the part
 with collectives runs (`follow_propose`); drafts are chosen on rank 0.
 """
 
@@ -28,8 +29,11 @@ class Proposer(Protocol):
 
     def free(self, rid: Hashable) -> None: ...
 
-    def commit(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
+    def append(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
         """Rows of the target's committed tokens, in order, per request."""
+
+    def commit(self, rids: Seq[Hashable], lengths: Seq[int]) -> None:
+        """Keep `lengths[i]` tokens of rids[i] (target.py's WindowedState)."""
 
     def propose(self, seqs: Seq[Sequence]) -> DraftOutput: ...
 
@@ -63,10 +67,16 @@ class DSparkProposer:
         if rid in self.cache:
             self.cache.free(rid)
 
-    def commit(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
+    def append(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
         rows = [t for t in taps if t is not None]
         assert len(rows) == len(rids), "DSpark needs the target's taps for every commit"
         self.draft.append_context(self.cache, rids, rows)
+
+    def commit(self, rids: Seq[Hashable], lengths: Seq[int]) -> None:
+        # The draft caches context rows of committed tokens only (`append`), so none of its
+        # state runs ahead of a commit and this truncation keeps everything; it rolls back
+        # through the same protocol as the target's cache all the same.
+        self.cache.commit(rids, lengths)
 
     def propose(self, seqs: Seq[Sequence]) -> DraftOutput:
         rids = [s.request_id for s in seqs]

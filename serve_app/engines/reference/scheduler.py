@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from serve_app.config import prefill_cap
+from serve_app.engines.reference.prefix_cache import PrefixCache
 from serve_app.engines.reference.sequence import Sequence, Status
 from serve_app.models.kv_capacity import KVCapacityError
 
@@ -48,8 +48,7 @@ class Scheduler:
         page_size: int = 1,
         max_prefill_tokens_per_request: int | None = None,
         state_slots: int | None = None,
-        snapshot_grid: int | None = None,
-        prefix: Any = None,
+        prefix: PrefixCache | None = None,
     ) -> None:
         """`max_prefill_tokens_per_request`: a prompt's share of one step's prefill budget;
         None = a quarter of `prefill_chunk_tokens` (at least 1). `state_slots`: the state
@@ -58,16 +57,13 @@ class Scheduler:
         self.capacity_tokens = capacity_tokens
         self.page_size = page_size
         self.max_batch_size = max_batch_size
-        # One slot per running request: the batch bound (and, on the hybrid, the state pool's
-        # size, when that is smaller).
+        # One slot per running request: the batch bound (and, for a target with per-request
+        # state, its slot pool's size, when that is smaller).
         self.slots_total = max_batch_size if state_slots is None else min(max_batch_size,
                                                                          state_slots)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_prefill_tokens_per_request = cap
         self.headroom_tokens = headroom_tokens
-        # A hybrid target's prefix cache snapshots its KDA state where a prefill chunk ends on
-        # this grid: a chunk that crosses a grid line stops there (the rest goes next step).
-        self.snapshot_grid = snapshot_grid
         # The prefix cache (engines/reference/prefix_cache.py): a request's cached pages are
         # counted once, as pages running requests pin, not in each request's reservation.
         self.prefix = prefix
@@ -142,12 +138,10 @@ class Scheduler:
             extra = min(budget, len(chunk.seq.prompt_ids) - chunk.end)
             chunk.end += extra
             budget -= extra
-        if self.snapshot_grid:
-            grid = self.snapshot_grid
+        if self.prefix is not None:
+            # Where the prefix cache copies a state, a chunk stops (the rest goes next step).
             for chunk in plan.prefill:
-                line = chunk.end // grid * grid
-                if chunk.start < line < chunk.end:
-                    chunk.end = line
+                chunk.end = self.prefix.chunk_end(chunk.start, chunk.end)
         return plan
 
     def remove(self, seq: Sequence) -> None:

@@ -1,5 +1,5 @@
 """Tensor parallelism for the DSpark draft, gpt-fast style: shard the linears, all-reduce after
-the row-parallel ones. (The target shards itself at load time: see models/kimi_weights.py.)
+the row-parallel ones. (The target shards itself at load time: see models/k3_weights.py.)
 
 Attention heads are split across ranks; when there are more ranks than KV heads (K3's draft has
 16 KV heads, a TP32 group would have more ranks) each rank keeps the one KV head its query heads

@@ -1,0 +1,137 @@
+"""The contract between the reference engine and a target model: what the engine calls, what it
+gets back, and what a target's cache does for a request. Both targets implement it (K3's
+`PagedK3` + `HybridCache` in k3_paged.py, the K2-layout `KimiForCausalLM` + `PagedKVCache`),
+and tests/test_target_contract.py checks them against it, so the engine, scheduler and model
+runner never ask which family they run.
+
+A request's engine state is of two kinds:
+
+- **pages** (the MLA latents, the draft's context rows): a `PagedAllocator` owns them; the
+  prefix cache shares full pages between requests.
+- **per-request state a token list cannot rebuild** (K3's KDA conv windows and recurrent states):
+  one slot per running request (`state_slots`), and copies of it at chosen positions
+  (`StateCheckpoints`), which the prefix cache keeps beside its pages. A cache without such
+  state has `state_slots = None` and `checkpoints = None`.
+
+Everything of a request that a speculative window can run ahead on rolls back through one
+protocol, `WindowedState.commit(rids, lengths)`: the target cache, the proposer, and any later
+per-request state (a grammar matcher) alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from serve_app.models.kv_cache import PagedAllocator
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Where this replica of the modules sits in its tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, T, vocab] float32
+    taps: torch.Tensor | None  # [B, T, len(capture_layers) * hidden], or None if none requested
+
+
+class TargetConfig(Protocol):
+    """What the engine reads of a target's config.json."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int | list[int] | None: ...
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+
+@runtime_checkable
+class WindowedState(Protocol):
+    """Per-request state that a verify window runs ahead on."""
+
+    def commit(self, rids: Sequence[Hashable], lengths: Sequence[int]) -> None:
+        """Keep `lengths[i]` tokens of rids[i]: after a verify window, a length inside it (the
+        accepted prefix); otherwise the length the last forward left."""
+
+    def free(self, rid: Hashable) -> None: ...
+
+
+@runtime_checkable
+class StateCheckpoints(Protocol):
+    """Copies of a request's per-request state at a position, for the prefix cache to start
+    later requests from. Slots are few: `checkpoint` returns None when none is free, and the
+    prefix cache decides what to evict (prefix_cache.py: one rule for prefill and decode)."""
+
+    def checkpoint(self, rid: Hashable, position: int) -> int | None:
+        """A copy of `rid`'s state after its first `position` tokens (its committed length, or
+        a position inside its last verify window before that window is committed): the
+        checkpoint's key, or None when every checkpoint slot is taken."""
+
+    def drop_checkpoint(self, key: int) -> None: ...
+
+
+@runtime_checkable
+class TargetCache(WindowedState, Protocol):
+    """A target's cache for the requests of one rank."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def state_slots(self) -> int | None:
+        """Per-request state slots (one per running request), or None: no such state."""
+
+    @property
+    def checkpoints(self) -> StateCheckpoints | None:
+        """Where the prefix cache takes state copies from; None: pages alone are a prefix."""
+
+    def add(self, rid: Hashable, cached: int = 0, checkpoint: int | None = None) -> None:
+        """A new request whose first `cached` tokens are in its (shared) pages already, and
+        whose state starts from `checkpoint` (a prefix-cache hit) or from nothing."""
+
+    def length(self, rid: Hashable) -> int: ...
+
+    def __contains__(self, rid: Hashable) -> bool: ...
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A target model on one rank, as the engine runs it."""
+
+    @property
+    def config(self) -> TargetConfig: ...
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The embedding the DSpark draft shares."""
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...
+
+    def new_cache(self, capacity_tokens: int, page_size: int = 16,
+                  allocator: PagedAllocator | None = None) -> TargetCache: ...
+
+    def __call__(self, input_ids: torch.Tensor, cache: TargetCache, rids: Sequence[Hashable],
+                 num_new: torch.Tensor, capture_layers: Sequence[int] = (),
+                 verify: bool = False) -> TargetOutput:
+        """Append num_new[b] tokens (row b of input_ids [B, T], right-padded) to each request
+        in `cache` and return their logits; `verify` marks a speculative window, of which the
+        next `cache.commit` keeps a prefix. A KVCapacityError leaves the cache untouched."""
