@@ -13,8 +13,8 @@ Per node count, the median over repeats (microseconds) of:
   admit   Scheduler.admit's prefix work for one request: probe a 10-page prompt that hits a
           cached document, then read the pinned tokens
   stats   what the engine's telemetry reads every step: pages, checkpoints, pinned tokens
-  evict   the allocator's reclaim of one page (the LRU unlocked leaf) plus one checkpoint
-          (the LRU unlocked one), then a new document stored in their place
+  evict   eviction of one page (the LRU unlocked leaf) and of one checkpoint (the LRU
+          unlocked one), then a new document stored in their place (evicting what it needs)
 
     python bench/prefix_cache_scaling.py [--repeats 200] [--json out.json]
 """
@@ -116,6 +116,7 @@ def store(cache: PrefixCache, allocator: PagedAllocator, i: int) -> None:
     """Document i prefilled by a request that then finishes (its pages stay in the tree)."""
     rid = ("doc", i)
     allocator.add(rid)
+    cache.evict(allocator.shortfall({rid: DOC_PAGES * PAGE}))  # as the model runner does
     allocator.reserve(rid, DOC_PAGES * PAGE)
     cache.store(rid, document(i), allocator.pages(rid))
     allocator.free(rid)

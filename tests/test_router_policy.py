@@ -3,6 +3,9 @@ long/short separation, aging."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import pytest
 
 from serve_app.routing import (
@@ -20,6 +23,19 @@ from serve_app.routing import (
 )
 
 BS = 16
+
+
+def ask_from(listing: Callable[[], Awaitable[Any]]) -> Callable[[dict[str, int]], Awaitable[list[Any]]]:
+    """The ingress's transport, as the admission stage sees it, over a test's replica listing:
+    each replica's report as its answer (a bare count is its kv_tokens_total), and one
+    failed answer when the listing is incomplete."""
+    async def ask(since: dict[str, int]) -> list[Any]:
+        replicas, complete = await listing()
+        answers: list[Any] = [{"replica": r, **(rep if isinstance(rep, dict)
+                                               else {"kv_tokens_total": rep})}
+                              for r, rep in replicas.items()]
+        return answers if complete else [*answers, TimeoutError()]
+    return ask
 
 
 def settings(**kw: object) -> RouterSettings:
@@ -331,7 +347,7 @@ def test_admission_stage_counts_one_decision_per_dispatch(monkeypatch: pytest.Mo
     async def two_replicas() -> admission.ReplicaList:
         return {"a": 100_000, "b": 100_000}, True
 
-    stage = admission.AdmissionStage(settings(), two_replicas)
+    stage = admission.AdmissionStage(settings(), ask_from(two_replicas))
     prompt = list(range(810))
 
     async def run() -> list[str]:
@@ -387,7 +403,7 @@ def test_admission_stage_syncs_replicas_and_releases_the_ones_that_left() -> Non
     async def listed() -> admission.ReplicaList:
         return answers[-1]
 
-    stage = admission.AdmissionStage(settings(), listed, refresh_s=3600)
+    stage = admission.AdmissionStage(settings(), ask_from(listed), refresh_s=3600)
 
     async def run() -> None:
         where = await stage.admit("q0", list(range(900)), 100)
@@ -526,7 +542,7 @@ def test_admission_stage_takes_slots_from_the_capacity_report_and_shows_them() -
     async def listed() -> admission.ReplicaList:
         return {"a": report}, True
 
-    stage = admission.AdmissionStage(settings(), listed, refresh_s=3600)
+    stage = admission.AdmissionStage(settings(), ask_from(listed), refresh_s=3600)
 
     async def run() -> None:
         assert await stage.admit("q0", list(range(100)), 50) == "a"
@@ -653,7 +669,7 @@ def test_two_admission_stages_over_authoritative_replicas_never_overcommit_or_id
         return {r: {"kv_tokens_total": 10_000, "state_slots_total": 2,
                     "ledger": lg.report()} for r, lg in auth.items()}, True
 
-    stages = [admission.AdmissionStage(settings(), listed, refresh_s=3600, me=f"i{k}",
+    stages = [admission.AdmissionStage(settings(), ask_from(listed), refresh_s=3600, me=f"i{k}",
                                        refresh_waiting_s=0.05) for k in range(2)]
 
     async def start(stage: admission.AdmissionStage, rid: str, first: int) -> str:

@@ -8,7 +8,7 @@ committed at position p occupies the same slot in each.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +22,8 @@ class PagedAllocator:
     Pages are reference-counted: a request holds each page of its table, and the prefix cache
     holds the pages it keeps (`hold` / `release`), so a cached prefix's pages can start several
     requests' tables (`add(rid, prefix_pages)`). A page returns to the pool when its last holder
-    lets go. When the pool runs dry, `reclaim(n)` (the prefix cache's eviction, if any) is asked
-    to let go of up to n pages first."""
+    lets go. It never calls back into a holder: whoever runs a forward asks `shortfall` first
+    and has the prefix cache let go of that many pages (model_runner.py)."""
 
     def __init__(self, capacity_tokens: int, page_size: int = 16) -> None:
         if capacity_tokens < page_size or page_size <= 0:
@@ -36,7 +36,6 @@ class PagedAllocator:
         self._refs = [0] * self.num_pages
         self._pages: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
-        self.reclaim: Callable[[int], None] | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -82,12 +81,16 @@ class PagedAllocator:
         if self._refs[page] == 0:
             self._free_pages.append(page)
 
+    def shortfall(self, lengths: Mapping[Hashable, int]) -> int:
+        """Pages missing from the free pool for every request to reach its length here."""
+        extra = sum(max(0, self.pages_needed(n) - len(self._pages[rid]))
+                    for rid, n in lengths.items())
+        return max(0, extra - len(self._free_pages))
+
     def reserve(self, rid: Hashable, length: int) -> None:
         """Make room for positions [0, length) of `rid`; all or nothing."""
         pages = self._pages[rid]
         extra = self.pages_needed(length) - len(pages)
-        if extra > len(self._free_pages) and self.reclaim is not None:
-            self.reclaim(extra - len(self._free_pages))
         if extra > len(self._free_pages):
             raise KVCapacityError(
                 f"request {rid!r} needs {extra * self.page_size} more KV tokens "

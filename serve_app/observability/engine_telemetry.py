@@ -17,6 +17,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
+from serve_app.engines.reference.engine import StepReport
 from serve_app.engines.reference.sequence import Sequence
 from serve_app.observability.metrics import app_metrics, record_finished_request, tags
 from serve_app.observability.tracing import tracer
@@ -125,19 +126,19 @@ class EngineTelemetry:
             root.end(end_time=at_ns)
         record_finished_request(spec, self._tags)
 
-    def on_step(self, core: Any) -> None:
+    def on_step(self, report: StepReport) -> None:
         if not self.metrics:
             return
         m, t = self.metrics, self._tags
-        capacity = core.capacity()
-        m.queue_requests.set(len(core.scheduler.waiting), tags=t)
-        m.running_requests.set(len(core.scheduler.running), tags=t)
+        capacity = report.capacity
+        m.queue_requests.set(report.waiting, tags=t)
+        m.running_requests.set(report.running, tags=t)
         m.kv_tokens_used.set(capacity["kv_tokens_used"], tags=t)
         m.kv_tokens_capacity.set(capacity["kv_tokens_total"], tags=t)
         m.token_usage.set(capacity["kv_tokens_used"] / capacity["kv_tokens_total"], tags=t)
         if capacity.get("state_slots_total") is not None:  # in use: running_requests above
             m.state_slots_total.set(capacity["state_slots_total"], tags=t)
-        cache = core.prefix_cache_stats()
+        cache = report.prefix_cache
         if cache:
             m.cache_hit_rate.set(cache["cache_hit_rate"], tags=t)
             m.cached_tokens.set(cache["cached_tokens_total"], tags=t)
@@ -145,6 +146,5 @@ class EngineTelemetry:
             m.cache_evictions.set(cache["prefix_evicted_pages"], tags={**t, "kind": "page"})
             m.cache_evictions.set(cache["prefix_evicted_snapshots"],
                                   tags={**t, "kind": "snapshot"})
-        spec = core.totals.spec
-        if spec.proposed_drafts:
-            m.spec_accept_rate.set(spec.accept_rate, tags=t)
+        if report.spec_accept_rate is not None:
+            m.spec_accept_rate.set(report.spec_accept_rate, tags=t)

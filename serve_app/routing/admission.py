@@ -12,10 +12,12 @@
   error, cancellation at any await).
 
 Which replicas exist, how many KV tokens and how many state slots (running requests) each
-holds come from `list_replicas`, a coroutine the ingress supplies (it asks every target replica
-through Serve's broadcast, each answering with its engine's `capacity()`); the stage syncs with
-it every `refresh_s` while it is in use (every `refresh_waiting_s` while a request waits),
-and a replica that has left releases its requests' reservations at the next sync.
+holds, the stage asks for itself (`ask_replicas`: the ingress supplies only the transport, a
+coroutine that sends the stage's request to every target replica through Serve's broadcast
+and returns their answers, each its engine's `capacity()` and the prefix-cache events since
+the stage's cursor); the stage asks every `refresh_s` while it is in use (every
+`refresh_waiting_s` while a request waits), and a replica that has left releases its
+requests' reservations at the next sync.
 
 Several ingress replicas (docs/router.md): this stage's ledger is a hint. The target replica
 reserves each request again on its own authoritative ledger (serve_app.routing.reservation)
@@ -49,6 +51,9 @@ logger = logging.getLogger("serve_app.router")
 # to answer once may still be serving).
 ReplicaReport = int | Mapping[str, Any]
 ReplicaList = tuple[dict[str, ReplicaReport], bool]
+# The transport: {replica: next prefix event wanted} -> every replica's answer, a report with
+# its "replica" id, or the exception it failed with.
+AskReplicas = Callable[[dict[str, int]], Awaitable[list[Any]]]
 
 
 def _resources(report: ReplicaReport) -> tuple[int, int | None]:
@@ -61,15 +66,14 @@ def _resources(report: ReplicaReport) -> tuple[int, int | None]:
 
 
 class AdmissionStage:
-    """A `Policy` driven from the ingress's event loop. The lock is reentrant because a
-    request's lease may be released from a finalizer while this thread already holds it."""
+    """A `Policy` driven from the ingress's event loop, every change to it under one lock."""
 
     def __init__(self, settings: RouterSettings,
-                 list_replicas: Callable[[], Awaitable[ReplicaList]],
+                 ask_replicas: AskReplicas,
                  refresh_s: float = 1.0, me: str = "", refresh_waiting_s: float = 0.2) -> None:
         self.settings = settings
         self.policy: Policy = make_policy(settings)
-        self._list_replicas = list_replicas
+        self._ask_replicas = ask_replicas
         self.refresh_s = refresh_s
         # While a request waits, the replicas are asked this often: another ingress's request
         # that ends frees room this stage learns of only from a report.
@@ -157,6 +161,11 @@ class AdmissionStage:
                 metrics.router_kv_tokens_committed.set(ledger.committed(replica), tags=t)
         except Exception:  # a metrics failure must not stop the replica sync (routing)
             logger.exception("router gauges not exported")
+
+    async def _list_replicas(self) -> ReplicaList:
+        answers = await self._ask_replicas(dict(self.prefix_seq))
+        replicas = {a["replica"]: a for a in answers if isinstance(a, Mapping)}
+        return replicas, len(replicas) == len(answers)
 
     async def _refresh(self) -> None:
         try:

@@ -48,7 +48,7 @@ from serve_app.engines.types import (
 )
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.request_telemetry import RequestTelemetry
-from serve_app.routing.admission import AdmissionStage, ReplicaList
+from serve_app.routing.admission import AdmissionStage
 from serve_app.routing.policy import RouterError
 from serve_app.routing.reservation import ReplicaFull
 from serve_app.serving.edge import (
@@ -270,20 +270,16 @@ class OpenAIIngress:
             self.router = AdmissionStage(
                 self.config.router.settings(self.config.engine.backend, self.max_model_len,
                                             self.config.engine.reference.prefix_cache.enabled),
-                self._replicas, me=name or "")
+                self._ask_replicas, me=name or "")
 
-    async def _replicas(self) -> ReplicaList:
-        """Every running target replica's id and its engine's capacity() report (KV tokens
-        and state slots), for the router (Serve's broadcast reaches each replica the handle's
-        router knows)."""
+    async def _ask_replicas(self, since: dict[str, int]) -> list[Any]:
+        """The router's question to every running target replica (Serve's broadcast reaches
+        each replica the handle's router knows): their answers, or the exceptions."""
         try:
-            since = self.router.prefix_seq if self.router is not None else {}
-            answers = await self.target.broadcast("routing_info", dict(since)).results_async(
+            return await self.target.broadcast("routing_info", since).results_async(
                 timeout_s=self.config.ingress.health_timeout_s, return_exceptions=True)
         except DeploymentUnavailableError:
-            return {}, True
-        replicas: dict[str, Any] = {a["replica"]: a for a in answers if isinstance(a, dict)}
-        return replicas, len(replicas) == len(answers)
+            return []
 
     # --- routes ---------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -58,8 +59,20 @@ class EngineObserver(Protocol):
 
     def on_finished(self, seq: Sequence, at_ns: int) -> None: ...
 
-    def on_step(self, core: EngineCore) -> None:
-        """After every step (queue lengths, KV use)."""
+    def on_step(self, report: StepReport) -> None:
+        """After every step: what the engine reports of itself then (a copy)."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """The engine's state after a step, handed to the observer: telemetry reads this copy and
+    never reaches back into the engine."""
+
+    waiting: int
+    running: int
+    capacity: dict[str, int]  # EngineCore.capacity()
+    prefix_cache: dict[str, Any]  # EngineCore.prefix_cache_stats(); empty without one
+    spec_accept_rate: float | None  # None until a draft was proposed
 
 
 class EngineCore:
@@ -199,8 +212,15 @@ class EngineCore:
         # them on every rank.
         outputs += [self._fail(seq, stage) for seq, stage in self._failed]
         self._failed = []
-        self._notify("on_step", self)
+        if self.observer is not None:
+            self._notify("on_step", self.report())
         return outputs
+
+    def report(self) -> StepReport:
+        spec = self.totals.spec
+        return StepReport(len(self.scheduler.waiting), len(self.scheduler.running),
+                          self.capacity(), self.prefix_cache_stats(),
+                          spec.accept_rate if spec.proposed_drafts else None)
 
     def _isolate(self, seq: Sequence, stage: str, exc: Exception) -> None:
         """Record that `seq` failed while `stage` (e.g. "sampling"); `_fail` ends it."""

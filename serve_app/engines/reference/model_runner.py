@@ -141,6 +141,12 @@ class ModelRunner:
         for b, r in enumerate(rows):
             ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
         num_new = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        if self.prefix is not None:
+            # Pages only the tree holds make room first (admission counted them reclaimable).
+            short = self.allocator.shortfall(
+                {rid: self.cache.length(rid) + len(r) for rid, r in zip(rids, rows, strict=True)})
+            if short:
+                self.prefix.evict(short)
         layers = self.proposer.tap_layers if capture and self.proposer is not None else ()
         out = self.target(ids.to(self.device), self.cache, list(rids), num_new.to(self.device),
                           capture_layers=layers, verify=verify)

@@ -101,7 +101,6 @@ class PrefixCache:
         self.event_seq = 0  # events ever published; events[-1] has number event_seq - 1
         self.stats = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, "evicted_pages": 0,
                       "evicted_snapshots": 0}
-        allocator.reclaim = self.evict
 
     # --- where a request's prefix is cached (decided on rank 0) -------------------------------
 
@@ -291,9 +290,9 @@ class PrefixCache:
                 and node.state_used == used)
 
     def evict(self, pages: int) -> None:
-        """Let go of up to `pages` pages' worth of unlocked leaves, least recently used first
-        (the allocator's reclaim hook; a page a running request still holds is not freed by
-        this, so eviction goes on until enough pages are really free or nothing is left)."""
+        """Let go of unlocked leaves, least recently used first, until `pages` more pages are
+        free in the pool or nothing is left (a page a running request still holds is not
+        freed by letting go of it). The model runner asks before a forward that needs them."""
         with self.lock:
             target = self.allocator.free_tokens + pages * self.page
             while self.allocator.free_tokens < target and self._leaves:
