@@ -84,8 +84,7 @@ class CostModel:
         self.draft = describe_model(spec.draft) if spec.draft else None
         self.gpu = load_gpus()[spec.gpu.upper()]
         world = spec.nodes * spec.gpus_per_node
-        self.layout = Layout(gpu=self.gpu.gpu, gpus_per_node=spec.gpus_per_node,
-                             nodes=spec.nodes, attention_tp=world, expert_parallel=world,
+        self.layout = Layout(gpu=self.gpu.gpu, nodes=spec.nodes, tp=world, ep=world,
                              kv_dtype=KvDtype(spec.kv_dtype))
         self.speculation = (Speculation(gamma=spec.gamma,
                                         acceptance_length=spec.acceptance_length)

@@ -514,8 +514,7 @@ def planner_rollback(ring_len: int = 16) -> dict[str, Any]:
     from capacity.memory import kda_rollback_costs, running_fit
 
     k3, draft, h200 = describe_model("kimi-k3"), describe_model("kimi-k3-dspark"), load_gpus()["H200"]
-    layout = Layout(gpu="H200", gpus_per_node=8, nodes=2, attention_tp=16, expert_parallel=16,
-                    kv_dtype=KvDtype.FP8)
+    layout = Layout(gpu="H200", nodes=2, tp=16, ep=16, kv_dtype=KvDtype.FP8)
     context = 1_048_576
     spec = Speculation.for_draft(draft)
     out: dict[str, Any] = {"deployment": "2 x 8 H200, TP16 EP16, FP8 KV, 1M context "

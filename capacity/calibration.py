@@ -60,10 +60,10 @@ class AnchorResult:
 
 
 def _layout(gpu: str, gpn: int, nodes: int, tp: int, dp: int = 1) -> Layout:
-    return Layout(
-        gpu=gpu, gpus_per_node=gpn, nodes=nodes, attention_tp=tp, attention_dp=dp,
-        expert_parallel=tp * dp,
-    )
+    """`tp`: attention TP, as the published anchors state it (SGLang's tp_size is tp x dp)."""
+    layout = Layout(gpu=gpu, nodes=nodes, tp=tp * dp, attention_dp=dp, ep=tp * dp)
+    assert layout.gpus_per_node == gpn, (gpu, gpn, nodes, tp, dp)
+    return layout
 
 
 def anchors() -> list[Anchor]:

@@ -396,17 +396,21 @@ def _layout_from_options(
     if len(fmt) != 1:
         raise CapacityError("--weights takes one format here")
     extra = {"mem_fraction": mem_fraction} if mem_fraction is not None else {}
-    return validated(
-        Layout, gpu=spec.gpu, gpus_per_node=spec.gpus_per_node, nodes=nodes,
-        attention_tp=tp or max(1, stage // max(1, dp)), attention_dp=dp,
-        expert_parallel=ep or stage, pipeline_stages=pp, weight_format=fmt[0],
-        kv_dtype=parse_kv_dtype(kv), **extra,
+    layout = validated(
+        Layout, gpu=spec.gpu, nodes=nodes, tp=tp or stage, attention_dp=dp, ep=ep or tp or stage,
+        pp=pp, weight_format=fmt[0], kv_dtype=parse_kv_dtype(kv), **extra,
     )
+    if layout.gpus_per_node != spec.gpus_per_node:
+        raise CapacityError(
+            f"--tp {layout.tp} x --pp {layout.pp} over --nodes {nodes} uses "
+            f"{layout.gpus_per_node} GPUs per node; a {spec.gpu} node has {spec.gpus_per_node}")
+    return layout
 
 
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU type, e.g. MI300X")]
 NodesOpt = Annotated[int, typer.Option(help="nodes per replica")]
-TpOpt = Annotated[int | None, typer.Option("--tp", help="attention TP (default: stage / dp)")]
+TpOpt = Annotated[int | None, typer.Option("--tp", help="tensor-parallel ranks per stage, "
+                                           "SGLang's tp_size (default: every GPU of a stage)")]
 DpOpt = Annotated[int, typer.Option("--dp", help="attention data parallel ranks")]
 EpOpt = Annotated[int | None, typer.Option("--ep", help="expert parallel (default: whole stage)")]
 PpOpt = Annotated[int, typer.Option("--pp", help="pipeline stages")]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -18,65 +18,88 @@ DEFAULT_GAMMA = 7
 M = TypeVar("M", bound=BaseModel)
 
 
-class Layout(BaseModel):
-    """One engine replica: GPUs, how they are split, and how weights and KV are stored.
+class Parallelism(BaseModel):
+    """How one replica's ranks are laid out, in SGLang's terms: the one layout model of the
+    planner (`Layout`) and the app's config tree (`parallelism`, serve_app.config).
 
-    attention_tp x attention_dp x pipeline_stages must equal nodes x gpus_per_node; the
-    stage's GPUs form one expert-parallel group of `expert_parallel` ranks (with MoE tensor
-    parallelism of stage_gpus / expert_parallel inside it).
+    `tp` x `pp` ranks (SGLang's tp_size x pp_size) spread evenly over `nodes`, so the devices
+    used per node follow from them. Attention runs `tp / attention_dp`-way tensor parallel in
+    `attention_dp` groups; the MoE layers of a stage's `tp` ranks form one expert-parallel group
+    of `ep` ranks, with MoE tensor parallelism `tp / ep` inside it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    tp: int = Field(default=1, ge=1, description="tensor-parallel ranks per pipeline stage")
+    pp: int = Field(default=1, ge=1, description="pipeline stages (reference engine: 1)")
+    ep: int = Field(default=1, ge=1, description="expert-parallel size (divides tp)")
+    attention_dp: int = Field(default=1, ge=1, description="attention data parallel (divides "
+                              "tp)")
+    nodes: int = Field(default=1, ge=1, description="nodes per replica (one bundle each)")
+
+    # How errors name the fields: the app's config tree says "parallelism.tp".
+    _field_prefix: ClassVar[str] = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def devices_per_node(self) -> int:
+        """GPUs (or CPU rank slots) used on each node."""
+        return self.world_size // self.nodes
+
+    @property
+    def attention_tp(self) -> int:
+        return self.tp // self.attention_dp
+
+    @property
+    def moe_tp(self) -> int:
+        return self.tp // self.ep
+
+    @model_validator(mode="after")
+    def _layout(self) -> Parallelism:
+        f = self._field_prefix
+        if self.world_size % self.nodes:
+            raise ValueError(
+                f"{f}tp ({self.tp}) x {f}pp ({self.pp}) = {self.world_size} ranks must split "
+                f"evenly over {f}nodes ({self.nodes})")
+        if self.tp % self.attention_dp:
+            raise ValueError(f"{f}attention_dp ({self.attention_dp}) must divide {f}tp "
+                             f"({self.tp})")
+        # The one expert-parallel rule (SGLang's: ep_size divides tp_size).
+        if self.tp % self.ep:
+            raise ValueError(f"{f}ep ({self.ep}) must divide {f}tp, the ranks of a stage "
+                             f"({self.tp})")
+        return self
+
+
+class Layout(Parallelism):
+    """One engine replica: its parallelism (the app's field names), its GPUs, and how weights
+    and KV are stored."""
+
     gpu: str = Field(min_length=1)
-    gpus_per_node: int = Field(gt=0)
-    nodes: int = Field(default=1, gt=0)
-    attention_tp: int = Field(gt=0)
-    attention_dp: int = Field(default=1, gt=0)
-    expert_parallel: int = Field(gt=0)
-    pipeline_stages: int = Field(default=1, gt=0)
     weight_format: WeightFormat | None = Field(
         default=None, description="None: the checkpoint's own format"
     )
     kv_dtype: KvDtype = KvDtype.BF16
     mem_fraction: float = Field(default=DEFAULT_MEM_FRACTION, gt=0, le=0.98)
 
-    @model_validator(mode="after")
-    def _consistent(self) -> Layout:
-        total = self.nodes * self.gpus_per_node
-        used = self.attention_tp * self.attention_dp * self.pipeline_stages
-        if used != total:
-            raise ValueError(
-                f"attention_tp ({self.attention_tp}) x attention_dp ({self.attention_dp}) x "
-                f"pipeline_stages ({self.pipeline_stages}) = {used} must equal nodes "
-                f"({self.nodes}) x gpus_per_node ({self.gpus_per_node}) = {total}"
-            )
-        if self.stage_gpus % self.expert_parallel:
-            raise ValueError(
-                f"expert_parallel ({self.expert_parallel}) must divide the GPUs of one pipeline "
-                f"stage ({self.stage_gpus})"
-            )
-        return self
+    @property
+    def gpus_per_node(self) -> int:
+        return self.devices_per_node
 
     @property
     def total_gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @property
-    def stage_gpus(self) -> int:
-        return self.attention_tp * self.attention_dp
-
-    @property
-    def moe_tp(self) -> int:
-        return self.stage_gpus // self.expert_parallel
+        return self.world_size
 
     def label(self) -> str:
         parts = [f"{self.nodes}x{self.gpus_per_node} {self.gpu}", f"TP{self.attention_tp}"]
         if self.attention_dp > 1:
             parts.append(f"DP{self.attention_dp}")
-        parts.append(f"EP{self.expert_parallel}")
-        if self.pipeline_stages > 1:
-            parts.append(f"PP{self.pipeline_stages}")
+        parts.append(f"EP{self.ep}")
+        if self.pp > 1:
+            parts.append(f"PP{self.pp}")
         return " ".join(parts)
 
 

@@ -175,9 +175,9 @@ def _stage_weights(
 
 def check_layout(model: ModelDescriptor, layout: Layout) -> None:
     """Raises if the model's heads cannot be split the way the layout asks."""
-    if layout.pipeline_stages > len(model.layers):
+    if layout.pp > len(model.layers):
         raise CapacityError(
-            f"layout.pipeline_stages ({layout.pipeline_stages}) exceeds {model.name}'s "
+            f"layout.pp ({layout.pp}) exceeds {model.name}'s "
             f"{len(model.layers)} layers"
         )
     for label, heads in (
@@ -311,13 +311,13 @@ def memory_per_gpu(
         workload.prefill_chunk_tokens * model.hidden_size * ACTIVATION_BYTES
         * ACTIVATION_HIDDEN_BUFFERS
         + ceil(max_running_requests(draft) * verify_rows * model.vocab_size * LOGIT_BYTES
-               / layout.stage_gpus)
+               / layout.tp)
     )
     outside = {"activation_workspace": activation, "runtime_reserve": RUNTIME_OTHER_BYTES + NCCL_BYTES}
     needs = _stage_needs(
         model, draft, verify_rows if speculation else None,
-        layout.weight_format.value if layout.weight_format else None, layout.pipeline_stages,
-        layout.attention_tp, layout.expert_parallel, layout.moe_tp, kv_bytes,
+        layout.weight_format.value if layout.weight_format else None, layout.pp,
+        layout.attention_tp, layout.ep, layout.moe_tp, kv_bytes,
         workload.context_length, workload.kda_state_slots, kda_rollback, ring_len,
     )
     stages = [
@@ -604,7 +604,7 @@ def running_fit(
     ok = True
     shapes: list[tuple[StageMemory, int, int, int]] = []  # (stage, kv, state, padding)
     costs: dict[int, KdaRollbackCosts] = {}
-    attention_layers = _stage_attention_layers(model, layout.pipeline_stages)
+    attention_layers = _stage_attention_layers(model, layout.pp)
     for stage in report.stages:
         kv = sum(v for k, v in stage.per_request.items() if k.endswith("_kv"))
         # One state slot per mamba slot (the Workload default: 1), a verify row per request.

@@ -80,10 +80,10 @@ class PlanRow:
             "replicas": self.replicas,
             "gpus": self.gpus,
             "nodes": self.nodes,
-            "attention_tp": layout.attention_tp,
+            "tp": layout.tp,
             "attention_dp": layout.attention_dp,
-            "expert_parallel": layout.expert_parallel,
-            "pipeline_stages": layout.pipeline_stages,
+            "ep": layout.ep,
+            "pp": layout.pp,
             "weights_gb_per_gpu": round(stage.weight_bytes / 1e9, 2),
             "free_gb_per_gpu": round(stage.free_for_requests / 1e9, 2),
             "request_gb_per_gpu": round(stage.request_bytes / 1e9, 3),
@@ -187,9 +187,8 @@ def _candidate_layouts(
                 for fmt in weight_formats:
                     for kv in kv_dtypes:
                         layouts.append(Layout(
-                            gpu=gpu.gpu, gpus_per_node=gpu.gpus_per_node, nodes=nodes,
-                            attention_tp=tp, attention_dp=dp, expert_parallel=stage_gpus,
-                            pipeline_stages=stages, weight_format=fmt, kv_dtype=kv, **extra,
+                            gpu=gpu.gpu, nodes=nodes, tp=stage_gpus, attention_dp=dp,
+                            ep=stage_gpus, pp=stages, weight_format=fmt, kv_dtype=kv, **extra,
                         ))
     return tuple(layouts)
 

@@ -1,8 +1,9 @@
 """SGLang 0.5.23's server-argument table: its ServerArgs fields (name -> type, default, CLI
-flag, choices, help), vendored as `serve_app/engines/sglang_flags_0_5_23.json` (extracted from
-the wheel by `tools/extract_sglang_flags.py`). Read by the argument mapping (CLI spelling) and
-the start-up checks (every argument checked against it); its own module so that neither of
-those imports the other for it."""
+flag, choices, help), vendored as `capacity/data/sglang_flags_0_5_23.json` (extracted from the
+wheel by `tools/extract_sglang_flags.py`). In the bottom layer, so that the planner's emitted
+settings take SGLang's own defaults from it (capacity/sglang_recipe.py), and the app's
+argument mapping (CLI spelling) and start-up checks (every argument checked against it) read
+the same table."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 SGLANG_VERSION = "0.5.23"
-FLAGS_FILE = Path(__file__).parent.parent / "sglang_flags_0_5_23.json"
+FLAGS_FILE = Path(__file__).parent / "data" / "sglang_flags_0_5_23.json"
 
 
 @functools.cache

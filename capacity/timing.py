@@ -172,7 +172,7 @@ def _ep_comm_s(
 ) -> float:
     """DeepEP-style dispatch + combine: a token crosses the network once per distinct remote
     scale-up domain among its top-k experts, then fans out over scale-up links."""
-    g = layout.stage_gpus
+    g = layout.tp
     if g <= 1 or tokens_per_gpu <= 0:
         return 0.0
     reach = min(g, reach_all)
@@ -222,11 +222,11 @@ def _forward_s(
     bytes_per_gpu, flops_per_gpu) summed over pipeline stages."""
     fmt = layout.weight_format or model.native_format
     fmt_key = layout.weight_format.value if layout.weight_format else None
-    stage_bytes = _stage_sharded_bytes(model, fmt_key, layout.pipeline_stages)
-    stage_params = _stage_params(model, layout.pipeline_stages)
+    stage_bytes = _stage_sharded_bytes(model, fmt_key, layout.pp)
+    stage_params = _stage_params(model, layout.pp)
     dp = layout.attention_dp
     tp = layout.attention_tp
-    g = layout.stage_gpus
+    g = layout.tp
     # Attention work lands on the DP ranks that hold requests; idle ranks do not help.
     tokens_dp = tokens_total / (busy_dp or dp)
     requests_dp = requests / dp
@@ -274,7 +274,7 @@ def _forward_s(
 
         fixed = params.layers * (c.layer_overhead_us * 1e-6 + collectives)
         attn_comm = 2 * tokens_dp * hidden * BF16_BYTES * (tp - 1) / tp if tp > 1 else 0.0
-        if model.moe and layout.expert_parallel > 1:
+        if model.moe and layout.ep > 1:
             comm = params.layers * (
                 _group_comm_s(attn_comm, tp, reach, gpu, c)
                 + _ep_comm_s(tokens_total / g, model.moe.top_k, hidden, layout, reach, gpu, c)
@@ -291,10 +291,10 @@ def _forward_s(
         comm_s += comm
         bytes_total += moved
         flops_total += linear_flops + attn_flops + expert_flops
-    if layout.pipeline_stages > 1:
+    if layout.pp > 1:
         handoff = tokens_total * hidden * BF16_BYTES
-        fixed_s += (layout.pipeline_stages - 1) * (c.internode_collective_us * 1e-6)
-        comm_s += (layout.pipeline_stages - 1) * handoff / (
+        fixed_s += (layout.pp - 1) * (c.internode_collective_us * 1e-6)
+        comm_s += (layout.pp - 1) * handoff / (
             gpu.scale_out_gbps * 1e9 * c.comm_efficiency
         )
     return memory_s, compute_s, fixed_s, comm_s, bytes_total, flops_total
@@ -318,7 +318,7 @@ def _draft_s(
     rows = requests_dp * (spec.gamma + spec.acceptance_length)
     weight_bytes = draft.total_bytes() / tp + target.global_component_bytes().get(
         Component.LM_HEAD, 0
-    ) / layout.stage_gpus
+    ) / layout.tp
     kv_read = 0.0
     attn_flops = 0.0
     if draft.gqa:
@@ -330,7 +330,7 @@ def _draft_s(
         )
     lm_head_params = target.vocab_size * target.hidden_size
     flops = 2 * rows * draft.total_params / tp + 2 * requests_dp * spec.gamma * lm_head_params / (
-        layout.stage_gpus
+        layout.tp
     ) + attn_flops
     memory = (weight_bytes + kv_read) / (gpu.hbm_tbps * 1e12 * c.hbm_efficiency)
     compute = flops / (gpu.bf16_tflops * 1e12 * c.compute_efficiency)
@@ -354,7 +354,7 @@ def decode_step(
     if draft is not None and speculation is None:
         speculation = Speculation.for_draft(draft)
     spec = speculation if draft is not None else None
-    microbatch = concurrency / layout.pipeline_stages
+    microbatch = concurrency / layout.pp
     rows = (spec.gamma + 1) if spec else 1
     independent = microbatch * (1 + (rows - 1) * constants.verify_token_independence)
     memory, compute, fixed, comm, moved, flops = _forward_s(

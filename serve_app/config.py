@@ -7,7 +7,7 @@ as `embedded:NAME` (a folder under `serve_app/assets/`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,9 @@ from pydantic import (
     model_validator,
 )
 
+from capacity.config import Parallelism
+from capacity.sglang_recipe import SGLANG_OPTIONAL as _SGO
+from capacity.sglang_recipe import SGLANG_SECTION as _SG
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kimi_config import KimiConfig
@@ -56,25 +59,12 @@ class ModelsConfig(_Strict):
         return resolve_path(self.tokenizer or self.target)
 
 
-class ParallelismConfig(_Strict):
-    """How one replica's ranks are laid out. `tp` x `pp` is the number of ranks (the reference
-    engine creates exactly `tp`: it has no pipeline stages); they spread evenly over `nodes`,
-    one placement-group bundle per node, so the devices used per node follow from them."""
+class ParallelismConfig(Parallelism):
+    """`parallelism`: how one replica's ranks are laid out. The planner's own layout model
+    (capacity.config.Parallelism: the same fields, the same rules, the one expert-parallel
+    rule); the reference engine creates exactly `tp` ranks (it has no pipeline stages)."""
 
-    tp: int = Field(default=1, ge=1, description="tensor-parallel ranks per replica")
-    pp: int = Field(default=1, ge=1, description="pipeline stages (reference engine: 1)")
-    ep: int = Field(default=1, ge=1, description="expert-parallel size (SGLang)")
-    attention_dp: int = Field(default=1, ge=1, description="attention data parallel (SGLang)")
-    nodes: int = Field(default=1, ge=1, description="nodes per replica (one bundle each)")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def devices_per_node(self) -> int:
-        """GPUs (or CPU rank slots) used on each node."""
-        return self.world_size // self.nodes
+    _field_prefix: ClassVar[str] = "parallelism."
 
     @model_validator(mode="before")
     @classmethod
@@ -83,17 +73,6 @@ class ParallelismConfig(_Strict):
             raise ValueError("parallelism.devices_per_node is not a field: it follows from "
                              "parallelism.tp x parallelism.pp / parallelism.nodes; remove it")
         return data
-
-    @model_validator(mode="after")
-    def _layout(self) -> ParallelismConfig:
-        if self.world_size % self.nodes:
-            raise ValueError(
-                f"parallelism.tp ({self.tp}) x parallelism.pp ({self.pp}) = {self.world_size} "
-                f"ranks must split evenly over parallelism.nodes ({self.nodes})")
-        if self.ep > self.world_size:
-            raise ValueError(f"parallelism.ep ({self.ep}) cannot exceed the {self.world_size} "
-                             "devices of a replica")
-        return self
 
 
 class PlacementConfig(_Strict):
@@ -160,66 +139,69 @@ class SGLangSettings(_Strict):
 
     Model paths come from `models`, tp/ep/attention-DP/nnodes from `parallelism`; the one
     mapping to SGLang's argument names is `serve_app.engines.sglang.args.sglang_server_args`.
-    Defaults are the published K3 + DSpark recipe on 2 x 8 H200.
+    Every default is `capacity.sglang_recipe`'s (the published K3 + DSpark recipe on 2 x 8
+    H200, else SGLang's own default from its flag table), which the planner writes into the
+    files it emits.
     """
 
-    context_length: int = Field(default=1_048_576, gt=0)
-    mem_fraction_static: float = Field(default=0.85, gt=0, lt=1)
-    kv_cache_dtype: Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    chunked_prefill_size: int = Field(default=8192, description="-1 disables chunked prefill")
-    # Always emitted: with DSPARK, SGLang silently sets 48 when this is left unset. The planner
-    # sizes it (capacity.memory.running_fit): every running request holds fixed-size KDA states
-    # (radix-cache slots + one per verified draft position), which leave the KV pool room for
-    # one full-context request.
-    max_running_requests: int = Field(default=48, gt=0)
+    context_length: int = Field(default=_SG["context_length"], gt=0)
+    mem_fraction_static: float = Field(default=_SG["mem_fraction_static"], gt=0, lt=1)
+    kv_cache_dtype: Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = (
+        _SG["kv_cache_dtype"])
+    chunked_prefill_size: int = Field(default=_SG["chunked_prefill_size"],
+                                      description="-1 disables chunked prefill")
+    # The planner sizes it (capacity.memory.running_fit): every running request holds
+    # fixed-size KDA states (radix-cache slots + one per verified draft position), which leave
+    # the KV pool room for one full-context request.
+    max_running_requests: int = Field(default=_SG["max_running_requests"], gt=0)
     # KDA state slots (SGLang's mamba pool). Unset, SGLang 0.5.23 gives the states
     # mamba_full_memory_ratio / (1 + ratio) (0.9 / 1.9: about half) of the memory left after
     # the weights, and the MLA KV only the rest; the planner sets it to what the running
     # requests need (max_running_requests x 5 slots with extra_buffer).
-    max_mamba_cache_size: int | None = Field(default=None, gt=0)
-    # dtype of the KDA recurrent state. K3's config.json names none, so SGLang reads float32;
-    # the planner's state size is float32 too: explicit, so the file says what it sized.
-    mamba_ssm_dtype: Literal["float32", "bfloat16", "float16"] | None = "float32"
-    # Prefix (radix) caching of hybrid models: `auto` resolves to extra_buffer for K3 under the
-    # overlap scheduler (2 ping-pong state slots per request, counted by the planner);
-    # no_buffer would turn the overlap scheduler off and needs page_size 1.
+    max_mamba_cache_size: int | None = Field(default=_SG["max_mamba_cache_size"], gt=0)
+    mamba_ssm_dtype: Literal["float32", "bfloat16", "float16"] | None = _SG["mamba_ssm_dtype"]
+    # Prefix (radix) caching of hybrid models: extra_buffer keeps 2 ping-pong state slots per
+    # request (counted by the planner); no_buffer would turn the overlap scheduler off and needs
+    # page_size 1.
     mamba_radix_cache_strategy: Literal["auto", "no_buffer", "extra_buffer",
-                                        "extra_buffer_lazy"] = "extra_buffer"
-    speculative_algorithm: Literal["DSPARK"] | None = "DSPARK"
-    speculative_dspark_block_size: int = Field(default=7, gt=0, description="gamma: drafts "
-                                               "per verify step (window gamma + 1)")
+                                        "extra_buffer_lazy"] = _SG["mamba_radix_cache_strategy"]
+    speculative_algorithm: Literal["DSPARK"] | None = _SG["speculative_algorithm"]
+    speculative_dspark_block_size: int = Field(default=_SG["speculative_dspark_block_size"],
+                                               gt=0, description="gamma: drafts per verify "
+                                               "step (window gamma + 1)")
     # How the speculative verify rolls K3's KDA states back (capacity.memory.kda_rollback_costs,
     # docs/capacity.md): off, SGLang keeps a full state per verified position (scratch); on,
     # every mamba slot carries a ring of the window's inputs and the commit replays the accepted
     # prefix (no intermediate_ssm). Written to the config tree only when on (the serializer
     # below), so that files generated for the default stay as they were.
-    enable_linear_replayssm_spec: bool = Field(default=False, description=(
-        "SGLang's --enable-linear-replayssm-spec: the KDA verify keeps a per-slot ring of the "
-        "window's raw inputs and replays the accepted prefix at commit, instead of a full state "
-        "per verified position; needs speculative_algorithm"))
-    linear_replayssm_cache_len: int = Field(default=16, ge=1, description=(
-        "SGLang's --linear-replayssm-cache-len: the replay ring's length L per mamba slot; a "
-        "power of two >= 2 x speculative_num_draft_tokens (DSPARK: block_size + 1). Only with "
-        "enable_linear_replayssm_spec"))
-    speculative_draft_attention_backend: str | None = None
-    moe_runner_backend: str | None = None
-    decode_attention_backend: str | None = None
-    # K3 is built into SGLang 0.5.23 (srt/configs/kimi_k3.py): no remote code is needed or run.
-    trust_remote_code: bool = False
-    enable_metrics: bool = True
+    enable_linear_replayssm_spec: bool = Field(
+        default=_SGO["enable_linear_replayssm_spec"], description=(
+            "SGLang's --enable-linear-replayssm-spec: the KDA verify keeps a per-slot ring of "
+            "the window's raw inputs and replays the accepted prefix at commit, instead of a "
+            "full state per verified position; needs speculative_algorithm"))
+    linear_replayssm_cache_len: int = Field(
+        default=_SGO["linear_replayssm_cache_len"], ge=1, description=(
+            "SGLang's --linear-replayssm-cache-len: the replay ring's length L per mamba slot; "
+            "a power of two >= 2 x speculative_num_draft_tokens (DSPARK: block_size + 1). Only "
+            "with enable_linear_replayssm_spec"))
+    speculative_draft_attention_backend: str | None = _SG["speculative_draft_attention_backend"]
+    moe_runner_backend: str | None = _SG["moe_runner_backend"]
+    decode_attention_backend: str | None = _SG["decode_attention_backend"]
+    trust_remote_code: bool = _SG["trust_remote_code"]
+    enable_metrics: bool = _SG["enable_metrics"]
     # Packaged capacity-planner descriptors used for the start-up checks when the checkpoints
     # are not on the machine that runs `serve run` (production paths live on the GPU nodes).
-    planner_model: str = "kimi-k3"
-    planner_draft: str | None = "kimi-k3-dspark"
+    planner_model: str = _SG["planner_model"]
+    planner_draft: str | None = _SG["planner_draft"]
     # SGLang's radix-cache events, followed into the router's prefix index
     # (serve_app/engines/sglang/kv_events.py, docs/prefix-cache.md): the rank-0 scheduler (on
     # the replica's node: RayEngine co-locates them) binds a loopback PUB socket the replica
     # subscribes to. Written to the config tree only when not the default (the serializer
     # below), so that files generated for the default stay as they were.
-    kv_events: bool = Field(default=True, description=(
+    kv_events: bool = Field(default=_SGO["kv_events"], description=(
         "publish SGLang's KV cache events (--kv-events-config, managed) and follow them into "
         "the router's prefix index; needs pyzmq and msgspec (SGLang's own dependencies)"))
-    kv_events_port: int = Field(default=0, ge=0, le=65535, description=(
+    kv_events_port: int = Field(default=_SGO["kv_events_port"], ge=0, le=65535, description=(
         "loopback port of the publisher (attention-DP rank r: port + r); 0: free ports picked "
         "on the replica's node when it starts"))
     extra_server_args: dict[str, Any] = Field(default_factory=dict, description="any other "
@@ -233,7 +215,7 @@ class SGLangSettings(_Strict):
         ring = self.linear_replayssm_cache_len
         field = "engine.sglang.linear_replayssm_cache_len"
         if not self.enable_linear_replayssm_spec:
-            if ring != 16:
+            if ring != _SGO["linear_replayssm_cache_len"]:
                 raise ValueError(f"{field}={ring} is used only with "
                                  "engine.sglang.enable_linear_replayssm_spec: true")
             return self
@@ -274,7 +256,7 @@ class SGLangSettings(_Strict):
             # Off, both are at their defaults (checked above) and SGLang is not given them.
             data.pop("enable_linear_replayssm_spec", None)
             data.pop("linear_replayssm_cache_len", None)
-        if self.kv_events and self.kv_events_port == 0:
+        if (self.kv_events, self.kv_events_port) == (_SGO["kv_events"], _SGO["kv_events_port"]):
             data.pop("kv_events", None)
             data.pop("kv_events_port", None)
         return data

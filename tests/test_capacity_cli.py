@@ -86,7 +86,10 @@ def test_plan_infeasible_context_explains():
         (("plan", "--context", "-128K"), "must be positive"),
         (("plan", "--context", "2M"), "exceeds Kimi-K3's maximum 1,048,576"),
         (("plan", "--weights", "fp3"), "unknown weight format 'fp3'; allowed: bf16"),
-        (("explain", "--gpu", "H200", "--nodes", "2", "--tp", "5"), "must equal"),
+        (("explain", "--gpu", "H200", "--nodes", "2", "--tp", "5"),
+         "tp (5) x pp (1) = 5 ranks must split evenly over nodes (2)"),
+        (("explain", "--gpu", "H200", "--nodes", "1", "--tp", "4"),
+         "uses 4 GPUs per node; a H200 node has 8"),
         (("model", "/no/such/config.json"), "neither a config.json path"),
     ],
 )
@@ -286,8 +289,7 @@ def test_emit_validation_rejects_broken_configs():
     from capacity import CapacityError
 
     broken = cluster_config(
-        __import__("capacity").Layout(gpu="H200", gpus_per_node=8, attention_tp=8,
-                                      expert_parallel=8))
+        __import__("capacity").Layout(gpu="H200", tp=8, ep=8))
     broken["provider"]["type"] = 7
     with pytest.raises(CapacityError, match="cluster config is invalid"):
         validate_cluster_config(broken)

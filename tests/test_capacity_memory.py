@@ -46,8 +46,8 @@ def tiny_draft():
 
 
 def layout(tp: int, dp: int = 1, ep: int | None = None, mem_fraction: float = 0.5) -> Layout:
-    return Layout(gpu="TOY", gpus_per_node=tp * dp, attention_tp=tp, attention_dp=dp,
-                  expert_parallel=ep or tp * dp, mem_fraction=mem_fraction)
+    return Layout(gpu="TOY", tp=tp * dp, attention_dp=dp, ep=ep or tp * dp,
+                  mem_fraction=mem_fraction)
 
 
 def run(model, lay, context=1000, draft=None, spec=None):
@@ -130,12 +130,11 @@ def test_context_and_heads_are_checked(tiny):
     with pytest.raises(CapacityError, match="exceeds tiny's maximum 4,096"):
         run(tiny, layout(1), context=5000)
     with pytest.raises(CapacityError, match="attention_tp \\(3\\) must divide"):
-        run(tiny, Layout(gpu="TOY", gpus_per_node=3, attention_tp=3, expert_parallel=3))
+        run(tiny, Layout(gpu="TOY", tp=3, ep=3))
 
 
 def test_pipeline_stages_split_layers(tiny):
-    report = run(tiny, Layout(gpu="TOY", gpus_per_node=2, attention_tp=1, pipeline_stages=2,
-                              expert_parallel=1, mem_fraction=0.5))
+    report = run(tiny, Layout(gpu="TOY", tp=1, pp=2, ep=1, mem_fraction=0.5))
     first, last = report.stages
     assert (first.first_layer, first.last_layer, last.first_layer, last.last_layer) == (0, 1, 2, 3)
     assert "embeddings" in first.weights and "embeddings" not in last.weights
@@ -152,7 +151,7 @@ def test_running_fit_counts_sglangs_kda_state_pools() -> None:
     from capacity.memory import MAMBA_SLOTS_PER_RUNNING_REQUEST, running_fit
 
     k3, draft, h200 = describe_model("kimi-k3"), describe_model("kimi-k3-dspark"), load_gpus()["H200"]
-    lay = Layout(gpu="H200", gpus_per_node=8, nodes=2, attention_tp=16, expert_parallel=16)
+    lay = Layout(gpu="H200", nodes=2, tp=16, ep=16)
     bf16 = running_fit(k3, lay, h200, 1_048_576, draft)
     assert (bf16.max_running_requests, bf16.full_context_requests, bf16.fits) == (0, 0, False)
     assert round(bf16.one_request_bytes / 1e9, 1) == 31.0 and round(bf16.free_bytes / 1e9) == 21
@@ -264,8 +263,7 @@ def test_running_fit_honours_the_kda_rollback() -> None:
     from capacity.memory import kda_rollback_costs, running_fit
 
     k3, draft, h200 = describe_model("kimi-k3"), describe_model("kimi-k3-dspark"), load_gpus()["H200"]
-    lay = Layout(gpu="H200", gpus_per_node=8, nodes=2, attention_tp=16, expert_parallel=16,
-                 kv_dtype=KvDtype.FP8)
+    lay = Layout(gpu="H200", nodes=2, tp=16, ep=16, kv_dtype=KvDtype.FP8)
     default = running_fit(k3, lay, h200, 1_048_576, draft)
     scratch = running_fit(k3, lay, h200, 1_048_576, draft, kda_rollback="scratch")
     assert default == scratch and default.kda_rollback == "scratch"

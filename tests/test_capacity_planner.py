@@ -27,8 +27,7 @@ def fits(env, gpu: str, nodes: int) -> bool:
     k3, draft, gpus, _ = env
     spec = gpus[gpu]
     world = nodes * spec.gpus_per_node
-    layout = Layout(gpu=gpu, gpus_per_node=spec.gpus_per_node, nodes=nodes, attention_tp=world,
-                    expert_parallel=world)
+    layout = Layout(gpu=gpu, nodes=nodes, tp=world, ep=world)
     return memory_per_gpu(k3, layout, Workload(context_length=8192), spec, draft).fits
 
 

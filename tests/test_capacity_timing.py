@@ -14,7 +14,7 @@ def setup():
     return describe_model("kimi-k3"), describe_model("kimi-k3-dspark"), load_gpus()
 
 
-B300 = Layout(gpu="B300", gpus_per_node=8, attention_tp=8, expert_parallel=8)
+B300 = Layout(gpu="B300", tp=8, ep=8)
 
 
 def test_distinct_experts_formula():

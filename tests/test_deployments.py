@@ -120,10 +120,18 @@ def test_kimi_capacity_emit_writes_the_shipped_files(tmp_path: Path, rel: str) -
 
 
 def test_capacity_writes_the_apps_whole_sglang_section() -> None:
-    """capacity cannot import serve_app: its engine.sglang table is the app's SGLangSettings,
-    every field in the app's order with the app's defaults."""
-    from capacity.emit import SGLANG_SECTION
+    """The app's engine.sglang defaults are capacity.sglang_recipe's table (one writer), and
+    its dump writes every field of it in the app's order, the optional ones left out at their
+    defaults; SGLang's own defaults in it are the vendored flag table's."""
+    from capacity.sglang_flags import sglang_fields
+    from capacity.sglang_recipe import SGLANG_OPTIONAL, SGLANG_SECTION
     from serve_app.config import SGLangSettings
+
+    fields = sglang_fields()
+    for name in ("kv_cache_dtype", "trust_remote_code", "decode_attention_backend"):
+        assert SGLANG_SECTION[name] == fields[name]["default"], name
+    for name in ("enable_linear_replayssm_spec", "linear_replayssm_cache_len"):
+        assert SGLANG_OPTIONAL[name] == fields[name]["default"], name
 
     assert list(SGLANG_SECTION.items()) == list(SGLangSettings().model_dump(mode="json").items())
 

@@ -15,6 +15,7 @@ import pytest
 from pydantic import ValidationError
 from sglang_helpers import GOLDEN, ROOT, app_config, rank_plan, serve_files
 
+from capacity.sglang_flags import FLAGS_FILE, sglang_fields
 from serve_app.app import ConfigError, validate
 from serve_app.engines.sglang.args import (
     runtime_env_vars,
@@ -28,7 +29,6 @@ from serve_app.engines.sglang.checks import (
     sglang_problems,
     startup_problems,
 )
-from serve_app.engines.sglang.flags import FLAGS_FILE, sglang_fields
 from serve_app.engines.sglang.output import OutputTracker, RequestAborted
 from serve_app.engines.spec_stats import SpecStats
 from serve_app.engines.types import SamplingParams
@@ -127,7 +127,10 @@ def test_tp_not_dividing_the_gpus_is_refused() -> None:
     with pytest.raises(ValidationError, match=r"parallelism.tp \(15\).*must split evenly over "
                                               r"parallelism.nodes \(2\)"):
         app_config(PRODUCTION, parallelism={"tp": 15, "ep": 15})
-    assert "parallelism.ep=5 must divide parallelism.tp=16" in _problems(parallelism={"ep": 5})
+    # The one expert-parallel rule (capacity.config.expert_parallel_problem), at validation.
+    with pytest.raises(ValidationError, match=r"parallelism.ep \(5\) must divide "
+                                              r"parallelism.tp, the ranks of a stage \(16\)"):
+        app_config(PRODUCTION, parallelism={"ep": 5})
 
 
 def test_block_size_must_match_a_local_draft_config(tmp_path: Path) -> None:

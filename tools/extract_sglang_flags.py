@@ -1,7 +1,7 @@
 """Extract SGLang's server-argument definitions from its source, without importing it.
 
     python tools/extract_sglang_flags.py /path/to/site-packages/sglang \
-        > serve_app/engines/sglang_flags_0_5_23.json
+        > capacity/data/sglang_flags_0_5_23.json
 
 SGLang cannot be imported on CPU-only machines (it pulls CUDA wheels), yet the SGLang backend's
 server arguments must match its `ServerArgs` exactly. In 0.5.23 `ServerArgs` is assembled by

@@ -9,7 +9,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from capacity.ray_env import sglang_ray_env
-from serve_app.engines.sglang.flags import sglang_fields
+from capacity.sglang_flags import sglang_fields
 from serve_app.engines.types import SamplingParams
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from capacity.sglang_flags import SGLANG_VERSION, draft_attention_backends, sglang_fields
 from serve_app.engines.sglang.args import runtime_env_vars, sglang_server_args
-from serve_app.engines.sglang.flags import SGLANG_VERSION, draft_attention_backends, sglang_fields
 
 if TYPE_CHECKING:
     from serve_app.config import AppConfig
@@ -84,9 +84,7 @@ def planner_layout(config: AppConfig) -> Any:
     p, s = config.parallelism, config.engine.sglang
     gpu = capacity.load_gpus()[config.placement.gpu_type or ""]
     return capacity.Layout(
-        gpu=gpu.gpu, gpus_per_node=p.devices_per_node, nodes=p.nodes,
-        attention_tp=p.tp // p.attention_dp, attention_dp=p.attention_dp,
-        expert_parallel=p.ep, kv_dtype=_KV_DTYPE[s.kv_cache_dtype],
+        gpu=gpu.gpu, **p.model_dump(), kv_dtype=_KV_DTYPE[s.kv_cache_dtype],
         mem_fraction=s.mem_fraction_static)
 
 
@@ -155,11 +153,6 @@ def sglang_problems(config: AppConfig) -> list[str]:
                "only supports CUDA, NPU or XPU device')" if dspark else ""))
     if p.pp != 1:
         problems.append(f"parallelism.pp={p.pp}: DSPARK needs pp_size 1 outside PD prefill")
-    if p.tp % p.ep:
-        problems.append(f"parallelism.ep={p.ep} must divide parallelism.tp={p.tp}")
-    if p.tp % p.attention_dp:
-        problems.append(f"parallelism.attention_dp={p.attention_dp} must divide "
-                        f"parallelism.tp={p.tp}")
     if dspark and config.models.draft is None:
         problems.append("engine.sglang.speculative_algorithm=DSPARK needs models.draft")
 

@@ -1,0 +1,59 @@
+"""The SGLang 0.5.23 server settings this project serves K3 + DSpark with: the published recipe
+on 2 x 8 H200, where it chooses a value, and SGLang's own default, read from the vendored flag
+table (capacity/sglang_flags.py), where it does not.
+
+One writer for both readers: the app's config tree takes its `engine.sglang` defaults from
+`SGLANG_SECTION` (serve_app.config.SGLangSettings) and the planner writes it in full into every
+Serve file it emits (capacity/emit.py), so that a file shows every server value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from capacity.sglang_flags import sglang_fields
+
+
+def sglang_default(name: str) -> Any:
+    """SGLang 0.5.23's own default of ServerArgs field `name`."""
+    return sglang_fields()[name]["default"]
+
+
+# In the app's field order (SGLangSettings). The ReplaySSM verify fields
+# (enable_linear_replayssm_spec, linear_replayssm_cache_len) and the KV events fields are
+# written only when they differ from their defaults (SGLANG_OPTIONAL), so that the files
+# generated for the default stay as they are.
+SGLANG_SECTION: dict[str, Any] = {
+    "context_length": 1_048_576,  # K3's advertised 1M context
+    "mem_fraction_static": 0.85,  # the recipe's --mem-fraction-static
+    "kv_cache_dtype": sglang_default("kv_cache_dtype"),  # auto: the checkpoint's BF16
+    "chunked_prefill_size": 8192,  # the recipe's --chunked-prefill-size
+    # Always written: with DSPARK, SGLang silently sets 48 when this is left unset; the planner
+    # sizes it (capacity.memory.running_fit).
+    "max_running_requests": 48,
+    "max_mamba_cache_size": sglang_default("max_mamba_cache_size"),  # the planner sets it
+    # K3's config.json names no SSM dtype, so SGLang reads float32; explicit, so that the file
+    # says what the planner sized.
+    "mamba_ssm_dtype": "float32",
+    # `auto` resolves to extra_buffer for K3 under the overlap scheduler; explicit, as sized.
+    "mamba_radix_cache_strategy": "extra_buffer",
+    "speculative_algorithm": "DSPARK",
+    "speculative_dspark_block_size": 7,  # the DSpark draft's block_size (gamma)
+    "speculative_draft_attention_backend": sglang_default("speculative_draft_attention_backend"),
+    # None: unset, SGLang's own pick ("auto" for the MoE runner); a GPU's known-right kernels
+    # are set per GPU (capacity/emit.py SGLANG_BACKENDS).
+    "moe_runner_backend": None,
+    "decode_attention_backend": sglang_default("decode_attention_backend"),
+    # K3 is built into SGLang 0.5.23: no remote code is needed or run.
+    "trust_remote_code": sglang_default("trust_remote_code"),
+    "enable_metrics": True,  # SGLang's default is off; the app exports its metrics
+    "planner_model": "kimi-k3",  # the app's packaged planner descriptors (not SGLang's)
+    "planner_draft": "kimi-k3-dspark",
+    "extra_server_args": {},
+}
+SGLANG_OPTIONAL: dict[str, Any] = {
+    "enable_linear_replayssm_spec": sglang_default("enable_linear_replayssm_spec"),
+    "linear_replayssm_cache_len": sglang_default("linear_replayssm_cache_len"),
+    "kv_events": True,
+    "kv_events_port": 0,
+}
