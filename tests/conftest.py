@@ -27,18 +27,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_ray_left_behind() -> Iterator[None]:
-    """A module whose cluster fixture failed half-way must not leave Ray initialised for the
-    next module (every later `ray.init` would then fail)."""
+def _no_app_left_behind() -> Iterator[None]:
+    """A module whose fixture failed half-way must leave neither an app on the shared cluster
+    nor a cluster of its own (every later `ray.init` would then fail)."""
     yield
     import ray
+    from tiny_models import _SHARED, delete_apps, stop_ray
 
-    if ray.is_initialized():
-        try:
-            from ray import serve
+    if not ray.is_initialized():
+        return
+    if not _SHARED:
+        stop_ray()
+        return
+    try:
+        delete_apps()
+    except Exception:  # the shared cluster is broken: the next module starts a new one
+        stop_ray()
 
-            serve.shutdown()
-        except Exception:  # the cluster is already broken; shutting Ray down is what matters
-            pass
-        finally:
-            ray.shutdown()
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tiny_models import stop_ray
+
+    stop_ray()

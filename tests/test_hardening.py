@@ -25,10 +25,9 @@ import openai
 import pytest
 import ray
 from ray import serve
-from tiny_models import served, write_tiny_serving_pair
+from tiny_models import served, shared_serve, write_tiny_serving_pair
 
 from serve_app.config import AppConfig
-from serve_app.netutil import free_port
 from serve_app.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -59,9 +58,9 @@ def server(paths: dict[str, Path]) -> Any:
                     "health_cache_s": 0.2, "health_timeout_s": 2.0, "max_body_bytes": 200_000},
         "router": {"block_size": 16, "client_max_kv_share": 0.5},
     })
-    metrics_port = free_port()
-    with served(cfg, metrics_port) as port:
-        yield {"base": f"http://127.0.0.1:{port}", "port": port, "metrics_port": metrics_port}
+    with served(cfg) as port:
+        yield {"base": f"http://127.0.0.1:{port}", "port": port,
+               "metrics_port": shared_serve()["metrics"]}
 
 
 def auth(key: str = VICTIM) -> dict[str, str]:
@@ -462,8 +461,13 @@ def test_stalled_rank_fails_its_requests_within_the_watchdog(server: Any) -> Non
 def test_generation_is_aborted_when_its_ingress_dies(server: Any) -> None:
     body = {"model": MODEL, "prompt": "import", "max_tokens": 500, "ignore_eos": True,
             "stream": True}
-    ingress = next(a for a in ray.util.list_named_actors(all_namespaces=True)
-                   if "OpenAIIngress" in a["name"])
+    def ingresses() -> list[dict[str, str]]:
+        return [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::kimi#OpenAIIngress#")]
+
+    # This app's one ingress replica (on the shared cluster an earlier app's may still be dying).
+    assert wait_for(lambda: len(ingresses()) == 1, timeout=30)
+    ingress = ingresses()[0]
     with httpx.stream("POST", server["base"] + "/v1/completions", json=body, headers=auth(),
                       timeout=60) as resp:
         lines = resp.iter_lines()
@@ -486,16 +490,19 @@ def test_generation_is_aborted_when_its_ingress_dies(server: Any) -> None:
 
 
 def test_health_is_503_after_a_rank_kill_and_200_after_recovery(server: Any) -> None:
-    assert health(server) == 200
-    ranks = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].endswith("-rank1")]
-    ray.kill(ray.get_actor(ranks[0]["name"], namespace=ranks[0]["namespace"]), no_restart=True)
+    assert wait_for(lambda: health(server) == 200, timeout=180, interval=1.0)
+    old = target().placement.remote().result()
+    os.kill(old[1]["pid"], signal.SIGKILL)  # the serving replica's rank 1
     started = time.monotonic()
+    with pytest.raises(Exception, match="rank"):
+        target().check_health.remote().result()
     assert wait_for(lambda: health(server) == 503, timeout=15)
     assert time.monotonic() - started < 15
     resp = httpx.get(server["base"] + "/health", timeout=10)
     if resp.status_code == 503:
         assert_openai_error(resp, 503)
     assert wait_for(lambda: health(server) == 200, timeout=180, interval=1.0)
+    # Serve replaced the replica (its rank 0 is a new process), and the new one answers.
+    assert target().placement.remote().result()[0]["pid"] != old[0]["pid"]
     ok = client(server).completions.create(model=MODEL, prompt="def", max_tokens=2)
     assert ok.usage.completion_tokens >= 1

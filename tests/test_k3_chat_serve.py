@@ -18,17 +18,15 @@ import httpx
 import openai
 import pydantic
 import pytest
-import ray
 import yaml
 from ray import serve
-from tiny_models import write_k3_format_pair
+from tiny_models import delete_apps, shared_serve, write_k3_format_pair
 
 from serve_app.chat.formats import K3Format
 from serve_app.chat.segments import encode_segments
 from serve_app.chat.xtml_render import MARKERS
 from serve_app.config import AppConfig
 from serve_app.engines.types import GenerateRequest, RequestOutput
-from serve_app.netutil import free_port
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.protocol import ChatCompletionRequest
 from serve_app.tokenizer import load_tokenizer
@@ -114,12 +112,10 @@ def server(folder: Path) -> Iterator[tuple[str, Any]]:
         "engine": {"reference": {"speculation": {"enabled": False}}},
         "router": {"policy": "ray_default"}, "api": {"parameter_policy": "k3"},
         "ingress": {"default_max_tokens": 256, "max_tokens_limit": 4096, "ingress_cpus": 0.1}})
-    # The replicas import this module (the scripted target is defined here).
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+    # The replicas import this module (the scripted target is defined here): the shared
+    # cluster's workers have the tests folder on their path.
+    port = shared_serve()["http"]
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         target = ScriptedTarget.bind(str(folder))
         ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
             ray_actor_options={"num_cpus": 0.1})
@@ -136,10 +132,7 @@ def server(folder: Path) -> Iterator[tuple[str, Any]]:
                   route_prefix="/prod")
         yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("ScriptedTarget", "k3")
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        delete_apps()
 
 
 @pytest.fixture(scope="module")

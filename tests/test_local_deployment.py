@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
+from tiny_models import stop_ray
 
 from serve_app.demo import LOCAL_YAML, run_demo
 from serve_app.engines.reference.builder import build_engine, build_runner
@@ -26,6 +27,7 @@ def test_local_yaml_is_a_valid_serve_config() -> None:
 
 
 def test_demo_streams_an_answer_with_acceptance_stats(capsys: pytest.CaptureFixture[str]) -> None:
+    stop_ray()  # the demo starts Ray itself, as a user's first command does
     result: dict[str, Any] = {}
     assert run_demo(max_tokens=48, port=free_port(), result=result) == 0
     printed = capsys.readouterr().out

@@ -15,15 +15,27 @@ import httpx
 import openai
 import pytest
 import ray
-from tiny_models import served, write_tiny_serving_pair
+from ray import serve
+from tiny_models import own_cluster, write_tiny_serving_pair
 
+from serve_app.app import build_app
 from serve_app.config import AppConfig
 from serve_app.netutil import free_port
 from serve_app.observability.tracing import TracingConfig, collector_actor, tracing_env
 
 pytestmark = pytest.mark.slow
 MODEL = "obs"
+# The usage of every answered request this module sent, whichever test sent it and in whatever
+# order they ran: the metrics test compares the exported counters with their sums exactly.
+ANSWERED: list[dict[str, Any]] = []
 
+
+def _complete(base: str, body: dict[str, Any], **headers: str) -> httpx.Response:
+    resp = httpx.post(base + "/v1/completions", json={"model": MODEL, **body}, timeout=60,
+                      headers=headers)
+    if resp.status_code == 200:
+        ANSWERED.append(resp.json()["usage"])
+    return resp
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +52,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
     })
     try:
-        with served(config, metrics_port) as http_port:
+        with own_cluster(metrics_port) as http_port:
+            serve.run(build_app(config), name="kimi", route_prefix="/")
             yield f"http://127.0.0.1:{http_port}", metrics_port
     finally:
         for k, v in saved.items():
@@ -80,10 +93,8 @@ def _spans_of(trace_id: str, names: set[str], timeout: float = 30.0,
 def test_one_request_makes_the_expected_span_tree(server: Any) -> None:
     base, _ = server
     trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    body = {"model": MODEL, "prompt": "def hello(name):", "max_tokens": 20, "temperature": 0,
-            "ignore_eos": True}
-    resp = httpx.post(base + "/v1/completions", json=body, timeout=60,
-                      headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+    body = {"prompt": "def hello(name):", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    resp = _complete(base, body, traceparent=f"00-{trace_id}-{client_span}-01")
     assert resp.status_code == 200
     usage = resp.json()["usage"]
     wanted = {"ingress.request", "engine.request", "engine.queue", "engine.prefill_chunk",
@@ -137,6 +148,14 @@ def _value(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def _buckets(text: str, name: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts by upper bound, summed over label sets."""
+    counts: dict[float, float] = {}
+    for le, value in re.findall(rf'^{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)$', text, re.M):
+        counts[float(le)] = counts.get(float(le), 0.0) + float(value)
+    return counts
+
+
 DOCS = Path(__file__).resolve().parents[1] / "docs/observability.md"
 
 
@@ -152,47 +171,65 @@ SLOT_METRICS = ["ray_kimi_max_running_requests", "ray_kimi_router_state_slots_re
                 "ray_kimi_router_kv_tokens_committed"]
 
 
-def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) -> None:
+def test_metrics_endpoint_exports_every_metric_with_the_answered_values(server: Any) -> None:
     base, port = server
-    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-    completion_tokens = 0
-    prompt_tokens = 0
     document = "def hello(name):\n    return 'hello ' + name\n" * 4  # > 2 pages of tokens
     for prompt in ("def a", "import os", "The quick brown", document + "x", document + "y"):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-        completion_tokens += r.usage.completion_tokens
-        prompt_tokens += r.usage.prompt_tokens
+        assert _complete(base, {"prompt": prompt, "max_tokens": 12,
+                                "temperature": 0}).status_code == 200
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
     names = documented_metrics()
     assert "ray_kimi_router_decisions_total" in names
     # State slots, the router's second resource: the engine's bound, the router's reservations.
     names += [n for n in SLOT_METRICS if n not in names]
+    answered = list(ANSWERED)
+    spec = [u for u in answered if u.get("spec_verify_ct")]
+    completion_tokens = sum(u["completion_tokens"] for u in answered)
+    # Every process exports on its own period: wait until the last answer and the router's
+    # release of its reservations are in.
     deadline = time.time() + 60
     text = ""
     while time.time() < deadline:
         text = _scrape(port)
         if (all(re.search(rf"^{n}[{{ ]", text, re.M) for n in names)
                 and _value(text, "ray_kimi_num_requests_total", status="404") >= 1
-                and _value(text, "ray_kimi_generation_tokens_total") >= completion_tokens):
+                and _value(text, "ray_kimi_generation_tokens_total") >= completion_tokens
+                and _value(text, "ray_kimi_spec_accept_length_count") >= len(spec)
+                and _value(text, "ray_kimi_router_kv_tokens_committed") == 0):
             break
-        time.sleep(2)
+        time.sleep(1)
     missing = [n for n in names if not re.search(rf"^{n}[{{ ]", text, re.M)]
     assert not missing, f"not exported: {missing}"
-    # Counters equal what the clients were told (this module's other test adds its share).
-    generated = _value(text, "ray_kimi_generation_tokens_total")
-    assert generated >= completion_tokens and generated <= completion_tokens + 20
-    assert _value(text, "ray_kimi_prompt_tokens_total") >= prompt_tokens
+    # Counters equal the sums of what the clients were told.
+    assert _value(text, "ray_kimi_generation_tokens_total") == completion_tokens
+    assert _value(text, "ray_kimi_prompt_tokens_total") == sum(u["prompt_tokens"]
+                                                              for u in answered)
     assert _value(text, "ray_kimi_num_requests_total", status="404") == 1
-    assert _value(text, "ray_kimi_num_requests_total", status="200") >= 3
-    accept_sum = _value(text, "ray_kimi_spec_accept_length_sum")
-    accept_count = _value(text, "ray_kimi_spec_accept_length_count")
-    assert accept_count >= 3 and 1.0 <= accept_sum / accept_count <= 8.0
-    assert 0.0 <= _value(text, "ray_kimi_spec_accept_rate") <= 1.0
+    assert _value(text, "ray_kimi_num_requests_total", status="200") == len(answered)
+    # The speculative statistics: one accept-length observation per request that verified,
+    # the draft counters and the engine's accept rate from the same counts.
+    assert len(spec) >= 5
+    assert _value(text, "ray_kimi_spec_accept_length_count") == len(spec)
+    # Ray exports a histogram's sum from its bucket midpoints: the buckets are what is exact.
+    buckets = _buckets(text, "ray_kimi_spec_accept_length")
+    assert len(buckets) > 2 and buckets[float("inf")] == len(spec)
+    for le, count in buckets.items():
+        assert count == sum(u["spec_accept_length"] <= le for u in spec), le
+    assert _value(text, "ray_kimi_spec_verify_calls_total") == sum(u["spec_verify_ct"]
+                                                                   for u in spec)
+    accepted = sum(u["spec_accepted_drafts"] for u in spec)
+    proposed = sum(u["spec_proposed_drafts"] for u in spec)
+    assert _value(text, "ray_kimi_spec_draft_tokens_total", outcome="accepted") == accepted
+    assert _value(text, "ray_kimi_spec_draft_tokens_total", outcome="rejected") == proposed - accepted
+    assert _value(text, "ray_kimi_spec_accept_rate") == pytest.approx(accepted / proposed,
+                                                                      rel=1e-9)
     assert _value(text, "ray_kimi_max_total_num_tokens") == 4096
     assert _value(text, "ray_kimi_max_running_requests") == 32  # max_batch_size's default
-    assert 0 <= _value(text, "ray_kimi_router_state_slots_reserved") <= 32
-    assert 0 <= _value(text, "ray_kimi_router_kv_tokens_committed") <= 4096
+    # Every request has finished: the router holds no reservation.
+    assert _value(text, "ray_kimi_router_state_slots_reserved") == 0
+    assert _value(text, "ray_kimi_router_kv_tokens_committed") == 0
     # The second question on the document was served from the prefix cache.
     assert _value(text, "ray_kimi_cached_tokens_total") >= 16
     assert 0 < _value(text, "ray_kimi_cache_hit_rate") < 1
@@ -200,15 +237,15 @@ def test_metrics_endpoint_has_every_metric_with_plausible_values(server: Any) ->
     reasons = set(re.findall(r'^ray_kimi_router_decisions_total\{[^}]*reason="([^"]+)"', text,
                              re.M))
     assert reasons and reasons <= {"affinity", "least_work", "batched"}
-    assert sum(_value(text, "ray_kimi_router_decisions_total", reason=r) for r in reasons) >= 3
+    assert sum(_value(text, "ray_kimi_router_decisions_total", reason=r)
+               for r in reasons) == len(answered)
 
 
 def test_json_logs_carry_request_and_trace_ids(server: Any) -> None:
     base, _ = server
     trace_id = "0af7651916cd43dd8448eb211c80319c"
-    httpx.post(base + "/v1/completions", timeout=60,
-               json={"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0},
-               headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
+    _complete(base, {"prompt": "x", "max_tokens": 3, "temperature": 0},
+              traceparent=f"00-{trace_id}-b7ad6b7169203331-01")
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
     # The closing "request finished" line is written just after the response has left.
     deadline = time.time() + 20

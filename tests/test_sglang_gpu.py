@@ -34,6 +34,7 @@ pytestmark = [
 def target() -> Any:
     import ray
     from ray import serve
+    from tiny_models import stop_ray
 
     from serve_app.app import validate
     from serve_app.config import AppConfig
@@ -53,6 +54,7 @@ def target() -> Any:
     })
     validate(config)
     env = runtime_env_vars(config)
+    stop_ray()
     ray.init(runtime_env={"env_vars": env}, log_to_driver=True)
     os.environ.update(env)
     # The target deployment exactly as build_app configures it (the ingress needs a
@@ -71,7 +73,7 @@ def target() -> Any:
 def test_stream_spec_stats_capacity_health_abort(target: Any) -> None:
     from serve_app.engines.types import GenerateRequest, SamplingParams
 
-    handle, config = target
+    handle, _ = target
     capacity = handle.capacity.remote().result()
     assert capacity["kv_tokens_total"] > 0 and capacity["kv_tokens_used"] == 0
 
@@ -97,8 +99,8 @@ def test_stream_spec_stats_capacity_health_abort(target: Any) -> None:
     assert "".join(o.text for o in outs)
     spec = last.spec
     assert spec is not None and spec["spec_verify_ct"] >= 1
-    block = config.engine.sglang.speculative_dspark_block_size
-    assert 1.0 <= spec["spec_accept_length"] <= block + 1
+    # SGLang's accept length is the answer's tokens per verify step, and every verify step
+    # lands in the histogram once.
     assert spec["spec_accept_length"] == pytest.approx(64 / spec["spec_verify_ct"])
     assert sum(spec["spec_correct_drafts_histogram"]) == spec["spec_verify_ct"]
     stats = handle.stats.remote().result()

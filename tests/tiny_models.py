@@ -121,28 +121,97 @@ def write_tiny_serving_pair(folder: Path, seed: int = 0) -> dict[str, Path]:
     return {"target": folder / "target", "draft": folder / "draft"}
 
 
-@contextmanager
-def served(config: Any, metrics_port: int | None = None) -> Iterator[int]:
-    """A local Ray cluster serving `config` (an AppConfig) as the app "kimi" at "/": yields
-    the HTTP port; Serve and Ray are shut down afterwards, whatever happened."""
+# One local Ray cluster and Serve instance for every module in this pytest process whose apps
+# prove nothing about start-up: each module deploys its app(s) on it and deletes them after, so
+# it pays for Ray's and Serve's start once, not once per module. Started on first use; stopped by
+# a module that needs a cluster of its own (`own_cluster`) and at the end of the session.
+_SHARED: dict[str, int] = {}
+TESTS = Path(__file__).parent
+
+
+def shared_serve() -> dict[str, int]:
+    """The shared cluster's ports: {"http": Serve's, "metrics": Ray's metrics export}. Its
+    workers can import the test helpers (a test's own deployment classes live there)."""
     import ray
     from ray import serve
 
-    from serve_app.app import build_app
     from serve_app.netutil import free_port
 
+    if not _SHARED:
+        if ray.is_initialized():  # a module's own cluster, left behind: not ours to share
+            stop_ray()
+        metrics = free_port()
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 _metrics_export_port=metrics,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
+        http = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": http})
+        _SHARED.update(http=http, metrics=metrics)
+    return _SHARED
+
+
+def stop_ray() -> None:
+    """Shut Serve and Ray down, the shared cluster or a module's own."""
+    import ray
+    from ray import serve
+
+    _SHARED.clear()
+    if not ray.is_initialized():
+        return
+    try:
+        serve.shutdown()
+    except Exception:  # the cluster is already broken; shutting Ray down is what matters
+        pass
+    finally:
+        ray.shutdown()
+
+
+def delete_apps() -> None:
+    """Delete every app left on the shared cluster (a module's fixture that failed half-way)."""
+    from ray import serve
+
+    if _SHARED:
+        for name in serve.status().applications:
+            serve.delete(name)
+
+
+@contextmanager
+def served(config: Any, name: str = "kimi", route_prefix: str = "/") -> Iterator[int]:
+    """`config` (an AppConfig) served as the app `name` at `route_prefix` on the shared cluster:
+    yields the HTTP port; the app is deleted afterwards, whatever happened."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    port = shared_serve()["http"]
+    try:
+        serve.run(build_app(config), name=name, route_prefix=route_prefix)
+        yield port
+    finally:
+        serve.delete(name)
+
+
+@contextmanager
+def own_cluster(metrics_port: int | None = None,
+                env: dict[str, str] | None = None) -> Iterator[int]:
+    """A local Ray cluster and Serve of this module's own (for what the shared one cannot
+    show: process environment set before Ray starts, a fresh metrics registry): yields the
+    HTTP port; Ray is shut down afterwards."""
+    import ray
+    from ray import serve
+
+    from serve_app.netutil import free_port
+
+    stop_ray()
     extra = {"_metrics_export_port": metrics_port} if metrics_port is not None else {}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, **extra)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env or {}}, **extra)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name="kimi", route_prefix="/")
         yield port
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        stop_ray()
 
 
 @contextmanager
@@ -151,9 +220,9 @@ def fake_gpu_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int,
     """A multi-node Ray cluster on this machine (ray.cluster_utils, fake GPUs), connected:
     yields (the cluster, the worker nodes' ids); the head holds no GPU, as in production."""
     import ray
-    from ray import serve
     from ray.cluster_utils import Cluster
 
+    stop_ray()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "num_gpus": 0})
     workers = [cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node)
                for _ in range(nodes)]
@@ -161,8 +230,7 @@ def fake_gpu_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int,
     try:
         yield cluster, {n.node_id for n in workers}
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
         cluster.shutdown()
 
 

@@ -262,12 +262,8 @@ class EngineCore:
         rids = [c.seq.request_id for c in chunks]
         logits = self.runner.forward(rows, rids, capture=self.speculative)
         lengths = [c.end for c in chunks]
-        cache_at = {}
-        for c in chunks:
-            line = self._cache_point(c.seq, c.start, c.end)
-            if line:
-                cache_at[c.seq.request_id] = c.seq.prompt_ids[:line]
-        self.runner.commit(rids, lengths, [c.end - c.start for c in chunks], cache_at or None)
+        cache_at = self._cache_at([(c.seq, c.start, c.end) for c in chunks])
+        self.runner.commit(rids, lengths, [c.end - c.start for c in chunks], cache_at)
         done = []
         end_ns = time.time_ns()
         for b, c in enumerate(chunks):
@@ -294,15 +290,11 @@ class EngineCore:
             rids = [s.request_id for s in seqs]
             logits = self.runner.forward([[s.anchor] for s in seqs], rids, capture=False)
             end_ns = time.time_ns()
-            cache_at = {}
             for seq in seqs:
                 seq.num_cached += 1
-                line = self._cache_point(seq, seq.num_cached - 1, seq.num_cached)
-                if line:
-                    cache_at[seq.request_id] = seq.all_ids[:line]
+            cache_at = self._cache_at([(s, s.num_cached - 1, s.num_cached) for s in seqs])
             # The same commit as every other forward's (it rolls nothing back here).
-            self.runner.commit(rids, [s.num_cached for s in seqs], [1] * len(seqs),
-                               cache_at or None)
+            self.runner.commit(rids, [s.num_cached for s in seqs], [1] * len(seqs), cache_at)
             ok = []
             for b, seq in enumerate(seqs):
                 stage = "sampling"
@@ -333,7 +325,7 @@ class EngineCore:
                                      verify=True)
         end_ns = time.time_ns()
         ok, lengths, tap_rows = [], [], []
-        cache_at: dict[str, list[int]] = {}
+        moved: list[tuple[Sequence, int, int]] = []
         for b, seq in enumerate(seqs):
             k = len(drafts[b])
             stage = "verifying drafts"
@@ -350,9 +342,7 @@ class EngineCore:
             # Cached now: the anchor and the accepted drafts; the last token is the new anchor.
             start = seq.num_cached
             seq.num_cached += verdict.accepted + 1
-            line = self._cache_point(seq, start, seq.num_cached)
-            if line:
-                cache_at[seq.request_id] = seq.all_ids[:line]
+            moved.append((seq, start, seq.num_cached))
             ok.append(seq)
             lengths.append(seq.num_cached)
             tap_rows.append(verdict.accepted + 1)
@@ -360,7 +350,7 @@ class EngineCore:
                          end_ns, True)
         # The same call on every path (with fewer requests when some failed): a failed
         # request's uncommitted verify rows go with its pages when step() frees it.
-        self.runner.commit([s.request_id for s in ok], lengths, tap_rows, cache_at or None)
+        self.runner.commit([s.request_id for s in ok], lengths, tap_rows, self._cache_at(moved))
         return ok
 
     def _output(self, seq: Sequence, text: str) -> RequestOutput:
@@ -390,11 +380,18 @@ class EngineCore:
             self.sequences.pop(seq.request_id, None)
         return out
 
-    def _cache_point(self, seq: Sequence, start: int, end: int) -> int:
-        """The prefix cache's choice of what of `seq` to cache after its committed length went
-        from `start` to `end` (prefix_cache.py), or 0."""
+    def _cache_at(self, moved: list[tuple[Sequence, int, int]]) -> dict[str, list[int]] | None:
+        """For each (sequence, start, end) whose committed length went from start to end, the
+        prefix the prefix cache chooses to keep of it (prefix_cache.py); None when none."""
         prefix = self.runner.prefix
-        return prefix.cache_point(start, end, len(seq.prompt_ids)) if prefix is not None else 0
+        if prefix is None:
+            return None
+        cache_at = {}
+        for seq, start, end in moved:
+            line = prefix.cache_point(start, end, len(seq.prompt_ids))
+            if line:
+                cache_at[seq.request_id] = seq.all_ids[:line]
+        return cache_at or None
 
     # --- conveniences -------------------------------------------------------------------------
 
