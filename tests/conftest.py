@@ -26,6 +26,19 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# The modules that start a Ray cluster of their own (tests/tiny_models.py own_cluster,
+# fake_gpu_cluster, the demo) run after those on the shared cluster, so that it is started once
+# rather than again after each of them. Only for speed: `pytest --random-order` shuffles after
+# this, and every order passes.
+OWN_CLUSTER = {"test_local_deployment.py", "test_multinode_placement.py", "test_observability.py",
+               "test_sglang_placement.py", "test_sglang_gpu.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name in OWN_CLUSTER)  # stable: modules stay whole
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_app_left_behind() -> Iterator[None]:
     """A module whose fixture failed half-way must leave neither an app on the shared cluster

@@ -161,12 +161,25 @@ def test_names_and_shapes_are_k3_tensor_shapes(overrides: dict) -> None:
     assert sum(p.numel() for p in model.parameters()) == k3_parameter_count(c)
 
 
-def test_real_config_parameter_count_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
-    c = K3Config.from_file(REAL)
+def test_real_config_layers_have_the_real_shapes_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The published config's first five layers, at their real sizes: the dense first layer,
+    KDA and MLA MoE layers (every kind of layer; the rest repeat them). The whole model's count
+    is k3_parameter_count's, checked against the published total in test_k3_config.py."""
+    import json
+
+    raw = json.loads(REAL.read_text())
+    text = raw["text_config"]
+    text["num_hidden_layers"] = 5
+    text["linear_attn_config"] = {**text["linear_attn_config"], "kda_layers": [1, 2, 3, 5],
+                                  "full_attn_layers": [4]}
+    c = K3Config.from_dict(raw, "the published config's first 5 layers")
+    assert c.first_k_dense_replace == 1 and c.kda_layers and c.mla_layers
     # Only the shapes matter on meta: skip nn.Linear's kaiming init (half the build time).
     monkeypatch.setattr(nn.Linear, "reset_parameters", lambda self: None)
     with torch.device("meta"):
         model = K3ForCausalLM(c)
+    got = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert got == dict(k3_tensor_shapes(c))
     assert sum(p.numel() for p in model.parameters()) == k3_parameter_count(c)
     assert model.model.layers[3].self_attn.__class__.__name__ == "K3MLA"
     assert model.model.layers[0].self_attn.__class__.__name__ == "KimiDeltaAttention"
