@@ -176,24 +176,23 @@ def delete_apps() -> None:
 
 
 @contextmanager
-def served(config: Any, name: str = "kimi", route_prefix: str = "/") -> Iterator[int]:
-    """`config` (an AppConfig) served as the app `name` at `route_prefix` on the shared cluster:
-    yields the HTTP port; the app is deleted afterwards, whatever happened."""
+def served(config: Any) -> Iterator[int]:
+    """`config` (an AppConfig) served as the app "kimi" at "/" on the shared cluster: yields
+    the HTTP port; the app is deleted afterwards, whatever happened."""
     from ray import serve
 
     from serve_app.app import build_app
 
     port = shared_serve()["http"]
     try:
-        serve.run(build_app(config), name=name, route_prefix=route_prefix)
+        serve.run(build_app(config), name="kimi", route_prefix="/")
         yield port
     finally:
-        serve.delete(name)
+        serve.delete("kimi")
 
 
 @contextmanager
-def own_cluster(metrics_port: int | None = None,
-                env: dict[str, str] | None = None) -> Iterator[int]:
+def own_cluster(metrics_port: int | None = None) -> Iterator[int]:
     """A local Ray cluster and Serve of this module's own (for what the shared one cannot
     show: process environment set before Ray starts, a fresh metrics registry): yields the
     HTTP port; Ray is shut down afterwards."""
@@ -204,8 +203,7 @@ def own_cluster(metrics_port: int | None = None,
 
     stop_ray()
     extra = {"_metrics_export_port": metrics_port} if metrics_port is not None else {}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env or {}}, **extra)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, **extra)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
