@@ -65,9 +65,10 @@ def target() -> Any:
         health_check_timeout_s=120)
     serve.run(deployment.bind(json.loads(config.model_dump_json())), name="kimi",
               route_prefix=None)
-    yield serve.get_deployment_handle("TargetDeployment", app_name="kimi"), config
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        yield serve.get_deployment_handle("TargetDeployment", app_name="kimi"), config
+    finally:
+        stop_ray()
 
 
 def test_stream_spec_stats_capacity_health_abort(target: Any) -> None:

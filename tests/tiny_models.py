@@ -167,12 +167,12 @@ def stop_ray() -> None:
 
 
 def delete_apps() -> None:
-    """Delete every app left on the shared cluster (a module's fixture that failed half-way)."""
+    """Delete every app on the shared cluster (a module's own, or what a fixture that failed
+    half-way left)."""
     from ray import serve
 
-    if _SHARED:
-        for name in serve.status().applications:
-            serve.delete(name)
+    for name in serve.status().applications:
+        serve.delete(name)
 
 
 @contextmanager
