@@ -22,6 +22,12 @@ from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.target import TargetReplica
 from serve_app.tokenizer import load_tokenizer
 
+# How often a stopping replica checks for requests still in flight (Serve's default is 2 s, and
+# it waits one period before the first check): a replica with nothing in flight exits after
+# 0.2 s instead of 2 s on every scale-down, redeploy and `serve.delete`; in-flight generations
+# are still drained up to graceful_shutdown_timeout_s.
+SHUTDOWN_POLL_S = 0.2
+
 
 def validate(config: AppConfig) -> None:
     """Cross-checks that need the model configs (not the weights); each names the field."""
@@ -105,12 +111,14 @@ def build_app(config: AppConfig) -> Application:
         health_check_timeout_s=config.engine.health_check_timeout_s + 10,
         health_check_period_s=config.engine.health_check_period_s,
         graceful_shutdown_timeout_s=10,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         logging_config=logging_config,
         **_router_options(config),
     )
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=config.ingress.replicas,
         ray_actor_options={"num_cpus": config.ingress.ingress_cpus},
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         logging_config=logging_config,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
     )

@@ -126,6 +126,9 @@ def write_tiny_serving_pair(folder: Path, seed: int = 0) -> dict[str, Path]:
 # it pays for Ray's and Serve's start once, not once per module. Started on first use; stopped by
 # a module that needs a cluster of its own (`own_cluster`) and at the end of the session.
 _SHARED: dict[str, int] = {}
+# Workers export their metrics every 2 s instead of Ray's 10 s, so that a test reading the
+# metrics endpoint waits for one export, not for up to ten seconds.
+FAST_METRICS = {"metrics_report_interval_ms": 2000}
 TESTS = Path(__file__).parent
 
 
@@ -142,7 +145,7 @@ def shared_serve() -> dict[str, int]:
             stop_ray()
         metrics = free_port()
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 _metrics_export_port=metrics,
+                 _metrics_export_port=metrics, _system_config=FAST_METRICS,
                  runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
         http = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http})
@@ -203,7 +206,8 @@ def own_cluster(metrics_port: int | None = None) -> Iterator[int]:
 
     stop_ray()
     extra = {"_metrics_export_port": metrics_port} if metrics_port is not None else {}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, **extra)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _system_config=FAST_METRICS, **extra)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
