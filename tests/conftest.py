@@ -26,17 +26,26 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-# The modules that start a Ray cluster of their own (tests/tiny_models.py own_cluster,
-# fake_gpu_cluster, the demo) run after those on the shared cluster, so that it is started once
-# rather than again after each of them. Only for speed: `pytest --random-order` shuffles after
-# this, and every order passes.
+# The modules on the shared Ray cluster (tests/tiny_models.py shared_serve) and those that start
+# a cluster of their own (own_cluster, fake_gpu_cluster, the demo).
+SHARED_CLUSTER = {"test_fuzz_api.py", "test_fuzz_k3.py", "test_hardening.py",
+                  "test_hybrid_serve.py", "test_k3_chat_serve.py", "test_multi_ingress.py",
+                  "test_prefix_serve.py", "test_router_serve.py", "test_serve_app.py"}
 OWN_CLUSTER = {"test_local_deployment.py", "test_multinode_placement.py", "test_observability.py",
                "test_sglang_placement.py", "test_sglang_gpu.py"}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name in OWN_CLUSTER)  # stable: modules stay whole
+    """Modules without Ray first (an idle cluster's processes take a quarter of a core from
+    them), then the shared-cluster ones, then those with a cluster of their own, so that the
+    shared cluster is started once. Only for speed: `pytest --random-order` shuffles after
+    this, and every order passes."""
+    def lane(item: pytest.Item) -> int:
+        name = item.path.name
+        return 2 if name in OWN_CLUSTER else 1 if name in SHARED_CLUSTER else 0
+
+    items.sort(key=lane)  # stable: modules stay whole
 
 
 @pytest.fixture(autouse=True, scope="module")
