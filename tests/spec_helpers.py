@@ -48,24 +48,10 @@ class OracleProposer:
 
     tap_layers: tuple[int, ...] = ()
 
-    AHEAD = 32  # tokens of a request's greedy trajectory computed at once
-
     def __init__(self, target: Any, gamma: int,
                  correct: Callable[[], int] | None = None) -> None:
         self.target, self.gamma, self.correct = target, gamma, correct
         self.vocab = target.config.vocab_size
-        # Per prompt, the ids and greedy continuation computed so far: a request on the
-        # target's greedy path reads its next gamma tokens from it instead of a new prefill of
-        # its whole sequence on every step (a request off that path gets a new trajectory).
-        self._paths: dict[tuple[int, ...], list[int]] = {}
-
-    def _continuation(self, ids: list[int], prompt_len: int) -> list[int]:
-        key = tuple(ids[:prompt_len])
-        path = self._paths.get(key, [])
-        if len(path) < len(ids) + self.gamma or path[:len(ids)] != ids:
-            path = ids + greedy_continuation(self.target, ids, self.gamma + self.AHEAD)
-            self._paths[key] = path
-        return path[len(ids):len(ids) + self.gamma]
 
     def add(self, rid: object, cached: int = 0) -> None: ...
     def free(self, rid: object) -> None: ...
@@ -76,7 +62,7 @@ class OracleProposer:
     def propose(self, seqs: list[Sequence]) -> DraftOutput:
         rows = []
         for s in seqs:
-            row = self._continuation(s.all_ids, len(s.prompt_ids))
+            row = greedy_continuation(self.target, s.all_ids, self.gamma)
             n = self.gamma if self.correct is None else self.correct()
             for j in range(n, self.gamma):
                 row[j] = (row[j] + 1 + j) % self.vocab
