@@ -136,7 +136,6 @@ def shared_serve() -> dict[str, int]:
     """The shared cluster's ports: {"http": Serve's, "metrics": Ray's metrics export}. Its
     workers can import the test helpers (a test's own deployment classes live there)."""
     import ray
-    from ray import serve
 
     from serve_app.netutil import free_port
 
@@ -144,13 +143,25 @@ def shared_serve() -> dict[str, int]:
         if ray.is_initialized():  # a module's own cluster, left behind: not ours to share
             stop_ray()
         metrics = free_port()
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 _metrics_export_port=metrics, _system_config=FAST_METRICS,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
-        http = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": http})
+        http = _start_local_serve(_metrics_export_port=metrics,
+                                  runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
         _SHARED.update(http=http, metrics=metrics)
     return _SHARED
+
+
+def _start_local_serve(**init: Any) -> int:
+    """A local Ray cluster of the tests' shape (`init`: more ray.init arguments) and Serve on
+    it, listening on a free port: returns that port."""
+    import ray
+    from ray import serve
+
+    from serve_app.netutil import free_port
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _system_config=FAST_METRICS, **init)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
 
 
 def stop_ray() -> None:
@@ -199,19 +210,10 @@ def own_cluster(metrics_port: int | None = None) -> Iterator[int]:
     """A local Ray cluster and Serve of this module's own (for what the shared one cannot
     show: process environment set before Ray starts, a fresh metrics registry): yields the
     HTTP port; Ray is shut down afterwards."""
-    import ray
-    from ray import serve
-
-    from serve_app.netutil import free_port
-
     stop_ray()
     extra = {"_metrics_export_port": metrics_port} if metrics_port is not None else {}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _system_config=FAST_METRICS, **extra)
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield port
+        yield _start_local_serve(**extra)
     finally:
         stop_ray()
 
