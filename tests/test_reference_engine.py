@@ -418,3 +418,27 @@ def test_generated_request_ids_are_unique(pair: tuple[Path, Path]) -> None:
     assert len(ids) == 5 and all(i.startswith("req-") for i in ids)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([1], GREEDY, request_id=next(iter(ids)))
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 30.0])
+@pytest.mark.parametrize("shape", ["plain", "ties", "top_k_zeros"])
+def test_top_p_by_buckets_keeps_what_the_full_sort_keeps(scale: float, shape: str) -> None:
+    """The large-vocabulary top-p path (a bucket histogram, one bucket sorted) against the full
+    sort, on K3's vocabulary: flat to peaked rows, a block of tied maxima, rows whose lower
+    half top-k removed, top_p from the smallest double to almost 1. The same number of
+    tokens kept, and the same values (which of several equal probabilities is kept is
+    arbitrary on either path)."""
+    from serve_app.engines.reference.sampling import _top_p_by_buckets, _top_p_by_sort
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(4, 163_840, generator=g) * scale
+    if shape == "ties":
+        logits[:, :1000] = logits[:, :1].clone()
+    if shape == "top_k_zeros":
+        logits[:, 81_920:] = float("-inf")
+    probs = torch.softmax(logits, -1)
+    for top_p in (5e-324, 0.1, 0.5, 0.95, 0.999999):
+        by_sort, by_buckets = _top_p_by_sort(probs, top_p), _top_p_by_buckets(probs, top_p)
+        assert torch.equal(by_sort.sum(-1), by_buckets.sum(-1)), top_p
+        assert torch.equal((probs * by_sort).sort(-1).values,
+                           (probs * by_buckets).sort(-1).values), top_p
