@@ -59,7 +59,7 @@ class OracleProposer:
     def commit(self, rids: object, lengths: object) -> None: ...
     def follow_propose(self, rids: object, anchors: object) -> None: ...
 
-    def propose(self, seqs: list[Sequence]) -> DraftOutput:
+    def propose(self, seqs: list[Sequence], masks: object = None) -> DraftOutput:
         rows = []
         for s in seqs:
             row = greedy_continuation(self.target, s.all_ids, self.gamma)
@@ -87,7 +87,7 @@ class SkewedProposer:
     def commit(self, rids: object, lengths: object) -> None: ...
     def follow_propose(self, rids: object, anchors: object) -> None: ...
 
-    def propose(self, seqs: list[Sequence]) -> DraftOutput:
+    def propose(self, seqs: list[Sequence], masks: object = None) -> DraftOutput:
         toks = torch.stack([torch.multinomial(self.q, 1, generator=s.generator).squeeze(-1)
                             for s in seqs])
         probs = self.q.expand(len(seqs), -1, -1)

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from serve_app.grammar.spec import GrammarSpec
+
 # What a torch.Generator accepts as a seed (manual_seed takes [-2^63, 2^64 - 1]).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -34,6 +36,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    # The output must match this (response_format, strict tools, tool_choice); None: free.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         """The one check of a request's sampling fields, for every backend: types and
@@ -54,6 +58,8 @@ class SamplingParams:
             problems.append("stop strings must be non-empty strings")
         if any(not is_int(t) for t in self.stop_token_ids):
             problems.append("stop_token_ids must be ints")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            problems.append("grammar must be a GrammarSpec")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +164,11 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(self.proj(features).float()).squeeze(-1)
 
 
+# Constrained decoding's per-position mask: (block position, previous tokens [B]) -> allowed
+# tokens [B, V], or None when no row is constrained (serve_app/grammar/matchers.py DraftMasks).
+DraftMask = Callable[[int, torch.Tensor], torch.Tensor | None]
+
+
 @dataclass
 class DraftOutput:
     """One draft step for a batch of B requests, gamma drafts each."""
@@ -275,14 +280,15 @@ class DSparkDraft(nn.Module):
         lm_head: torch.Tensor,
         temperature: torch.Tensor | float = 0.0,
         generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
+        masks: DraftMask | None = None,
     ) -> DraftOutput:
         """Propose gamma tokens per request after its anchor (the last verified token, whose
         context entry is not yet cached). `temperature` is per request ([B]) or shared; 0 means
         greedy. `generators`: one per request (or one shared). Sampled drafts come with their
-        distributions q for rejection sampling."""
+        distributions q for rejection sampling. `masks`: see decode_heads."""
         h = self.block_hidden(cache, rids, anchors, embed_tokens)
         base_logits = (h @ lm_head.to(h.dtype).T).float()
-        return self.decode_heads(h, base_logits, anchors, temperature, generators)
+        return self.decode_heads(h, base_logits, anchors, temperature, generators, masks)
 
     def decode_heads(
         self,
@@ -291,8 +297,13 @@ class DSparkDraft(nn.Module):
         anchors: torch.Tensor,
         temperature: torch.Tensor | float = 0.0,
         generators: Sequence[torch.Generator | None] | torch.Generator | None = None,
+        masks: DraftMask | None = None,
     ) -> DraftOutput:
-        """Apply the Markov head left to right, choose drafts, and score confidence."""
+        """Apply the Markov head left to right, choose drafts, and score confidence. `masks`
+        (constrained decoding): called at each block position with the previous tokens, it
+        returns the tokens that position may take [B, V] (or None: all); the draft chooses
+        among them and its q is the masked distribution, so a grammar's block keeps its
+        acceptance."""
         b, gamma, _ = base_logits.shape
         dev = base_logits.device
         temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev).expand(b)
@@ -308,6 +319,9 @@ class DSparkDraft(nn.Module):
             if self.markov_head is not None:
                 correction, feats = self.markov_head(prev)
                 logits = logits + correction.float()
+            allowed = masks(k, prev) if masks is not None else None
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed.to(dev), float("-inf"))
             tok = logits.argmax(-1)
             if sampled_rows:
                 # q is only needed when some request samples: greedy verification ignores it.

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from serve_app.engines.reference.engine import EngineCore
@@ -37,6 +38,9 @@ from serve_app.models.kv_capacity import KVCapacityError
 logger = logging.getLogger(__name__)
 
 ENGINE_FAILED = "the engine failed; the replica will be replaced"
+# A request's grammar compiles within this or is refused (400): llguidance's parser limits
+# bound the work of one compile, this bounds the wait for a client.
+GRAMMAR_COMPILE_TIMEOUT_S = 2.0
 SHUT_DOWN = "engine is shut down"  # the message clients have always seen
 
 
@@ -65,6 +69,9 @@ class ReferenceAsyncEngine:
         self.watchdog_s = watchdog_s
         self.telemetry = EngineTelemetry(replica)
         core.observer = self.telemetry
+        # Grammars compile here, never on the step loop's thread or the event loop; two at a
+        # time, so a flood of hostile schemas waits its turn and leaves the loop's pool alone.
+        self._compiles = ThreadPoolExecutor(2, thread_name_prefix="grammar")
         self._inbox: list[tuple[str, Any]] = []
         self._lock = threading.Lock()  # the inbox, the streams, and the failure record
         self._wake = threading.Event()
@@ -209,7 +216,23 @@ class ReferenceAsyncEngine:
         if self._stopping or not self._thread.is_alive():
             raise EngineUnavailable(SHUT_DOWN)
 
+    async def _prepare_grammar(self, request: GenerateRequest) -> None:
+        """Compile the request's grammar into the engine's cache off every loop, so that its
+        add_request only copies a matcher; a schema that does not compile in time is a
+        ValueError naming the field (a 400), and nothing is queued."""
+        spec, compiler = request.params.grammar, self.core.grammar
+        if spec is None or compiler is None:
+            return  # add_request refuses a grammar when the engine has no compiler
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._compiles, compiler.prepare, spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(work), GRAMMAR_COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise ValueError(f"{spec.param}: the grammar did not compile within "
+                             f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s") from None
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        await self._prepare_grammar(request)
         stream = _Stream(asyncio.get_running_loop())
         # Checked and registered under the lock that _fail_engine takes: a stream is either
         # refused here or failed there, never left waiting on a dead engine.

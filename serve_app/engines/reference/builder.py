@@ -16,6 +16,7 @@ from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.proposer import DSparkProposer
 from serve_app.engines.reference.sequence import Detokenize
 from serve_app.engines.reference.tensor_parallel import shard_dspark
+from serve_app.grammar.compiler import GrammarCompiler, ll_tokenizer
 from serve_app.models.dspark import load_dspark
 from serve_app.models.dspark_config import check_pair
 from serve_app.models.k3_paged import PagedK3
@@ -25,6 +26,7 @@ from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_cache import PagedAllocator
 from serve_app.models.target import TPContext
 from serve_app.models.target_config import is_hybrid
+from serve_app.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,8 +109,10 @@ def build_engine(
     config: ReferenceEngineConfig,
     eos_token_ids: list[int] | None = None,
     detokenize: Detokenize | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> EngineCore:
-    """Rank 0's engine around its runner."""
+    """Rank 0's engine around its runner. With the model's `tokenizer`, the engine compiles
+    and enforces requests' output grammars (serve_app/grammar)."""
     target_cfg = runner.target.config
     config_eos = getattr(target_cfg, "eos_token_id", None)
     eos = eos_token_ids if eos_token_ids is not None else (
@@ -123,4 +127,6 @@ def build_engine(
         max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
         speculation=config.speculation,
         max_model_len=target_cfg.max_position_embeddings,
+        grammar=GrammarCompiler(ll_tokenizer(tokenizer, target_cfg.vocab_size, eos))
+        if tokenizer is not None else None,
     )

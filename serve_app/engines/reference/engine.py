@@ -36,6 +36,8 @@ from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, Status
 from serve_app.engines.spec_stats import EngineTotals
 from serve_app.engines.types import RequestOutput, is_int
+from serve_app.grammar.compiler import GrammarCompiler
+from serve_app.grammar.matchers import DraftMasks, GrammarStates
 from serve_app.models.dspark import survival_draft_count
 
 logger = logging.getLogger(__name__)
@@ -89,11 +91,14 @@ class EngineCore:
         max_model_len: int | None = None,
         residual_rule: ResidualRule = residual_distribution,
         observer: EngineObserver | None = None,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         """`residual_rule` is the rejection sampler's correction distribution; only tests
         replace it (to show that a wrong rule is detected). `max_prefill_tokens_per_request`:
-        see Scheduler (None: a quarter of prefill_chunk_tokens)."""
+        see Scheduler (None: a quarter of prefill_chunk_tokens). `grammar`: compiles the
+        requests' output constraints (None: this engine refuses constrained requests)."""
         self.runner = runner
+        self.grammar = grammar
         self.residual_rule = residual_rule
         self.observer = observer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -121,6 +126,8 @@ class EngineCore:
             prefix=runner.prefix,
         )
         self.sequences: dict[str, Sequence] = {}
+        # Constrained requests' matchers: rank 0's own windowed state (followers never sample).
+        self.grammars = GrammarStates(self.vocab_size, self.eos_token_ids)
         self.totals = EngineTotals()
         self._ids = itertools.count()
         # Sequences that failed during the current step: (sequence, what it was doing).
@@ -145,6 +152,12 @@ class EngineCore:
                 f"exceeds the model's context length {self.max_model_len}"
             )
         seq = Sequence(rid, list(prompt_ids), params, self.eos_token_ids, self.detokenize)
+        if params.grammar is not None:
+            if self.grammar is None:
+                raise ValueError(f"{params.grammar.param}: this engine cannot constrain its "
+                                 "output (it was built without a tokenizer)")
+            # A GrammarError (a ValueError naming the field) leaves nothing queued.
+            self.grammars.add(rid, self.grammar.matcher(params.grammar), len(prompt_ids))
         self.scheduler.add(seq)
         self.sequences[rid] = seq
         self._notify("on_queued", seq, time.time_ns())
@@ -174,7 +187,7 @@ class EngineCore:
         if seq is None:
             return False
         self.scheduler.remove(seq)
-        self.runner.free(request_id)
+        self._free(request_id)
         seq.status = Status.FINISHED
         seq.finish_reason = "abort"
         self._notify("on_finished", seq, time.time_ns())
@@ -231,7 +244,7 @@ class EngineCore:
     def _fail(self, seq: Sequence, stage: str) -> RequestOutput:
         """Remove a failed sequence, free its caches, and give its final output."""
         self.scheduler.remove(seq)
-        self.runner.free(seq.request_id)
+        self._free(seq.request_id)
         self.sequences.pop(seq.request_id, None)
         seq.status = Status.FINISHED
         seq.finish_reason = "error"
@@ -247,6 +260,22 @@ class EngineCore:
             completion_tokens=seq.reported_tokens,  # what the client was given
             error=f"the request failed in the engine while {stage}",
         )
+
+    def _free(self, rid: str, donate: list[int] | tuple[()] = ()) -> None:
+        """A request leaves: its caches (and, with `donate`, its prefix to the prefix cache)
+        and its matcher."""
+        self.runner.free(rid, donate)
+        self.grammars.free(rid)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """One token for `seq` from one row of logits, under its grammar if it has one (the
+        matcher consumes the token: it is committed)."""
+        rid = seq.request_id
+        if rid not in self.grammars:
+            return sample_token(logits, seq.params, seq.generator)
+        token = sample_token(logits, seq.params, seq.generator, self.grammars.mask(rid))
+        self.grammars.consume(rid, [token])
+        return token
 
     def _notify(self, hook: str, *args: Any) -> None:
         if self.observer is None:
@@ -273,8 +302,7 @@ class EngineCore:
                 seq = c.seq
                 stage = "sampling"
                 try:
-                    first = sample_token(logits[b, c.end - c.start - 1], seq.params,
-                                         seq.generator)
+                    first = self._sample(seq, logits[b, c.end - c.start - 1])
                     seq.status = Status.DECODING
                     stage = "checking stop conditions"
                     seq.append([first])
@@ -299,7 +327,7 @@ class EngineCore:
             for b, seq in enumerate(seqs):
                 stage = "sampling"
                 try:
-                    token = sample_token(logits[b, 0], seq.params, seq.generator)
+                    token = self._sample(seq, logits[b, 0])
                     stage = "checking stop conditions"
                     kept = seq.append([token])
                 except Exception as exc:
@@ -309,7 +337,8 @@ class EngineCore:
                 ok.append(seq)
             return ok
 
-        proposal = self.runner.propose(seqs)
+        masks = DraftMasks(self.grammars, [s.request_id for s in seqs]) if self.grammars else None
+        proposal = self.runner.propose(seqs, masks)
         counts = torch.full((len(seqs),), self.gamma, dtype=torch.long)
         if self.confidence_threshold > 0 and proposal.confidence is not None:
             counts = survival_draft_count(proposal.confidence[:, : self.gamma],
@@ -331,8 +360,16 @@ class EngineCore:
             stage = "verifying drafts"
             try:
                 q = proposal.probs[b, :k] if proposal.probs is not None else None
+                rid = seq.request_id
+                allowed = (self.grammars.window_masks(rid, drafts[b]) if rid in self.grammars
+                           else None)
                 verdict = verify_drafts(logits[b, : k + 1], drafts[b], q, seq.params,
-                                        seq.generator, self.residual_rule)
+                                        seq.generator, self.residual_rule, allowed)
+                if allowed is not None:
+                    # The matcher keeps the accepted drafts (the window's prefix), then takes
+                    # the bonus token like any sampled one.
+                    self.grammars.commit([rid], [self.grammars.committed(rid) + verdict.accepted])
+                    self.grammars.consume(rid, verdict.tokens[-1:])
                 stage = "checking stop conditions"
                 kept = seq.append(verdict.tokens)
             except Exception as exc:
@@ -376,7 +413,7 @@ class EngineCore:
             self.scheduler.remove(seq)
             prefix = self.runner.prefix
             donate = prefix.finish_point(seq.num_cached) if prefix is not None else 0
-            self.runner.free(seq.request_id, seq.all_ids[:donate])
+            self._free(seq.request_id, seq.all_ids[:donate])
             self.sequences.pop(seq.request_id, None)
         return out
 
@@ -415,7 +452,19 @@ class EngineCore:
 
     def stats(self) -> dict[str, Any]:
         return {**self.totals.stats(len(self.scheduler.running), self.speculative),
-                "waiting": len(self.scheduler.waiting), **self.prefix_cache_stats()}
+                "waiting": len(self.scheduler.waiting), **self.prefix_cache_stats(),
+                **self.grammar_stats()}
+
+    def grammar_stats(self) -> dict[str, Any]:
+        """Constrained decoding's work: compiles (and their time), cache hits, refusals, and
+        the masks computed on the step loop (and their time); empty without a compiler."""
+        if self.grammar is None:
+            return {}
+        c = self.grammar.stats
+        return {"grammar_compiled": c.compiled, "grammar_compile_seconds": c.compile_seconds,
+                "grammar_cache_hits": c.cache_hits, "grammar_failed": c.failed,
+                "grammar_masks": self.grammars.masks_computed,
+                "grammar_mask_seconds": self.grammars.mask_seconds}
 
     def prefix_cache_stats(self) -> dict[str, Any]:
         """SGLang-named where SGLang has the number (cache_hit_rate)."""

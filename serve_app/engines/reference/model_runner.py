@@ -16,6 +16,7 @@ import torch.distributed as dist
 from serve_app.config import PrefixCacheConfig
 from serve_app.engines.reference.prefix_cache import PrefixCache
 from serve_app.engines.reference.proposer import Proposer
+from serve_app.models.dspark import DraftMask
 from serve_app.models.kv_cache import PagedAllocator
 from serve_app.models.target import Target, TargetCache, WindowedState
 
@@ -181,11 +182,13 @@ class ModelRunner:
             # Pages past the committed length (a rejected verify tail) go back to the pool.
             self.allocator.truncate(rid, n)
 
-    def propose(self, seqs: Sequence[Any]) -> Any:
+    def propose(self, seqs: Sequence[Any], masks: DraftMask | None = None) -> Any:
+        """Drafts for `seqs`; `masks`: the grammar's mask for each block position (rank 0
+        alone chooses drafts, so followers never see it)."""
         assert self.proposer is not None
         rids = [s.request_id for s in seqs]
         self._broadcast("follow_propose", rids, torch.tensor([s.anchor for s in seqs]))
-        return self.proposer.propose(seqs)
+        return self.proposer.propose(seqs, masks)
 
     def _follow_propose(self, rids: Sequence[Hashable], anchors: torch.Tensor) -> None:
         assert self.proposer is not None

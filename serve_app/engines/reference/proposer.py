@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from serve_app.engines.reference.sequence import Sequence
-from serve_app.models.dspark import DraftOutput, DSparkDraft
+from serve_app.models.dspark import DraftMask, DraftOutput, DSparkDraft
 from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
 
 
@@ -35,7 +35,9 @@ class Proposer(Protocol):
     def commit(self, rids: Seq[Hashable], lengths: Seq[int]) -> None:
         """Keep `lengths[i]` tokens of rids[i] (target.py's WindowedState)."""
 
-    def propose(self, seqs: Seq[Sequence]) -> DraftOutput: ...
+    def propose(self, seqs: Seq[Sequence], masks: DraftMask | None = None) -> DraftOutput:
+        """gamma drafts per request; `masks` (constrained requests): the tokens each block
+        position may take, given the tokens drafted before it (models/dspark.py)."""
 
     def follow_propose(self, rids: Seq[Hashable], anchors: torch.Tensor) -> None: ...
 
@@ -78,12 +80,12 @@ class DSparkProposer:
         # through the same protocol as the target's cache all the same.
         self.cache.commit(rids, lengths)
 
-    def propose(self, seqs: Seq[Sequence]) -> DraftOutput:
+    def propose(self, seqs: Seq[Sequence], masks: DraftMask | None = None) -> DraftOutput:
         rids = [s.request_id for s in seqs]
         anchors = torch.tensor([s.anchor for s in seqs])
         temps = torch.tensor([0.0 if s.params.greedy else s.params.temperature for s in seqs])
         return self.draft.draft(self.cache, rids, anchors, self.embed_tokens, self.lm_head,
-                                temps, [s.generator for s in seqs])
+                                temps, [s.generator for s in seqs], masks)
 
     @torch.no_grad()
     def follow_propose(self, rids: Seq[Hashable], anchors: torch.Tensor) -> None:

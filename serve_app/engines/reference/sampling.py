@@ -11,6 +11,13 @@ are scaled (so no temperature overflows them), and top-p always keeps the most l
 and compares its threshold in float64 (float32 turns top_p=1e-300 into 0, which dropped every
 token). Logits that are themselves NaN or inf are a model fault: `SamplingError`, raised before
 torch.multinomial (which on CUDA would be a device-side assert, fatal to every request).
+
+Constrained requests pass `allowed` masks (serve_app/grammar/matchers.py): the logits of tokens
+the grammar forbids become -inf before anything else, so p is the constrained distribution
+(renormalised over the allowed tokens) and every rule below — greedy, the rejection rule, the
+residual — applies to it unchanged: speculation stays lossless with respect to the
+constrained target. The draft's q is masked the same way (models/dspark.py), which only
+raises acceptance; an unmasked q would be exact too.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 
 from serve_app.engines.types import SamplingParams
 
-__all__ = ["SamplingError", "SamplingParams", "Verdict", "residual_distribution",
+__all__ = ["SamplingError", "SamplingParams", "Verdict", "constrain", "residual_distribution",
            "sample_token", "target_probs", "verify_drafts"]
 
 
@@ -105,9 +112,17 @@ def _check_distribution(probs: torch.Tensor) -> None:
         raise SamplingError("the target logits are not finite")
 
 
+def constrain(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Logits with the tokens `allowed` (bool, broadcastable) forbids at -inf."""
+    if allowed is None:
+        return logits
+    return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> int:
-    """One token from one row of logits."""
+                 generator: torch.Generator | None, allowed: torch.Tensor | None = None) -> int:
+    """One token from one row of logits; `allowed` [V]: the grammar's mask, or None."""
+    logits = constrain(logits, allowed)
     if params.greedy:
         return int(logits.argmax())
     probs = target_probs(logits, params)
@@ -150,11 +165,14 @@ def verify_drafts(
     params: SamplingParams,
     generator: torch.Generator | None,
     residual_rule: ResidualRule = residual_distribution,
+    allowed: torch.Tensor | None = None,
 ) -> Verdict:
     """target_logits: [k+1, V] rows for [anchor, d_1..d_k]; row j scores the token after the
     j-th input. drafts: the k proposed tokens; draft_probs: [k, V] the draft distributions they
-    were drawn from (None: one-hot, i.e. deterministic proposals)."""
+    were drawn from (None: one-hot, i.e. deterministic proposals). `allowed` [k+1, V]: the
+    grammar's mask for each row, or None."""
     k = len(drafts)
+    target_logits = constrain(target_logits, allowed)
     if params.greedy:
         target = target_logits.argmax(-1).tolist()
         accepted = 0

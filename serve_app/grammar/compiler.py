@@ -1,0 +1,161 @@
+"""Compiling GrammarSpecs for the reference engine with llguidance, cached and bounded.
+
+One compiler per engine (rank 0). `prepare` compiles a spec (cached by its key, LRU) and is
+called off the engine thread before a request is queued; `matcher` hands the engine thread a
+copy of the cached matcher, which costs microseconds. Work is bounded by llguidance's parser
+limits (lexer fuel per step, Earley items, lexer states: time and memory), and a spec whose
+grammar exceeds them or is invalid is a `GrammarError` naming the request field — a 400,
+never a stalled batch. Tool schemas are the exception (K3's API: a valid JSON Schema in
+`tools` is never a 400): a tool whose schema cannot be compiled keeps the call structure with
+free arguments, and the compiler says which tools it relaxed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import llguidance
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+
+from serve_app.grammar.lark import lark_grammar
+from serve_app.grammar.spec import GrammarSpec, ToolSpec
+from serve_app.tokenizer import Tokenizer
+
+# Bounds on one grammar's work (llguidance's defaults, lower where they cost memory): a mask
+# step spends at most ~15 ms of lexer fuel and 50k Earley items; at most 50k lexer states
+# (~100 MB); a grammar of at most 200k symbols (a 10 MB schema is refused by this).
+LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=50_000,
+              max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
+
+
+class GrammarError(ValueError):
+    """A constraint the engine cannot compile; `param` names the request field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[GrammarError], tuple[str, str]]:
+        # It crosses from the target replica to the ingress (Ray pickles it by its args).
+        return GrammarError, (self.param, self.message)
+
+
+@dataclass
+class GrammarStats:
+    """Counters the engine's telemetry reads (observability: grammar compile time, cache)."""
+
+    compiled: int = 0
+    cache_hits: int = 0
+    failed: int = 0
+    compile_seconds: float = 0.0  # summed over `compiled`
+
+
+class _VocabularyBytes:
+    """The tokenizer as llguidance's TokenizerWrapper reads it: every id's bytes (control
+    tokens by their text, marked special), an encoder, the EOS ids."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos: list[int]) -> None:
+        self.eos_token_id = eos[0]
+        self.bos_token_id = None
+        self.special_token_ids = [i for i in range(vocab_size) if _special(tokenizer, i)]
+        self.tokens = [_bytes(tokenizer, i) for i in range(vocab_size)]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        return self._tokenizer.encode_text(text)
+
+
+def _special(tokenizer: Tokenizer, i: int) -> bool:
+    try:
+        return tokenizer.is_special(i)
+    except Exception:
+        return False
+
+
+def _bytes(tokenizer: Tokenizer, i: int) -> bytes:
+    # Ids past the tokenizer's vocabulary (a model's padded embedding) are empty: never allowed.
+    try:
+        return tokenizer.token_bytes(i)
+    except Exception:
+        return b""
+
+
+def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos: Iterable[int]) -> LLTokenizer:
+    """The model's vocabulary for llguidance (~0.5 s for K3's 163,840 ids: build once)."""
+    eos_ids = sorted(set(eos))
+    wrapper = llguidance.TokenizerWrapper(_VocabularyBytes(tokenizer, vocab_size, eos_ids))
+    return LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos_ids)
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: LLTokenizer, cache_size: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
+        self.cache_size = cache_size
+        self.stats = GrammarStats()
+        self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # prepare runs on worker threads, matcher on the engine's
+
+    def prepare(self, spec: GrammarSpec) -> None:
+        """Compile `spec` into the cache unless it is there (call off the engine thread)."""
+        with self._lock:
+            if spec.key in self._cache:
+                self._cache.move_to_end(spec.key)
+                self.stats.cache_hits += 1
+                return
+        start = time.perf_counter()
+        try:
+            matcher = self._compile(spec)
+        except GrammarError:
+            with self._lock:
+                self.stats.failed += 1
+            raise
+        with self._lock:
+            self.stats.compiled += 1
+            self.stats.compile_seconds += time.perf_counter() - start
+            self._cache[spec.key] = matcher
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+
+    def matcher(self, spec: GrammarSpec) -> LLMatcher:
+        """A fresh matcher for one request (compiled now if `prepare` was not called)."""
+        with self._lock:
+            template = self._cache.get(spec.key)
+        if template is None:
+            self.prepare(spec)
+            with self._lock:
+                template = self._cache[spec.key]
+        return template.deep_copy()
+
+    def _build(self, grammar: str) -> LLMatcher | str:
+        """A matcher, or the compiler's error text."""
+        matcher = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(grammar), log_level=0,
+                            limits=LLParserLimits(**LIMITS))
+        return matcher.get_error() if matcher.is_error() else matcher
+
+    def _compile(self, spec: GrammarSpec) -> LLMatcher:
+        relaxed = frozenset(t.name for t in spec.tools if t.strict and not self._compiles(spec, t))
+        built = self._build(lark_grammar(spec, relaxed))
+        if isinstance(built, str):
+            raise GrammarError(spec.param, f"cannot be compiled to a grammar: {_short(built)}")
+        return built
+
+    def _compiles(self, spec: GrammarSpec, tool: ToolSpec) -> bool:
+        """Whether a strict tool's call grammar compiles on its own (the same rules the
+        request's grammar uses for it)."""
+        alone = replace(spec, tools=(tool,), optional_calls=False)
+        return not isinstance(self._build(lark_grammar(alone)), str)
+
+
+def _short(error: str, limit: int = 300) -> str:
+    """The compiler's message, bounded and without the grammar excerpt it quotes (the
+    project's own grammar text is no business of the client's)."""
+    first = " ".join(error.splitlines()[0].split()) if error.strip() else "invalid"
+    return first if len(first) <= limit else first[: limit - 3] + "..."

@@ -1,0 +1,69 @@
+"""What a request's output must match, said once for both engines.
+
+The ingress turns a chat request's response_format / tools / tool_choice into a `GrammarSpec`
+(backend-neutral: JSON data, no compiled objects), it travels inside SamplingParams, and each
+engine compiles it its own way: the reference engine to an llguidance grammar
+(serve_app/grammar/lark.py), the SGLang backend to SGLang's sampling parameters
+(serve_app/engines/sglang/grammar.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal
+
+Kind = Literal["json_object", "json_schema", "tool_call"]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool a call may name: its declared function."""
+
+    name: str
+    parameters: dict[str, Any] | None = None  # a JSON Schema object; None: no arguments
+    strict: bool = False  # the arguments must validate against `parameters`
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One request's output constraint.
+
+    - kind "json_object": the answer is one JSON object; "json_schema": one JSON value valid
+      against `schema` (strict) or any JSON value (not strict: the schema is only in the
+      prompt); "tool_call": the answer carries at least one call of `tools`
+      (tool_choice required or named) — or, with `optional_calls`, any text and calls of
+      `tools` whose arguments are constrained when the tool is strict (tool_choice auto).
+    - chat_format "k3": the output is K3's XTML assistant message (think channel when
+      `thinking`, the response channel, the tools section, the message's end), and only the
+      parts the kind names are constrained; "plain": the whole output is the JSON.
+    - `param`: the request field an error about this constraint names.
+    """
+
+    kind: Kind
+    param: str
+    schema: Any = None
+    strict: bool = True
+    tools: tuple[ToolSpec, ...] = ()
+    optional_calls: bool = False
+    parallel_tool_calls: bool = True
+    chat_format: Literal["k3", "plain"] = "plain"
+    thinking: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind == "tool_call" and not self.tools:
+            raise ValueError("a tool_call grammar needs at least one tool")
+        if self.kind == "tool_call" and self.chat_format != "k3":
+            raise ValueError("tool calls are constrained in K3's XTML format only")
+
+    @cached_property
+    def key(self) -> str:
+        """Equal for equal constraints (the compiled-grammar cache's key)."""
+        data = {"kind": self.kind, "schema": self.schema, "strict": self.strict,
+                "tools": [[t.name, t.parameters, t.strict] for t in self.tools],
+                "optional_calls": self.optional_calls, "parallel": self.parallel_tool_calls,
+                "format": self.chat_format, "thinking": self.thinking}
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
