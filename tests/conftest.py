@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # The modules on the shared Ray cluster (tests/tiny_models.py shared_serve) and those that start
 # a cluster of their own (own_cluster, fake_gpu_cluster, the demo).
-SHARED_CLUSTER = {"test_fuzz_api.py", "test_fuzz_k3.py", "test_hardening.py",
+SHARED_CLUSTER = {"test_fuzz_api.py", "test_fuzz_k3.py", "test_grammar_serve.py", "test_hardening.py",
                   "test_hybrid_serve.py", "test_k3_chat_serve.py", "test_multi_ingress.py",
                   "test_prefix_serve.py", "test_router_serve.py", "test_serve_app.py"}
 OWN_CLUSTER = {"test_local_deployment.py", "test_multinode_placement.py", "test_observability.py",

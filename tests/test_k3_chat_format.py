@@ -279,7 +279,8 @@ def test_tool_choice_defaults_and_what_may_be_delivered() -> None:
     assert k3_request.parse(request(tool_choice="none")).options.tool_choice is None
     named = k3_request.parse(request(tools=[WEATHER], tool_choice={
         "type": "function", "function": {"name": "get_weather"}}))
-    assert named.constraint is not None and named.constraint.tool_names == ("get_weather",)
+    assert named.grammar is not None and named.grammar.kind == "tool_call"
+    assert [t.name for t in named.grammar.tools] == ["get_weather"]
     assert named.options.tool_choice is None  # no prompt message for a named choice
 
 
@@ -384,6 +385,8 @@ def test_every_walle_schema_is_accepted_as_tool_parameters_and_response_schema()
         tool = {"type": "function", "function": {"name": "kvv_walle_case", "parameters": params,
                                                  "strict": True}}
         plan = k3_request.parse(request(tools=[tool], tool_choice="required"))
-        assert plan.constraint is not None and plan.constraint.kind == "tool_call", name
+        assert plan.grammar is not None and plan.grammar.kind == "tool_call", name
+        assert plan.grammar.tools[0].strict and plan.grammar.tools[0].parameters == params
         rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": params}}
-        assert k3_request.parse(request(response_format=rf)).constraint is not None, name
+        grammar = k3_request.parse(request(response_format=rf)).grammar
+        assert grammar is not None and grammar.schema == params and grammar.strict, name

@@ -26,6 +26,7 @@ from serve_app.chat.xtml_render import (
     RenderError,
     render,
 )
+from serve_app.grammar.spec import GrammarSpec
 from serve_app.serving.protocol import CHAT_FORMAT_FIELDS, ChatCompletionRequest, OpenAIError
 from serve_app.tokenizer import Tokenizer
 
@@ -39,6 +40,7 @@ class ChatPlan:
     # Streams carry usage even without stream_options.include_usage (K3's API does).
     stream_usage: bool = False
     k3: K3Request | None = None
+    grammar: GrammarSpec | None = None  # what the output must match (serve_app/grammar)
 
 
 class ChatFormat(Protocol):
@@ -60,7 +62,14 @@ class JinjaFormat:
         self.chat = JinjaChat(tokenizer.chat_template, list(tokenizer.special_ids))
 
     def plan(self, body: ChatCompletionRequest) -> ChatPlan:
+        # A JSON response_format needs nothing of the template: the grammar makes the whole
+        # answer that JSON.
+        kind, schema, strict = k3_request.response_format(body.response_format)
+        grammar = (k3_request.response_grammar(kind, schema, strict, "plain")
+                   if kind is not None else None)
         for name in CHAT_FORMAT_FIELDS:
+            if name == "response_format":
+                continue
             if body.sent(name) and not _neutral(name, getattr(body, name)):
                 raise OpenAIError(400, f"{name} is not supported by this model's chat format",
                                   param=name, code="unsupported_parameter")
@@ -72,7 +81,7 @@ class JinjaFormat:
                                   "model's chat format", param=f"messages[{i}]")
             messages.append({"role": role, "content": m.text(f"messages[{i}]")})
         try:
-            return ChatPlan(self.chat.segments(messages))
+            return ChatPlan(self.chat.segments(messages), grammar=grammar)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from None
 
@@ -83,7 +92,6 @@ class JinjaFormat:
 def _neutral(name: str, value: object) -> bool:
     """Values that ask nothing of the format."""
     return {"tools": value == [], "tool_choice": value in ("none", "auto"),
-            "response_format": value == {"type": "text"},
             "parallel_tool_calls": isinstance(value, bool)}.get(name, False)
 
 
@@ -101,7 +109,8 @@ class K3Format:
             segments = render(request.messages, request.options)
         except RenderError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
-        return ChatPlan(segments, GENERATION_STUB_TOKENS, stream_usage=True, k3=request)
+        return ChatPlan(segments, GENERATION_STUB_TOKENS, stream_usage=True, k3=request,
+                        grammar=request.grammar)
 
     def output(self, plan: ChatPlan) -> ChatOutput:
         assert plan.k3 is not None

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from jsonschema import Draft7Validator, Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from serve_app.chat.xtml_render import EFFORTS, HistoryCall, Message, RenderOptions
+from serve_app.grammar.spec import GrammarSpec, ToolSpec
 from serve_app.serving.protocol import ChatCompletionRequest, ChatMessage, OpenAIError, quote
 
 TOOL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_-]{0,255}")
@@ -31,23 +32,14 @@ _EFFORT_ALIASES = {"minimal": "low", "low": "low", "medium": "high", "high": "hi
 
 
 @dataclass(frozen=True)
-class Constraint:
-    """What constrained decoding must guarantee (the hook for the grammar engine; without it
-    the prompt's internal message is all that asks for it)."""
-
-    kind: str  # "json_object", "json_schema", "tool_call" (required / named)
-    schema: Any = None
-    strict: bool = True
-    tool_names: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class K3Request:
     messages: list[Message]
     options: RenderOptions
     tools_allowed: bool = False  # tool calls may be delivered (tools exist, choice is not none)
     parallel_tool_calls: bool = True
-    constraint: Constraint | None = None
+    # What the output must match (serve_app/grammar): the engine constrains every sampled
+    # token to it; None: free text.
+    grammar: GrammarSpec | None = None
     # Every declared tool (request-level and dynamic): name -> its function object, the
     # schemas a grammar for strict tools compiles.
     declared: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -275,8 +267,16 @@ def _message(i: int, m: ChatMessage, declared: dict[str, dict[str, Any]]) -> Mes
 # --- response_format and tool_choice -------------------------------------------------------------
 
 
-def _response_format(value: Any) -> tuple[str | None, Any, bool]:
-    """(kind, schema, strict): kind None for text."""
+def response_grammar(kind: str, schema: Any, strict: bool, chat_format: Literal["k3", "plain"],
+                     thinking: bool = False) -> GrammarSpec:
+    """The grammar of a JSON response_format (kind from `response_format`)."""
+    param = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
+    return GrammarSpec(kind, param, schema=schema, strict=strict,  # type: ignore[arg-type]
+                       chat_format=chat_format, thinking=thinking)
+
+
+def response_format(value: Any) -> tuple[str | None, Any, bool]:
+    """(kind, schema, strict) of a request's response_format: kind None for text."""
     if value is None:
         return None, None, False
     if not isinstance(value, dict):
@@ -339,20 +339,29 @@ def parse(body: ChatCompletionRequest, add_generation_prompt: bool = True) -> K3
     choice, named = _tool_choice(body.tool_choice, names)
     if body.parallel_tool_calls is not None and not isinstance(body.parallel_tool_calls, bool):
         raise _bad("parallel_tool_calls", "must be true or false")
-    kind, schema, strict = _response_format(body.response_format)
-    constraint = None
+    kind, schema, strict = response_format(body.response_format)
+    parallel = body.parallel_tool_calls is not False
+    tools = tuple(ToolSpec(name, fn.get("parameters"), fn.get("strict") is True)
+                  for name, fn in declared.items())
+    grammar = None
     # A forced call with a JSON response_format: both internal messages render (Moonshot's
     # reference counts them: KVV's prompt-token case of that pair), and the call is what is
     # constrained, its arguments being JSON already. SGLang refuses the pair with a 400.
     if choice in ("required", "named"):
-        constraint = Constraint("tool_call", tool_names=(named,) if named else names)
+        grammar = GrammarSpec("tool_call", "tool_choice", chat_format="k3", thinking=thinking,
+                              tools=tuple(t for t in tools if named in (None, t.name)),
+                              parallel_tool_calls=parallel)
     elif kind is not None:
-        constraint = Constraint(kind, schema, strict)
+        grammar = response_grammar(kind, schema, strict, "k3", thinking)
+    elif choice == "auto" and any(t.strict for t in tools):
+        # Strict tools under auto: the answer is free, and a call, if made, follows the
+        # schema (SGLang's triggered tags); the param named if a schema cannot compile.
+        grammar = GrammarSpec("tool_call", "tools", chat_format="k3", thinking=thinking,
+                              tools=tools, optional_calls=True, parallel_tool_calls=parallel)
     options = RenderOptions(
         thinking=thinking, effort=effort, tools=tuple(request_tools),
         tool_choice=choice if choice in ("required", "none") and names else None,
         response_format=kind, response_schema=schema,
         add_generation_prompt=add_generation_prompt)
     return K3Request(messages, options, tools_allowed=bool(names) and choice != "none",
-                     parallel_tool_calls=body.parallel_tool_calls is not False,
-                     constraint=constraint, declared=declared)
+                     parallel_tool_calls=parallel, grammar=grammar, declared=declared)

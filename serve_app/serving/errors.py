@@ -61,7 +61,7 @@ def error_for(exc: BaseException, retry_after_s: int, request_id: str = "") -> O
         return OpenAIError(500, str(cause) or "the request failed in the engine",
                            "server_error", code="request_failed")
     if isinstance(cause, ValueError):  # the engine refused it before queueing: names the field
-        return OpenAIError(400, str(cause))
+        return OpenAIError(400, str(cause), param=getattr(cause, "param", None))
     if isinstance(exc, _RAY_UNAVAILABLE) or isinstance(cause, _RAY_UNAVAILABLE) or type(
             cause).__name__ in ("BackPressureError", "DeploymentUnavailableError"):
         logger.warning("request %s: target replica unavailable", request_id, exc_info=exc)

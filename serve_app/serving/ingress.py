@@ -398,7 +398,8 @@ class OpenAIIngress:
         max_tokens = self._limits(body, prompt_ids, chat)
         thinking = bool(prompt.plan and prompt.plan.k3 and prompt.plan.k3.thinking)
         params = body.sampling(max_tokens, *sampling_values(
-            self.config.api.parameter_policy, body, thinking))
+            self.config.api.parameter_policy, body, thinking),
+            grammar=prompt.plan.grammar if prompt.plan else None)
         rid = new_id("chatcmpl" if chat else "cmpl")
         telemetry.span.set_attribute("request_id", rid)
         telemetry.span.set_attribute("max_tokens", max_tokens)

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_app.engines.types import SamplingParams
+from serve_app.grammar.spec import GrammarSpec
 
 # Bounds that keep every accepted value meaningful to the sampler and the engine (and to
 # SGLang, whose kernels take int32/int64).
@@ -186,12 +187,13 @@ class _Request(_Strictish):
     def requested_max_tokens(self, default_max_tokens: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default_max_tokens
 
-    def sampling(self, max_tokens: int, temperature: float, top_p: float) -> SamplingParams:
+    def sampling(self, max_tokens: int, temperature: float, top_p: float,
+                 grammar: GrammarSpec | None = None) -> SamplingParams:
         return SamplingParams(
             temperature=temperature, top_p=top_p, top_k=self.top_k,
             max_tokens=max_tokens, stop=tuple(self.stop_list),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            seed=self.seed,
+            seed=self.seed, grammar=grammar,
         )
 
 

@@ -141,7 +141,7 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
 
     tokenizer = load_tokenizer(config.models.tokenizer_path())
     core = build_engine(runner, config.engine.reference, eos_token_ids=stop_token_ids(tokenizer),
-                        detokenize=tokenizer.decode)
+                        detokenize=tokenizer.decode, tokenizer=tokenizer)
     if config.engine.max_model_len:
         core.max_model_len = config.engine.max_model_len
     engine = ReferenceAsyncEngine(core, replica=replica_tag,
