@@ -36,7 +36,7 @@ from capacity.memory import (
 )
 from capacity.model import ModelDescriptor
 from capacity.ray_env import gpu_vendor, sglang_ray_env
-from capacity.sglang_recipe import SGLANG_SECTION
+from capacity.sglang_recipe import SGLANG_GRAMMAR_ARGS, SGLANG_SECTION
 from capacity.tables import GpuSpec
 
 RAY_VERSION = "2.60.0"
@@ -320,8 +320,10 @@ def describe_layout(
                 ordered["linear_replayssm_cache_len"] = ring_len
         sglang = ordered
     sglang.update(SGLANG_BACKENDS.get(layout.gpu.upper(), {}))
+    extra = dict(SGLANG_GRAMMAR_ARGS)
     if layout.pp > 1:
-        sglang["extra_server_args"] = {"pp_size": layout.pp}
+        extra["pp_size"] = layout.pp
+    sglang["extra_server_args"] = extra
     what = f"{model.name}{' + ' + draft.name if draft else ''} on {layout.label()}"
     if layout.kv_dtype is KvDtype.FP8:
         what += ", FP8 KV"

@@ -57,3 +57,14 @@ SGLANG_OPTIONAL: dict[str, Any] = {
     "kv_events": True,
     "kv_events_port": 0,
 }
+# Constrained decoding (serve_app/engines/sglang/grammar.py), written by the planner into every
+# file's extra_server_args (capacity/emit.py; SGLangSettings has no fields for them, so the app's
+# own defaults stay SGLang's): xgrammar, the backend SGLang's K3 structural tags are written for
+# (kimik3_structural_tag.py imports it), named although 0.5.23 resolves an unset backend to it
+# (arg_groups/serving_hook.py:239-244); and JSON without whitespace freedom on the json_schema
+# path (base_grammar_backend.py:408; off by default), as K3's response_format contract asks
+# (no newlines or tabs in the answer).
+SGLANG_GRAMMAR_ARGS: dict[str, Any] = {
+    "grammar_backend": "xgrammar",
+    "constrained_json_disable_any_whitespace": True,
+}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from capacity.ray_env import sglang_ray_env
 from capacity.sglang_flags import sglang_fields
+from serve_app.engines.sglang.grammar import sglang_constraint
 from serve_app.engines.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -158,6 +159,8 @@ def sampling_params(params: SamplingParams) -> dict[str, Any]:
         out["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
         out["sampling_seed"] = params.seed
+    # The output constraint: `json_schema` or `structural_tag` (grammar.py), none when free.
+    out.update(sglang_constraint(params.grammar))
     return out
 
 
