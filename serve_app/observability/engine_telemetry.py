@@ -148,3 +148,11 @@ class EngineTelemetry:
                                   tags={**t, "kind": "snapshot"})
         if report.spec_accept_rate is not None:
             m.spec_accept_rate.set(report.spec_accept_rate, tags=t)
+        grammar = report.grammar
+        if grammar:
+            for outcome, key in (("compiled", "grammar_compiled"), ("failed", "grammar_failed"),
+                                 ("cache_hit", "grammar_cache_hits")):
+                m.grammar_compiles.set(grammar[key], tags={**t, "outcome": outcome})
+            m.grammar_compile_seconds.set(grammar["grammar_compile_seconds"], tags=t)
+            m.grammar_mask_seconds.set(grammar["grammar_mask_seconds"], tags=t)
+            m.grammar_masks.set(grammar["grammar_masks"], tags=t)

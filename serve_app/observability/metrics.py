@@ -87,6 +87,19 @@ class AppMetrics:
                                          tag_keys=replica)
         self.spec_drafts = Counter("kimi_spec_draft_tokens_total", "Drafts by outcome.",
                                    tag_keys=("replica", "outcome"))
+        # Constrained decoding (the reference engine's grammar compiler and matchers).
+        self.grammar_compiles = Gauge("kimi_grammar_compiles_total", "Grammars compiled so far, "
+                                      "by outcome (compiled, failed: a 400) and cache hits.",
+                                      tag_keys=("replica", "outcome"))
+        self.grammar_compile_seconds = Gauge("kimi_grammar_compile_seconds_total", "Time spent "
+                                             "compiling grammars so far (off the step loop).",
+                                             tag_keys=replica)
+        self.grammar_mask_seconds = Gauge("kimi_grammar_mask_seconds_total", "Time the step "
+                                          "loop spent computing token masks so far (every "
+                                          "sampled, drafted and verified position of a "
+                                          "constrained request).", tag_keys=replica)
+        self.grammar_masks = Gauge("kimi_grammar_masks_total", "Token masks computed so far.",
+                                   tag_keys=replica)
         # Router.
         self.router_decisions = Counter("kimi_router_decisions_total", "Routing decisions by "
                                         "reason.", tag_keys=("reason",))

@@ -74,6 +74,7 @@ class StepReport:
     running: int
     capacity: dict[str, int]  # EngineCore.capacity()
     prefix_cache: dict[str, Any]  # EngineCore.prefix_cache_stats(); empty without one
+    grammar: dict[str, Any]  # EngineCore.grammar_stats(); empty without a compiler
     spec_accept_rate: float | None  # None until a draft was proposed
 
 
@@ -152,13 +153,16 @@ class EngineCore:
                 f"exceeds the model's context length {self.max_model_len}"
             )
         seq = Sequence(rid, list(prompt_ids), params, self.eos_token_ids, self.detokenize)
+        matcher = None
         if params.grammar is not None:
             if self.grammar is None:
                 raise ValueError(f"{params.grammar.param}: this engine cannot constrain its "
                                  "output (it was built without a tokenizer)")
             # A GrammarError (a ValueError naming the field) leaves nothing queued.
-            self.grammars.add(rid, self.grammar.matcher(params.grammar), len(prompt_ids))
+            matcher = self.grammar.matcher(params.grammar)
         self.scheduler.add(seq)
+        if matcher is not None:
+            self.grammars.add(rid, matcher, len(prompt_ids))
         self.sequences[rid] = seq
         self._notify("on_queued", seq, time.time_ns())
         return rid
@@ -232,7 +236,7 @@ class EngineCore:
     def report(self) -> StepReport:
         spec = self.totals.spec
         return StepReport(len(self.scheduler.waiting), len(self.scheduler.running),
-                          self.capacity(), self.prefix_cache_stats(),
+                          self.capacity(), self.prefix_cache_stats(), self.grammar_stats(),
                           spec.accept_rate if spec.proposed_drafts else None)
 
     def _isolate(self, seq: Sequence, stage: str, exc: Exception) -> None:
