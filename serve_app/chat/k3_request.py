@@ -353,9 +353,10 @@ def parse(body: ChatCompletionRequest, add_generation_prompt: bool = True) -> K3
                               parallel_tool_calls=parallel)
     elif kind is not None:
         grammar = response_grammar(kind, schema, strict, "k3", thinking)
-    elif choice == "auto" and any(t.strict for t in tools):
-        # Strict tools under auto: the answer is free, and a call, if made, follows the
-        # schema (SGLang's triggered tags); the param named if a schema cannot compile.
+    elif choice == "auto" and (any(t.strict for t in tools) or (tools and not parallel)):
+        # Strict tools (or parallel_tool_calls false) under auto: the answer is free, and a
+        # call, if made, follows its schema (SGLang's triggered tags), at most one without
+        # parallel calls.
         grammar = GrammarSpec("tool_call", "tools", chat_format="k3", thinking=thinking,
                               tools=tools, optional_calls=True, parallel_tool_calls=parallel)
     options = RenderOptions(
