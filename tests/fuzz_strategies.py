@@ -468,11 +468,31 @@ def _deep(depth: int) -> Any:
                + "}}" * depth)
 
 
-def _k3_tool(name: Any = "get_weather", parameters: Any = None) -> dict[str, Any]:
+def _k3_tool(name: Any = "get_weather", parameters: Any = None,
+             strict: bool | None = None) -> dict[str, Any]:
     fn: dict[str, Any] = {"name": name, "description": "weather"}
     if parameters is not None:
         fn["parameters"] = parameters
+    if strict is not None:
+        fn["strict"] = strict
     return {"type": "function", "function": fn}
+
+
+# Schemas that are hard on a grammar compiler (each must be a 400 or a correct answer, fast;
+# tests/test_grammar.py times them on the compiler itself).
+HOSTILE_SCHEMAS: dict[str, Any] = {
+    "exponential alternation": {"anyOf": [{"type": "string", "pattern": "^(a|aa)*(b|bb)*$"}] * 64},
+    "deep nesting": json.loads('{"type":"array","items":' * 60 + "{}" + "}" * 60),
+    "huge enum": {"enum": [f"value-{i}" * 20 for i in range(40_000)]},
+    "recursive ref": {"$defs": {"n": {"type": "object", "properties": {
+        "next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
+    "unsupported keyword": {"type": "object", "unevaluatedProperties": {"type": "integer"},
+                            "dependentSchemas": {"a": {"required": ["b"]}}},
+    "regex bomb": {"type": "string", "pattern": "^((a+)+)+(x{1,1000}){1,1000}$"},
+    "huge minLength": {"type": "string", "minLength": 999_999_999_999},
+}
+_HOSTILE_OBJECTS = [{"type": "object", "required": ["v"], "properties": {"v": s}}
+                    for s in HOSTILE_SCHEMAS.values()]
 
 
 _TOOL_NAME = weighted((4, st.just("get_weather")), (2, st.from_regex(r"[a-zA-Z_][\w-]{0,12}",
@@ -487,6 +507,8 @@ _PARAMETERS = weighted(
     (1, hostile))
 _TOOLS = weighted(
     (3, st.lists(st.builds(_k3_tool, _TOOL_NAME, _PARAMETERS), max_size=3)),
+    (2, st.lists(st.builds(_k3_tool, st.just("get_weather"), st.sampled_from(_HOSTILE_OBJECTS),
+                           st.just(True)), min_size=1, max_size=2)),
     (1, st.sampled_from([[_k3_tool(f"t{i}") for i in range(10_000)],
                          [_k3_tool(), _k3_tool()], {"type": "function"}, [None],
                          [{"type": "bogus", "function": {"name": "x"}}], [{"type": "function"}]])),
@@ -527,7 +549,9 @@ K3_FIELDS: dict[str, st.SearchStrategy[Any]] = {
         {"type": "json_schema", "json_schema": {"name": "", "schema": {}}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}},
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
-                                                "strict": False}}]))),
+                                                "strict": False}},
+        *({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+          for schema in HOSTILE_SCHEMAS.values())]))),
     "thinking": _field((3, st.sampled_from([
         {"type": "enabled"}, {"type": "disabled"}, {"keep": "all"}, {"type": "sometimes"},
         {"type": "enabled", "effort": "low"}, {"effort": "medium"}, {"keep": "none"}, "on"]))),
@@ -571,6 +595,12 @@ def explicit_k3_bodies(model: str = MODEL) -> list[FuzzRequest]:
             {**call, "function": {"name": "f", "arguments": _deep(20_000).text}}]}]},
         {**base, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": _deep(20_000)}}},
+        *({**base, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema}}} for schema in HOSTILE_SCHEMAS.values()),
+        *({**base, "tools": [_k3_tool(parameters=p, strict=True)], "tool_choice": "required"}
+          for p in _HOSTILE_OBJECTS),
+        {**base, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"enum": ["v" * 1000] * 10_000}}}},  # a 10 MB schema
         {**base, "tools": [_k3_tool()], "tool_choice": "required", "stream": True},
         {**base, "messages": [{"role": "user", "content": c} for c in XTML_FORGED]},
     ]
