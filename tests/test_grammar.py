@@ -84,7 +84,7 @@ def parse(tokenizer: Tokenizer, ids: list[int], thinking: bool = False) -> Any:
 
 # --- every grammar compiles ------------------------------------------------------------------
 
-RELAXED_WALLE = 5
+RELAXED_WALLE = 4
 WALLE = sorted((DATA / "kvv" / "walle_validator_cases" / "validator_cases").glob("*/valid.jsonl"))
 
 
@@ -104,11 +104,12 @@ def test_every_walle_schema_compiles_as_a_strict_tool(compiler: GrammarCompiler)
         spec = GrammarSpec("tool_call", "tool_choice", tools=(tool,), chat_format="k3",
                            thinking=True)
         compiler.prepare(spec)
-        relaxed += not compiler._compiles(spec, tool)
+        resolved = compiler._resolvable(spec)
+        relaxed += not compiler._compiles(resolved, resolved.tools[0])
     # The schemas llguidance cannot compile keep the call with free arguments (measured: three
-    # TestID cases whose `$ref`s go through a relative `$id`, TestAnyOf's "anyOf with refs"
-    # whose `$ref` is not a URI, TestRangeConstraints' minLength 10^12); the other 207 are
-    # enforced.
+    # TestID cases whose `$ref`s are absolute URIs of another document, TestRangeConstraints'
+    # minLength 10^12); the other 208 are enforced (TestAnyOf's `"$id": "anyOf with refs"`,
+    # no URI, is compiled without its `$id`: compiler.py).
     assert relaxed == RELAXED_WALLE
 
 

@@ -12,16 +12,18 @@ free arguments, and the compiler says which tools it relaxed.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import llguidance
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
-from serve_app.grammar.lark import lark_grammar
+from serve_app.grammar.lark import json_rule, lark_grammar
 from serve_app.grammar.spec import GrammarSpec, ToolSpec
 from serve_app.tokenizer import Tokenizer
 
@@ -141,17 +143,62 @@ class GrammarCompiler:
         return matcher.get_error() if matcher.is_error() else matcher
 
     def _compile(self, spec: GrammarSpec) -> LLMatcher:
+        spec = self._resolvable(spec)
         relaxed = frozenset(t.name for t in spec.tools if t.strict and not self._compiles(spec, t))
         built = self._build(lark_grammar(spec, relaxed))
         if isinstance(built, str):
             raise GrammarError(spec.param, f"cannot be compiled to a grammar: {_short(built)}")
         return built
 
+    def _resolvable(self, spec: GrammarSpec) -> GrammarSpec:
+        """`spec` with `$id`s dropped from each schema that compiles only without them. A
+        validator given the schema document alone resolves its `#/...` references in that
+        document; llguidance instead resolves them against an `$id` that is no URI ("anyOf
+        with refs") or is one it would have to fetch, and fails (5 of KVV's walle schemas)."""
+        def fixed(schema: Any) -> Any:
+            if not _has_id(schema) or self._json_compiles(schema):
+                return schema
+            plain = _without_ids(schema)
+            return plain if self._json_compiles(plain) else schema
+
+        if spec.kind == "json_schema" and spec.strict:
+            spec = replace(spec, schema=fixed(spec.schema))
+        tools = tuple(replace(t, parameters=fixed(t.parameters)) if t.strict else t
+                      for t in spec.tools)
+        return replace(spec, tools=tools) if tools != spec.tools else spec
+
+    def _json_compiles(self, schema: Any) -> bool:
+        return not isinstance(self._build(f"start: {json_rule(schema)}\n"), str)
+
     def _compiles(self, spec: GrammarSpec, tool: ToolSpec) -> bool:
         """Whether a strict tool's call grammar compiles on its own (the same rules the
         request's grammar uses for it)."""
         alone = replace(spec, tools=(tool,), optional_calls=False)
         return not isinstance(self._build(lark_grammar(alone)), str)
+
+
+def _has_id(schema: Any) -> bool:
+    return '"$id"' in json.dumps(schema)
+
+
+def _without_ids(schema: Any) -> Any:
+    """The schema with every `$id` keyword removed (property names are kept: only the
+    keyword inside a schema object goes)."""
+    if isinstance(schema, list):
+        return [_without_ids(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$id" and isinstance(value, str):
+            continue
+        # Under these keys the values are maps of names to schemas, not schemas themselves.
+        if key in ("properties", "$defs", "definitions", "patternProperties") \
+                and isinstance(value, dict):
+            out[key] = {k: _without_ids(v) for k, v in value.items()}
+        else:
+            out[key] = _without_ids(value)
+    return out
 
 
 def _short(error: str, limit: int = 300) -> str:
