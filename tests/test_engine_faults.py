@@ -604,3 +604,34 @@ async def test_the_watchdog_fails_a_stuck_step(
 def test_watchdog_s_must_be_positive(pair: tuple[Path, Path]) -> None:
     with pytest.raises(ValueError, match="watchdog_s=0"):
         ReferenceAsyncEngine(engine_from(pair, speculative=False), watchdog_s=0)
+
+
+async def test_a_grammar_that_does_not_compile_in_time_is_refused_naming_its_field(
+        pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        async_engine: Callable[..., ReferenceAsyncEngine]) -> None:
+    """The compile bound: a request whose grammar is still compiling when the bound passes is
+    refused with a ValueError naming its field (a 400), nothing of it queued, and the engine
+    serves the next request. (The compile is held on an event: a real one is bounded by
+    llguidance's limits, tests/test_grammar.py.)"""
+    import serve_app.engines.reference.async_engine as async_module
+    from serve_app.grammar.compiler import GrammarStats
+    from serve_app.grammar.spec import GrammarSpec
+
+    release = threading.Event()
+
+    class HeldCompiler:
+        stats = GrammarStats()
+
+        def prepare(self, spec: GrammarSpec) -> None:
+            release.wait(HANG_GUARD_S)
+
+    monkeypatch.setattr(async_module, "GRAMMAR_COMPILE_TIMEOUT_S", 0.2)
+    engine = async_engine(engine_from(pair))
+    engine.core.grammar = HeldCompiler()  # type: ignore[assignment]
+    spec = GrammarSpec("json_object", "response_format")
+    params = SamplingParams(temperature=0.0, max_tokens=4, grammar=spec)
+    with pytest.raises(ValueError, match=r"^response_format: the grammar did not compile"):
+        await asyncio.wait_for(collect(engine, "g", [1, 2], params), HANG_GUARD_S)
+    release.set()
+    assert "g" not in engine.core.sequences and len(engine.core.grammars) == 0
+    assert len(await asyncio.wait_for(collect(engine, "free", [1, 2]), HANG_GUARD_S)) == 12

@@ -7,7 +7,6 @@ constrained and free requests batch together without changing each other."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -128,17 +127,18 @@ def ten_megabytes() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", [*HOSTILE_SCHEMAS, "10 MB"])
-def test_hostile_schemas_compile_or_are_refused_within_two_seconds(
+def test_hostile_schemas_compile_or_are_refused_naming_the_field(
         compiler: GrammarCompiler, name: str) -> None:
+    """Each compiles (and its first mask is computed) or is a GrammarError naming the field,
+    inside llguidance's work limits (compiler.LIMITS; the wall time is bench/grammar.py's to
+    report, and the async engine's 2 s bound is tested in test_engine_faults.py)."""
     schema = ten_megabytes() if name == "10 MB" else HOSTILE_SCHEMAS[name]
     spec = GrammarSpec("json_schema", "response_format.json_schema.schema", schema=schema,
                        chat_format="k3")
-    start = time.perf_counter()
     try:
-        compiler.matcher(spec).compute_bitmask()
+        assert compiler.matcher(spec).compute_bitmask()
     except GrammarError as exc:
         assert exc.param == "response_format.json_schema.schema"
-    assert time.perf_counter() - start < 2.0
 
 
 # --- lossless under speculation --------------------------------------------------------------
