@@ -95,6 +95,12 @@ class GrammarStates:
                                   if state.matcher.is_error() else ""))
         return mask
 
+    def draft_mask(self, rid: Hashable) -> torch.Tensor | None:
+        """The current mask for drafting: None when it allows nothing (the draft then chooses
+        freely, and the verify step meets the fault for this request alone)."""
+        mask = self._current(self._states[rid])
+        return mask if bool(mask.any()) else None
+
     def advance(self, rid: Hashable, token: int) -> bool:
         """Consume one token tentatively (a draft, or a sampled token before commit): False,
         consuming nothing, when the current mask does not allow it."""
@@ -193,7 +199,7 @@ class DraftMasks:
             with contextlib.suppress(GrammarFault):
                 if position > 0:
                     self.states.advance(rid, int(previous[b]))
-                mask = self.states._current(self.states._states[rid])
-                if bool(mask.any()):
+                mask = self.states.draft_mask(rid)
+                if mask is not None:
                     allowed[b] = mask
         return allowed
