@@ -144,8 +144,14 @@ class GrammarCompiler:
 
     def _compile(self, spec: GrammarSpec) -> LLMatcher:
         spec = self._resolvable(spec)
-        relaxed = frozenset(t.name for t in spec.tools if t.strict and not self._compiles(spec, t))
-        built = self._build(lark_grammar(spec, relaxed))
+        built = self._build(lark_grammar(spec))
+        if isinstance(built, str) and spec.tools:
+            # Only a failed grammar is taken apart: a tool whose call does not compile alone
+            # (its rules are a part of the whole) keeps the call with free arguments.
+            relaxed = frozenset(t.name for t in spec.tools
+                                if t.strict and not self._compiles(spec, t))
+            if relaxed:
+                built = self._build(lark_grammar(spec, relaxed))
         if isinstance(built, str):
             raise GrammarError(spec.param, f"cannot be compiled to a grammar: {_short(built)}")
         return built
@@ -154,7 +160,7 @@ class GrammarCompiler:
         """`spec` with `$id`s dropped from each schema that compiles only without them. A
         validator given the schema document alone resolves its `#/...` references in that
         document; llguidance instead resolves them against an `$id` that is no URI ("anyOf
-        with refs") or is one it would have to fetch, and fails (5 of KVV's walle schemas)."""
+        with refs") or is one it would have to fetch, and fails (4 of KVV's walle schemas)."""
         def fixed(schema: Any) -> Any:
             if not _has_id(schema) or self._json_compiles(schema):
                 return schema
