@@ -31,6 +31,7 @@ from serve_app.models.checkpoint import (
     load_tensors,
     save_tensors,
 )
+from serve_app.models.draw import draw_rows
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.kv_cache import PagedKVCache
 from serve_app.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
@@ -311,6 +312,13 @@ class DSparkDraft(nn.Module):
         if generators is None or isinstance(generators, torch.Generator):
             generators = [generators] * b
         sampled_rows = sampled.nonzero().flatten().tolist()
+        # Index tensors made once per block, and no one-hot rows when every request samples:
+        # a sampled block then costs what a greedy one does, plus one softmax and one draw a
+        # position.
+        every_row = len(sampled_rows) == b
+        rows = torch.tensor(sampled_rows, dtype=torch.long, device=dev)
+        inv_temp = (1.0 / temp[rows])[:, None] if sampled_rows else None
+        row_generators = [generators[r] for r in sampled_rows]
         prev = anchors.to(dev).long()
         tokens, logits_out, probs_out, feats_out = [], [], [], []
         for k in range(gamma):
@@ -322,16 +330,19 @@ class DSparkDraft(nn.Module):
             allowed = masks(k, prev) if masks is not None else None
             if allowed is not None:
                 logits = logits.masked_fill(~allowed.to(dev), float("-inf"))
-            tok = logits.argmax(-1)
-            if sampled_rows:
-                # q is only needed when some request samples: greedy verification ignores it.
-                probs = F.one_hot(tok, logits.shape[-1]).float()
-                q = torch.softmax(logits[sampled] / temp[sampled, None], dim=-1)
-                tok = tok.clone()
-                for i, row in enumerate(sampled_rows):
-                    tok[row] = torch.multinomial(q[i], 1, generator=generators[row]).squeeze()
-                probs[sampled] = q
+            # q is only needed when some request samples: greedy verification ignores it.
+            if every_row:
+                probs = torch.softmax(logits * inv_temp, dim=-1)
+                tok = draw_rows(probs, row_generators)
                 probs_out.append(probs)
+            elif sampled_rows:
+                tok = logits.argmax(-1)
+                q = torch.softmax(logits.index_select(0, rows) * inv_temp, dim=-1)
+                probs = F.one_hot(tok, logits.shape[-1]).float().index_copy_(0, rows, q)
+                tok = tok.index_copy(0, rows, draw_rows(q, row_generators))
+                probs_out.append(probs)
+            else:
+                tok = logits.argmax(-1)
             tokens.append(tok)
             logits_out.append(logits)
             feats_out.append(feats)

@@ -10,7 +10,8 @@ SamplingParams.greedy's epsilon are greedy, logits are shifted to a zero maximum
 are scaled (so no temperature overflows them), and top-p always keeps the most likely token
 and compares its threshold in float64 (float32 turns top_p=1e-300 into 0, which dropped every
 token). Logits that are themselves NaN or inf are a model fault: `SamplingError`, raised before
-torch.multinomial (which on CUDA would be a device-side assert, fatal to every request).
+a token is drawn (models/draw.py; on CUDA a bad distribution could otherwise end in a
+device-side assert, fatal to every request).
 
 Constrained requests pass `allowed` masks (serve_app/grammar/matchers.py): the logits of tokens
 the grammar forbids become -inf before anything else, so p is the constrained distribution
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serve_app.engines.types import SamplingParams
+from serve_app.models.draw import draw
 
 __all__ = ["SamplingError", "SamplingParams", "Verdict", "constrain", "residual_distribution",
            "sample_token", "target_probs", "verify_drafts"]
@@ -107,7 +109,7 @@ def _top_p_by_buckets(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _check_distribution(probs: torch.Tensor) -> None:
-    # Only NaN/inf logits get here (see target_probs); name the fault before multinomial does.
+    # Only NaN/inf logits get here (see target_probs); name the fault before drawing.
     if not bool(torch.isfinite(probs).all()):
         raise SamplingError("the target logits are not finite")
 
@@ -127,7 +129,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
         return int(logits.argmax())
     probs = target_probs(logits, params)
     _check_distribution(probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(probs, generator)
 
 
 @dataclass
@@ -198,14 +200,14 @@ def verify_drafts(
         u = float(torch.rand((), generator=generator))
         if q_d > 0 and u * q_d < p_d:
             continue
-        correction = int(torch.multinomial(residual_rule(p[j], q_row), 1, generator=generator))
+        correction = draw(residual_rule(p[j], q_row), generator)
         return Verdict([int(t) for t in drafts[:j]] + [correction], j)
-    bonus = int(torch.multinomial(p[k], 1, generator=generator))
+    bonus = draw(p[k], generator)
     return Verdict([int(t) for t in drafts] + [bonus], k)
 
 
 def _reject(drafts: Sequence[int], j: int, p_j: torch.Tensor,
             generator: torch.Generator | None) -> Verdict:
     """Reject draft j without using its q: position j is drawn from the target's p."""
-    token = int(torch.multinomial(p_j, 1, generator=generator))
+    token = draw(p_j, generator)
     return Verdict([int(t) for t in drafts[:j]] + [token], j)
