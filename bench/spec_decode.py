@@ -4,6 +4,11 @@
     python bench/spec_decode.py --pair random        # random weights: overhead only
     python bench/spec_decode.py --temperatures 0 0.7 --repeats 3 --json out.json
 
+The embedded pair is measured greedy and at Kimi K3's own sampling parameters (`k3-thinking`:
+T 1.0, top_p 0.95, what a K3 request samples at by default; `k3-instant`: T 0.6, top_p 0.95),
+where acceptance is lowest; then at 1, 4 and 16 concurrent requests (`--concurrency`), all
+submitted at once, speculation on vs off, at the thinking parameters.
+
 Every held-out prompt (serve_app/assets/heldout_prompts.json: cut from corpus files the models
 never trained on) is decoded one request at a time (single-user latency, batch 1) for
 `--max-tokens` new tokens (EOS ignored, so both modes do the same work), target-only and with
@@ -62,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from serve_app.chat.parameters import K3_TEMPERATURE, K3_TOP_P  # noqa: E402
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, heldout_prompt_ids  # noqa: E402
 from serve_app.engines.reference.engine import EngineCore  # noqa: E402
 from serve_app.engines.reference.sampling import SamplingParams  # noqa: E402
@@ -124,6 +130,11 @@ def _forward_kind(rows: Any, rids: Any, capture: bool, verify: bool = False) -> 
     return "target_decode_forward" if max(len(r) for r in rows) == 1 else "prefill_forward"
 
 
+# Kimi K3's own sampling parameters (chat/parameters.py): (temperature, top_p).
+K3_SAMPLING = {"k3-thinking": (K3_TEMPERATURE[True], K3_TOP_P),
+               "k3-instant": (K3_TEMPERATURE[False], K3_TOP_P)}
+
+
 def make_engine(target: Path, draft: Path, speculative: bool, timer: CallTimer,
                 log: StepLog | None = None) -> EngineCore:
     engine = pair_engine(target, draft, speculative)
@@ -162,7 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens, "prompts": len(prompts), "repeats": args.repeats,
         "batch_size": 1, "results": [],
     }
-    for temperature in args.temperatures:
+    for setting in args.settings:
+        temperature, top_p = setting["temperature"], setting["top_p"]
         timers = {"target_only": CallTimer(), "speculative": CallTimer()}
         log = StepLog()
         engines = {"target_only": make_engine(target, draft, False, timers["target_only"]),
@@ -183,8 +195,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             hist: list[int] = []
             proposed = accepted = 0
             for r in range(args.repeats):
-                params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
-                                        ignore_eos=True, seed=1000 * i + r)
+                params = SamplingParams(temperature=temperature, top_p=top_p,
+                                        max_tokens=args.max_tokens, ignore_eos=True,
+                                        seed=1000 * i + r)
                 for mode in ("target_only", "speculative"):
                     t0 = time.perf_counter()
                     out = engines[mode].generate([prompt], params)[0]
@@ -215,15 +228,56 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "verify_ct": verify_ct, "spec_tokens": tokens_spec, "histogram": hist,
                 "proposed": proposed, "accepted": accepted,
             })
-        report["results"].append(summarize(temperature, per_prompt, timers, log))
+        report["results"].append({"sampling": setting["name"], "top_p": top_p,
+                                  **summarize(temperature, per_prompt, timers, log)})
         if args.show_text and temperature == 0:
             out = engines["target_only"].generate([prompts[0]], SamplingParams(
                 temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))[0]
             report["sample"] = {"prompt": tok.decode(prompts[0]),
                                 "completion": tok.decode(out.token_ids)}
+    if args.concurrency:
+        report["concurrency"] = run_concurrency(args, target, draft, prompts)
     if tmp is not None:
         tmp.cleanup()
     return report
+
+
+def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
+                    prompts: list[list[int]]) -> dict[str, Any]:
+    """Throughput with c requests decoding together (c = each of --concurrency), speculation
+    on vs off, at K3's thinking parameters: the held-out prompts cycled to c, all submitted at
+    once, `max_tokens` each; tokens/s = c * max_tokens / wall, the median of the repeats (modes
+    alternating)."""
+    temperature, top_p = K3_SAMPLING["k3-thinking"]
+    rows = []
+    for c in args.concurrency:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        kv = sum(len(p) + args.max_tokens + 16 for p in batch) + 256
+        engines = {m: pair_engine(target, draft, m == "speculative", kv_capacity_tokens=kv)
+                   for m in ("target_only", "speculative")}
+        for e in engines.values():  # warm-up
+            e.generate(batch[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        walls: dict[str, list[float]] = {m: [] for m in engines}
+        accept: list[float] = []
+        for r in range(args.repeats):
+            params = [SamplingParams(temperature=temperature, top_p=top_p,
+                                     max_tokens=args.max_tokens, ignore_eos=True,
+                                     seed=100_000 * r + i) for i in range(c)]
+            order = ("target_only", "speculative") if r % 2 == 0 else ("speculative",
+                                                                        "target_only")
+            for mode in order:
+                t0 = time.perf_counter()
+                outs = engines[mode].generate(batch, params)
+                walls[mode].append(time.perf_counter() - t0)
+                if mode == "speculative":
+                    accept += [o.spec["spec_accept_length"] for o in outs if o.spec]
+        tok_s = {m: c * args.max_tokens / statistics.median(w) for m, w in walls.items()}
+        rows.append({"concurrency": c, "target_only_tok_s": tok_s["target_only"],
+                     "speculative_tok_s": tok_s["speculative"],
+                     "speedup": tok_s["speculative"] / tok_s["target_only"],
+                     "spec_accept_length_macro": statistics.fmean(accept) if accept else None})
+    return {"sampling": "k3-thinking", "temperature": temperature, "top_p": top_p,
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
 
 
 def by_loop_class(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -313,19 +367,20 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['label']}")
     print(f"{report['prompts']} held-out prompts x {report['max_tokens']} new tokens, batch 1, "
           f"{report['repeats']} repeats, {report['threads']} threads")
-    head = (f"{'T':>4} {'target tok/s':>13} {'spec tok/s':>11} {'speedup':>8} "
+    head = (f"{'sampling':>12} {'T':>4} {'top_p':>5} {'target tok/s':>13} {'spec tok/s':>11} {'speedup':>8} "
             f"{'(aggr.)':>8} {'acc.len':>8} {'(tok-w)':>8} {'acc.rate':>9} {'lossless':>9}")
     print(head)
     print("-" * len(head))
     for r in report["results"]:
         lossless = {True: "yes", False: "NO", None: "n/a"}[r["lossless_identical"]]
-        print(f"{r['temperature']:>4} {r['target_only_tok_s']['median']:>13.1f} "
+        print(f"{r['sampling']:>12} {r['temperature']:>4} {r['top_p']:>5} "
+              f"{r['target_only_tok_s']['median']:>13.1f} "
               f"{r['speculative_tok_s']['median']:>11.1f} {r['speedup']['median']:>7.2f}x "
               f"{r['speedup']['aggregate']:>7.2f}x {r['spec_accept_length']['macro']:>8.2f} "
               f"{r['spec_accept_length']['token_weighted']:>8.2f} "
               f"{r['spec_accept_rate']:>9.3f} {lossless:>9}")
     for r in report["results"]:
-        print(f"T={r['temperature']}: spec_correct_drafts_histogram "
+        print(f"{r['sampling']}: spec_correct_drafts_histogram "
               f"{r['spec_correct_drafts_histogram']}")
         loops = r["by_loop_class"]
         parts = []
@@ -349,6 +404,18 @@ def print_table(report: dict[str, Any]) -> None:
                   f"commit {b['bound_verify_draft_commit']:.2f}x; measured "
                   f"{r['speedup']['aggregate']:.2f}x aggregate = "
                   f"{100 * r['speedup_over_bound']:.0f}% of the first")
+    conc = report.get("concurrency")
+    if conc:
+        print(f"\nconcurrent requests at K3's thinking parameters (T {conc['temperature']}, "
+              f"top_p {conc['top_p']}), {conc['max_tokens']} tokens each, median of "
+              f"{conc['repeats']}:")
+        print(f"{'requests':>9} {'target tok/s':>13} {'spec tok/s':>11} {'speedup':>8} "
+              f"{'acc.len':>8}")
+        for row in conc["rows"]:
+            acc = row["spec_accept_length_macro"]
+            print(f"{row['concurrency']:>9} {row['target_only_tok_s']:>13.1f} "
+                  f"{row['speculative_tok_s']:>11.1f} {row['speedup']:>7.2f}x "
+                  f"{acc if acc is None else round(acc, 2):>8}")
 
 
 # --- --pair random-k3: the hybrid target, KDA rollback by scratch vs replay -------------------
@@ -810,6 +877,12 @@ def main(argv: list[str] | None = None) -> int:
                         default="embedded")
     parser.add_argument("--temperatures", type=float, nargs="+", default=None,
                         help="default 0 0.7 (random-k3: 0, the oracle drafts are greedy)")
+    parser.add_argument("--k3-sampling", nargs="*", choices=sorted(K3_SAMPLING), default=None,
+                        help="K3's own sampling parameters beside --temperatures (default for "
+                             "the embedded pair: both)")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=None,
+                        help="also measure c requests decoding together, spec on vs off, at "
+                             "K3's thinking parameters (default for the embedded pair: 1 4 16)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (random-k3: 5)")
     parser.add_argument("--completion-prompts", type=int, default=None,
@@ -836,7 +909,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats is None:
         args.repeats = 5 if args.pair == "random-k3" else 3
     if args.temperatures is None:
-        args.temperatures = [0.0] if args.pair == "random-k3" else [0.0, 0.7]
+        args.temperatures = [0.0]
+    if args.k3_sampling is None:
+        args.k3_sampling = [] if args.pair == "random-k3" else sorted(K3_SAMPLING)
+    if args.concurrency is None:
+        args.concurrency = [1, 4, 16] if args.pair == "embedded" else []
+    args.settings = [{"name": "greedy" if t == 0 else f"T={t}", "temperature": t, "top_p": 1.0}
+                     for t in args.temperatures]
+    args.settings += [{"name": n, "temperature": K3_SAMPLING[n][0], "top_p": K3_SAMPLING[n][1]}
+                      for n in args.k3_sampling]
     if args.pair != "random-k3" and args.proposer not in (None, "dspark"):
         parser.error("--proposer oracle-partial is for --pair random-k3")
     if args.pair == "random-k3":
