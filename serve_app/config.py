@@ -313,6 +313,12 @@ class SpeculationConfig(BaseModel):
                               "default: the draft's block_size")
     confidence_threshold: float = Field(default=0.0, ge=0.0, lt=1.0, description=(
         "verify drafts while their cumulative acceptance estimate stays >= this; 0 = all"))
+    max_batch_size: int | None = Field(default=None, ge=1, description=(
+        "speculate only while a decode step has at most this many requests; a larger step "
+        "proposes no drafts (a plain target decode; the draft's context still follows, so "
+        "speculation resumes when the batch shrinks), because there verifying drafts costs "
+        "more than they save. None: always. Measure the crossover with bench/spec_decode.py "
+        "--concurrency"))
     kda_rollback: Literal["scratch", "replay"] = Field(default="scratch", description=(
         "how a hybrid (KDA) target keeps the state of the last accepted draft: 'scratch' keeps "
         "the state after every verified position and copies the accepted one back (SGLang's "

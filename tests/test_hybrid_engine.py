@@ -97,6 +97,41 @@ def test_dspark_greedy_is_lossless_on_the_hybrid(pair: tuple[Path, Path],
     assert engine.stats()["spec_verify_ct"] > 0
 
 
+def test_a_batch_above_the_speculation_limit_decodes_plainly_and_stays_exact(
+        pair: tuple[Path, Path],
+        reference_outputs: tuple[list[list[int]], list[list[int]]]) -> None:
+    """speculation.max_batch_size 2: while more than 2 requests decode, a step proposes nothing
+    and decodes plainly, capturing the taps the draft's context needs; when the batch shrinks,
+    speculation resumes from a complete context. Outputs equal target-only's."""
+    prompts, expected = reference_outputs
+    engine = engine_from(pair, engine=CHUNKED, max_batch_size=2)
+    runner, proposer = engine.runner, engine.runner.proposer
+    assert proposer is not None
+    proposed: list[int] = []
+    decoded: list[int] = []
+    propose, decode = runner.propose, engine._decode
+
+    def counting_propose(seqs, masks=None):  # type: ignore[no-untyped-def]
+        proposed.append(len(seqs))
+        return propose(seqs, masks)
+
+    def checking_decode(seqs):  # type: ignore[no-untyped-def]
+        decoded.append(len(seqs))
+        ok = decode(seqs)
+        # The draft's context holds every committed token but the anchor (its taps come
+        # with the next forward), after plain steps and speculative ones alike.
+        for seq in ok:
+            assert proposer.cache.length(seq.request_id) == seq.num_cached
+        return ok
+
+    runner.propose = counting_propose  # type: ignore[method-assign]
+    engine._decode = checking_decode  # type: ignore[method-assign]
+    assert run_staggered(engine, prompts) == expected
+    assert max(proposed) <= 2 < max(decoded)  # both kinds of step ran
+    stats = engine.stats()
+    assert stats["spec_verify_ct"] > len(proposed)  # plain steps count as target steps
+
+
 @pytest.mark.parametrize("rollback", ROLLBACKS)
 @pytest.mark.parametrize("gamma", [1, 3, 7])
 @pytest.mark.parametrize("mode", ["oracle", "partial"])

@@ -119,6 +119,7 @@ class EngineCore:
                     "(the draft's block_size)"
                 )
         self.confidence_threshold = spec.confidence_threshold
+        self.speculation_max_batch = spec.max_batch_size
         self.scheduler = Scheduler(
             runner.allocator.capacity_tokens, max_batch_size, prefill_chunk_tokens,
             headroom_tokens=self.gamma + 1, page_size=runner.allocator.page_size,
@@ -318,9 +319,13 @@ class EngineCore:
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         start_ns = time.time_ns()
-        if not self.speculative:
+        # A step too large to speculate profitably (speculation.max_batch_size) decodes plainly;
+        # with a draft, it still captures the taps its context needs.
+        plain = self.speculative and (self.speculation_max_batch is not None
+                                      and len(seqs) > self.speculation_max_batch)
+        if not self.speculative or plain:
             rids = [s.request_id for s in seqs]
-            logits = self.runner.forward([[s.anchor] for s in seqs], rids, capture=False)
+            logits = self.runner.forward([[s.anchor] for s in seqs], rids, capture=plain)
             end_ns = time.time_ns()
             for seq in seqs:
                 seq.num_cached += 1
@@ -337,7 +342,9 @@ class EngineCore:
                 except Exception as exc:
                     self._isolate(seq, stage, exc)
                     continue
-                self._notify("on_decode_step", seq, 0, 0, len(kept), start_ns, end_ns, False)
+                if plain:
+                    seq.stats.record(0, 0)  # a target step that accepted no drafts
+                self._notify("on_decode_step", seq, 0, 0, len(kept), start_ns, end_ns, plain)
                 ok.append(seq)
             return ok
 
