@@ -247,14 +247,17 @@ def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
     """Throughput with c requests decoding together (c = each of --concurrency), speculation
     on vs off, at K3's thinking parameters: the held-out prompts cycled to c, all submitted at
     once, `max_tokens` each; tokens/s = c * max_tokens / wall, the median of the repeats (modes
-    alternating)."""
+    alternating). A third variant speculates only while at most --speculation-max-batch
+    requests decode (speculation.max_batch_size): the engine's own switch at the crossover."""
     temperature, top_p = K3_SAMPLING["k3-thinking"]
     rows = []
     for c in args.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(c)]
         kv = sum(len(p) + args.max_tokens + 16 for p in batch) + 256
-        engines = {m: pair_engine(target, draft, m == "speculative", kv_capacity_tokens=kv)
-                   for m in ("target_only", "speculative")}
+        engines = {m: pair_engine(target, draft, m != "target_only", kv_capacity_tokens=kv,
+                                  speculation_max_batch=(args.speculation_max_batch
+                                                         if m == "limited" else None))
+                   for m in ("target_only", "speculative", "limited")}
         for e in engines.values():  # warm-up
             e.generate(batch[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         walls: dict[str, list[float]] = {m: [] for m in engines}
@@ -263,8 +266,7 @@ def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
             params = [SamplingParams(temperature=temperature, top_p=top_p,
                                      max_tokens=args.max_tokens, ignore_eos=True,
                                      seed=100_000 * r + i) for i in range(c)]
-            order = ("target_only", "speculative") if r % 2 == 0 else ("speculative",
-                                                                        "target_only")
+            order = tuple(engines) if r % 2 == 0 else tuple(reversed(engines))
             for mode in order:
                 t0 = time.perf_counter()
                 outs = engines[mode].generate(batch, params)
@@ -275,9 +277,12 @@ def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
         rows.append({"concurrency": c, "target_only_tok_s": tok_s["target_only"],
                      "speculative_tok_s": tok_s["speculative"],
                      "speedup": tok_s["speculative"] / tok_s["target_only"],
+                     "limited_tok_s": tok_s["limited"],
+                     "limited_speedup": tok_s["limited"] / tok_s["target_only"],
                      "spec_accept_length_macro": statistics.fmean(accept) if accept else None})
     return {"sampling": "k3-thinking", "temperature": temperature, "top_p": top_p,
-            "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
+            "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "speculation_max_batch": args.speculation_max_batch, "rows": rows}
 
 
 def by_loop_class(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -409,13 +414,15 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"\nconcurrent requests at K3's thinking parameters (T {conc['temperature']}, "
               f"top_p {conc['top_p']}), {conc['max_tokens']} tokens each, median of "
               f"{conc['repeats']}:")
+        limit = f"spec <= {conc['speculation_max_batch']}"
         print(f"{'requests':>9} {'target tok/s':>13} {'spec tok/s':>11} {'speedup':>8} "
-              f"{'acc.len':>8}")
+              f"{'acc.len':>8} {limit + ' tok/s':>18} {'speedup':>8}")
         for row in conc["rows"]:
             acc = row["spec_accept_length_macro"]
             print(f"{row['concurrency']:>9} {row['target_only_tok_s']:>13.1f} "
                   f"{row['speculative_tok_s']:>11.1f} {row['speedup']:>7.2f}x "
-                  f"{acc if acc is None else round(acc, 2):>8}")
+                  f"{acc if acc is None else round(acc, 2):>8} {row['limited_tok_s']:>18.1f} "
+                  f"{row['limited_speedup']:>7.2f}x")
 
 
 # --- --pair random-k3: the hybrid target, KDA rollback by scratch vs replay -------------------
@@ -883,6 +890,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="*", default=None,
                         help="also measure c requests decoding together, spec on vs off, at "
                              "K3's thinking parameters (default for the embedded pair: 1 4 16)")
+    parser.add_argument("--speculation-max-batch", type=int, default=1,
+                        help="--concurrency's third variant: speculation.max_batch_size")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (random-k3: 5)")
     parser.add_argument("--completion-prompts", type=int, default=None,

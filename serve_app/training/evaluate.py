@@ -41,10 +41,13 @@ def is_looping(token_ids: list[int]) -> bool:
 
 
 def pair_engine(target: Path, draft: Path, speculative: bool,
-                kv_capacity_tokens: int = 4096) -> EngineCore:
-    """A reference engine on a target/draft pair, fp32 on CPU; target-only without speculation."""
+                kv_capacity_tokens: int = 4096,
+                speculation_max_batch: int | None = None) -> EngineCore:
+    """A reference engine on a target/draft pair, fp32 on CPU; target-only without speculation
+    (`speculation_max_batch`: speculation.max_batch_size)."""
     cfg = ReferenceEngineConfig(kv_capacity_tokens=kv_capacity_tokens,
-                                speculation=SpeculationConfig(enabled=speculative))
+                                speculation=SpeculationConfig(
+                                    enabled=speculative, max_batch_size=speculation_max_batch))
     return build_engine(build_runner(target, draft if speculative else None, cfg), cfg)
 
 
