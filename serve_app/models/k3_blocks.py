@@ -242,9 +242,9 @@ class LatentMoE(nn.Module):
             return None
         key = tuple((p.data_ptr(), p._version) for p in weights)  # type: ignore[union-attr]
         if self._stacked is None or self._stacked[0] != key:
-            experts = [self.experts[str(e)] for e in self.expert_range]
-            w13 = torch.cat([w for ex in experts for w in (ex.w1.weight, ex.w3.weight)])
-            w2 = torch.cat([ex.w2.weight.t() for ex in experts])
+            # From the same list the key was made of: (w1, w3, w2) per expert, in expert order.
+            w13 = torch.cat([w for i in range(0, len(weights), 3) for w in weights[i:i + 2]])
+            w2 = torch.cat([w.t() for w in weights[2::3]])  # type: ignore[union-attr]
             self._stacked = (key, w13.detach().contiguous(), w2.detach().contiguous())
         return self._stacked[1], self._stacked[2]
 
