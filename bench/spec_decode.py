@@ -883,7 +883,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair", choices=["embedded", "random", "random-k3"],
                         default="embedded")
     parser.add_argument("--temperatures", type=float, nargs="+", default=None,
-                        help="default 0 0.7 (random-k3: 0, the oracle drafts are greedy)")
+                        help="default 0, beside --k3-sampling (random-k3: 0, the oracle drafts "
+                             "are greedy)")
     parser.add_argument("--k3-sampling", nargs="*", choices=sorted(K3_SAMPLING), default=None,
                         help="K3's own sampling parameters beside --temperatures (default for "
                              "the embedded pair: both)")
