@@ -87,6 +87,8 @@ class RequestOutput:
     # alone; a short message that is safe to show to the client (the traceback is logged).
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's usage field)
+    # A hand-off request's prefill is done: it waits for the engine's `export` (no tokens here).
+    prefilled: bool = False
 
 
 @dataclass(frozen=True)

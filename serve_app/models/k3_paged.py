@@ -207,6 +207,46 @@ class HybridCache:
         assert self.snapshots is not None
         self.snapshots.give_back(key)
 
+    def export(self, rid: Hashable) -> dict[str, torch.Tensor]:
+        """A copy of everything this rank holds of `rid` outside a verify window: its MLA
+        latents [mla_layers, length, dim] and every KDA layer's conv window and recurrent
+        state (`kda.{layer}.conv` [K−1, 3P/t], `kda.{layer}.ssm` [h/t, D, D]). With the tokens,
+        it is the whole request: `adopt` on another cache continues it exactly."""
+        if rid in self.window_rows:
+            raise ValueError(f"request {rid!r} is inside an uncommitted verify window")
+        out = {"latent": self.latent.export(rid)["latent"]}
+        slot = self.states.slot(rid)
+        for layer, state in self.states.layers.items():
+            out[f"kda.{layer}.conv"] = state.conv[slot].clone()
+            out[f"kda.{layer}.ssm"] = state.ssm[slot].clone()
+        return out
+
+    def adopt(self, rid: Hashable, entries: dict[str, torch.Tensor]) -> None:
+        """A request arriving with another cache's `export` of it (the same layout: this
+        rank's heads). All or nothing."""
+        layers = self.states.layers
+        expected = {"latent"} | {f"kda.{i}.{p}" for i in layers for p in ("conv", "ssm")}
+        if set(entries) != expected:
+            raise ValueError(f"hand-over entries {sorted(set(entries) ^ expected)} do not match "
+                             "this model's layers")
+        for layer, state in layers.items():
+            for part, buf in (("conv", state.conv), ("ssm", state.ssm)):
+                got = entries[f"kda.{layer}.{part}"]
+                if got.shape != buf.shape[1:]:
+                    raise ValueError(f"KDA layer {layer} {part} state of shape "
+                                     f"{tuple(got.shape)} does not fit this rank's "
+                                     f"{tuple(buf.shape[1:])} (a different tensor-parallel "
+                                     "split?)")
+        slot = self.states.take(rid)
+        try:
+            self.latent.adopt(rid, {"latent": entries["latent"]})
+        except BaseException:
+            self.states.give_back(rid)
+            raise
+        for layer, state in layers.items():
+            state.conv[slot] = entries[f"kda.{layer}.conv"].to(state.conv.dtype)
+            state.ssm[slot] = entries[f"kda.{layer}.ssm"].to(state.ssm.dtype)
+
     def free(self, rid: Hashable) -> None:
         self.window_rows.pop(rid, None)
         self.latent.free(rid)

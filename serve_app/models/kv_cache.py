@@ -216,6 +216,33 @@ class PagedKVCache:
         for rid, length in zip(rids, lengths, strict=True):
             self.truncate(rid, length)
 
+    def export(self, rid: Hashable) -> dict[str, torch.Tensor]:
+        """A copy of `rid`'s cached entries, per buffer [num_layers, length, *entry_shape]: what
+        another cache of the same layout needs to continue it (`adopt`)."""
+        slots = self.allocator.slots(rid, 0, self._lengths[rid]).to(self.device)
+        return {name: buf[:, slots].clone() for name, buf in self.buffers.items()}
+
+    def adopt(self, rid: Hashable, entries: Mapping[str, torch.Tensor]) -> None:
+        """A request arriving with its entries (another cache's `export`), as if its tokens had
+        been appended here. All or nothing: on KVCapacityError the request is not added."""
+        if set(entries) != set(self.buffers):
+            raise ValueError(f"entries {sorted(entries)} do not match this cache's buffers "
+                             f"{sorted(self.buffers)}")
+        length = next(iter(entries.values())).shape[1]
+        for name, buf in self.buffers.items():
+            if entries[name].shape != (buf.shape[0], length, *buf.shape[2:]):
+                raise ValueError(f"{name} entries of shape {tuple(entries[name].shape)} do not "
+                                 f"fit this cache's {tuple(buf.shape[:1] + buf.shape[2:])} "
+                                 f"layout")
+        self.add(rid)
+        try:
+            slots = self.reserve_append([rid], [length])
+        except BaseException:
+            self.free(rid)
+            raise
+        for name, buf in self.buffers.items():
+            buf[:, slots] = entries[name].to(device=buf.device, dtype=buf.dtype)
+
     def reserve_append(self, rids: Sequence[Hashable], counts: Sequence[int]) -> torch.Tensor:
         """Reserve room for `counts[i]` new entries after each request's cached tokens; returns
         their flat slots (concatenated in request order) and advances the lengths. All or

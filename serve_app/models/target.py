@@ -111,6 +111,14 @@ class TargetCache(WindowedState, Protocol):
 
     def __contains__(self, rid: Hashable) -> bool: ...
 
+    def export(self, rid: Hashable) -> dict[str, torch.Tensor]:
+        """A copy of everything this rank holds of `rid` (committed, outside a verify window),
+        as named tensors: with the request's tokens, what another cache of the same layout
+        needs to continue it exactly (`adopt`; prefill/decode disaggregation)."""
+
+    def adopt(self, rid: Hashable, entries: dict[str, torch.Tensor]) -> None:
+        """A request arriving with another cache's `export` of it; all or nothing."""
+
 
 @runtime_checkable
 class Target(Protocol):

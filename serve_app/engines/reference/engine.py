@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from serve_app.config import SpeculationConfig
+from serve_app.engines.reference.handoff import RequestHandoff
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.sampling import (
     ResidualRule,
@@ -138,11 +139,14 @@ class EngineCore:
     # --- requests -----------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        hand_off: bool = False,
     ) -> str:
         """Queue a request; raises ValueError (naming the field) / KVCapacityError (nothing
         queued) if it can never be served. Everything that can be checked here is, so that a
-        bad request is refused rather than failing inside a step."""
+        bad request is refused rather than failing inside a step. `hand_off`: prefill it and
+        sample its first token only; a step output with `prefilled` set then says it waits
+        for `export` to a decode engine (a request that ends on its first token just ends)."""
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.sequences:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -153,7 +157,8 @@ class EngineCore:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the model's context length {self.max_model_len}"
             )
-        seq = Sequence(rid, list(prompt_ids), params, self.eos_token_ids, self.detokenize)
+        seq = Sequence(rid, list(prompt_ids), params, self.eos_token_ids, self.detokenize,
+                       hand_off=hand_off)
         matcher = None
         if params.grammar is not None:
             if self.grammar is None:
@@ -198,6 +203,64 @@ class EngineCore:
         self._notify("on_finished", seq, time.time_ns())
         return True
 
+    def export(self, request_id: str) -> RequestHandoff:
+        """A prefilled hand-off request (`add_request(hand_off=True)`, after its `prefilled`
+        output) leaves this engine as a RequestHandoff; its prompt stays in the prefix cache
+        if there is one."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.status is not Status.PREFILLED:
+            raise ValueError(f"request {request_id!r} is not a prefilled hand-off request")
+        handoff = RequestHandoff(
+            request_id, list(seq.prompt_ids), list(seq.output_ids), seq.params, seq.num_cached,
+            seq.cached_tokens, seq.generator.get_state(), self.runner.export(request_id))
+        self.sequences.pop(request_id)
+        self.scheduler.remove(seq)
+        prefix = self.runner.prefix
+        donate = prefix.finish_point(seq.num_cached) if prefix is not None else 0
+        self._free(request_id, seq.all_ids[:donate])
+        seq.status = Status.FINISHED
+        seq.finish_reason = "handoff"
+        self._notify("on_finished", seq, time.time_ns())
+        return handoff
+
+    def adopt(self, handoff: RequestHandoff, request_id: str | None = None) -> str:
+        """A request another engine prefilled (`export`) joins this one's running batch and
+        decodes exactly as if it had been prefilled here; its first output carries the tokens
+        sampled on the prefill side. Raises ValueError / KVCapacityError (nothing changed)
+        when it cannot: the sender still holds nothing, so the caller retries elsewhere."""
+        rid = request_id or handoff.request_id
+        if rid in self.sequences:
+            raise ValueError(f"request id {rid!r} is already in use")
+        params = handoff.params
+        self._validate(handoff.prompt_ids, params)
+        if not handoff.output_ids or handoff.num_cached != len(handoff.prompt_ids):
+            raise ValueError("a hand-over carries a prefilled prompt and its first token")
+        seq = Sequence(rid, list(handoff.prompt_ids), params, self.eos_token_ids,
+                       self.detokenize)
+        seq.output_ids = list(handoff.output_ids)
+        seq.num_cached = handoff.num_cached
+        seq.cached_tokens = handoff.cached_tokens
+        seq.generator.set_state(handoff.generator_state)
+        matcher = None
+        if params.grammar is not None:
+            if self.grammar is None:
+                raise ValueError(f"{params.grammar.param}: this engine cannot constrain its "
+                                 "output (it was built without a tokenizer)")
+            matcher = self.grammar.matcher(params.grammar)
+        self.scheduler.adopt(seq)
+        try:
+            self.runner.adopt(rid, handoff.num_cached, handoff.shares)
+        except BaseException:
+            self.scheduler.remove(seq)
+            raise
+        if matcher is not None:
+            # The matcher of a fresh request, walked over what the prefill side sampled.
+            self.grammars.add(rid, matcher, len(seq.prompt_ids))
+            self.grammars.consume(rid, seq.output_ids)
+        self.sequences[rid] = seq
+        self._notify("on_admitted", seq, time.time_ns())
+        return rid
+
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -220,6 +283,12 @@ class EngineCore:
             touched += self._decode(plan.decode)
         outputs = []
         for seq in touched:
+            if seq.status is Status.PREFILLED:
+                # Nothing streams from here: the decode engine reports the first token.
+                outputs.append(RequestOutput(
+                    seq.request_id, [], "", False, None, len(seq.prompt_ids), 0,
+                    cached_tokens=seq.cached_tokens, prefilled=True))
+                continue
             try:
                 text = seq.text_delta()
             except Exception as exc:
@@ -311,6 +380,8 @@ class EngineCore:
                     seq.status = Status.DECODING
                     stage = "checking stop conditions"
                     seq.append([first])
+                    if seq.hand_off and not seq.finished:
+                        seq.status = Status.PREFILLED
                 except Exception as exc:
                     self._isolate(seq, stage, exc)
                     continue

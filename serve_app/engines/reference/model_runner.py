@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from serve_app.config import PrefixCacheConfig
+from serve_app.engines.reference.handoff import RankShare
 from serve_app.engines.reference.prefix_cache import PrefixCache
 from serve_app.engines.reference.proposer import Proposer
 from serve_app.models.dspark import DraftMask
@@ -121,6 +122,57 @@ class ModelRunner:
         for state in self.windowed:
             state.free(rid)
         self.allocator.free(rid)
+
+    def export(self, rid: Hashable) -> list[RankShare]:
+        """Every rank's copy of what its caches hold of `rid` (committed, outside a verify
+        window), in rank order: the target's and the draft's (handoff.py)."""
+        self._broadcast("export", rid)
+        shares = self._export(rid)
+        assert shares is not None
+        return shares
+
+    def _export(self, rid: Hashable) -> list[RankShare] | None:
+        share: RankShare = {"target": self.cache.export(rid)}
+        if self.proposer is not None:
+            share["draft"] = self.proposer.export(rid)
+        if self.tp_size == 1:
+            return [share]
+        gathered: list[Any] | None = [None] * self.tp_size if self.tp_rank == 0 else None
+        dist.gather_object(share, gathered, dst=self._leader, group=self.group)
+        return gathered
+
+    def adopt(self, rid: Hashable, length: int, shares: Sequence[RankShare]) -> None:
+        """`rid` arrives with `length` tokens in its caches, each rank taking its share of
+        another engine's `export` (the same tensor-parallel layout). All or nothing."""
+        if len(shares) != self.tp_size:
+            raise ValueError(f"the hand-over has {len(shares)} rank shares; this engine runs "
+                             f"tensor parallel {self.tp_size}")
+        if any(("draft" in share) != (self.proposer is not None) for share in shares):
+            raise ValueError("the hand-over and this engine disagree on having a draft")
+        self._broadcast("adopt", rid, length, list(shares))
+        self._adopt(rid, length, shares)
+
+    def _adopt(self, rid: Hashable, length: int, shares: Sequence[RankShare]) -> None:
+        share = shares[self.tp_rank]
+        self.allocator.add(rid)
+        adopted: list[Any] = []
+        try:
+            # The pages first (target and draft share them; pages only the prefix tree holds
+            # make room, as for a forward), then each cache's entries.
+            if self.prefix is not None:
+                short = self.allocator.shortfall({rid: length})
+                if short:
+                    self.prefix.evict(short)
+            self.allocator.reserve(rid, length)
+            self.cache.adopt(rid, share["target"])
+            adopted.append(self.cache)
+            if self.proposer is not None:
+                self.proposer.adopt(rid, share["draft"])
+        except BaseException:
+            for state in adopted:
+                state.free(rid)
+            self.allocator.free(rid)
+            raise
 
     def forward(
         self, rows: Sequence[Sequence[int]], rids: Sequence[Hashable], capture: bool,

@@ -41,6 +41,12 @@ class Proposer(Protocol):
 
     def follow_propose(self, rids: Seq[Hashable], anchors: torch.Tensor) -> None: ...
 
+    def export(self, rid: Hashable) -> dict[str, torch.Tensor]:
+        """A copy of what this proposer holds of `rid` (a hand-over to another engine)."""
+
+    def adopt(self, rid: Hashable, entries: dict[str, torch.Tensor]) -> None:
+        """`rid` arriving with another proposer's `export` of it (its pages are reserved)."""
+
 
 class DSparkProposer:
     """The DSpark draft on the same ranks as the target, sharing its embedding and lm_head and
@@ -68,6 +74,13 @@ class DSparkProposer:
     def free(self, rid: Hashable) -> None:
         if rid in self.cache:
             self.cache.free(rid)
+
+    def export(self, rid: Hashable) -> dict[str, torch.Tensor]:
+        # The context rows (k/v of every draft layer) of the committed tokens.
+        return self.cache.export(rid)
+
+    def adopt(self, rid: Hashable, entries: dict[str, torch.Tensor]) -> None:
+        self.cache.adopt(rid, entries)
 
     def append(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
         rows = [t for t in taps if t is not None]

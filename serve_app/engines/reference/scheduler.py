@@ -112,6 +112,23 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
+    def adopt(self, seq: Sequence) -> None:
+        """A request prefilled elsewhere joins the running batch as decoding, if its worst
+        case fits now (a hand-over is never queued: the sender keeps it until a decode engine
+        has room). Raises KVCapacityError when it does not."""
+        self.check_fits(seq)
+        need = self.worst_case_tokens(seq)
+        pinned = self.prefix.pinned_tokens if self.prefix is not None else 0
+        if len(self.running) >= self.slots_total:
+            raise KVCapacityError(f"all {self.slots_total} request slots are in use")
+        if self.reserved_tokens + need + pinned > self.capacity_tokens:
+            raise KVCapacityError(
+                f"request {seq.request_id} needs {need} KV tokens; "
+                f"{self.capacity_tokens - self.reserved_tokens - pinned} are not promised")
+        self._reserved[seq.request_id] = need
+        seq.status = Status.DECODING
+        self.running.append(seq)
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         plan.decode = [s for s in self.running if s.status is Status.DECODING]

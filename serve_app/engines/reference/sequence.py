@@ -18,6 +18,9 @@ class Status(enum.Enum):
     WAITING = "waiting"  # queued, no KV reserved yet
     PREFILLING = "prefilling"  # KV reserved, prompt partly in the cache
     DECODING = "decoding"
+    # Prefilled with its first token sampled, held for `EngineCore.export` to a decode engine
+    # (a hand-off request: prefill/decode disaggregation); it decodes nothing here.
+    PREFILLED = "prefilled"
     FINISHED = "finished"
 
 
@@ -38,6 +41,7 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     text: str = ""
     reported_tokens: int = 0  # output tokens already handed out in step outputs
+    hand_off: bool = False  # stop after prefill, to be exported to a decode engine
     _streamed_text: int = 0
     generator: torch.Generator = field(init=False)
 

@@ -1,0 +1,161 @@
+"""Prefill/decode disaggregation in the reference engine: a request prefilled on one engine,
+exported (`EngineCore.export`: its tokens, sampler state and cache shares) and adopted by
+another (`EngineCore.adopt`) decodes exactly as the aggregated engine does — the same tokens,
+greedy and seeded sampling, with speculation on and both KDA rollback strategies, and the same
+speculative statistics (the draft's context moved too) — and both sides end holding nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from spec_helpers import engine_from
+from tiny_models import tiny_k3_config, write_random_k3_pair
+
+from serve_app.embedded import DRAFT, TARGET, TOKENIZER, heldout_prompt_ids
+from serve_app.engines.reference.engine import EngineCore
+from serve_app.engines.reference.sampling import SamplingParams
+from serve_app.models.kv_capacity import KVCapacityError
+from serve_app.tokenizer import load_tokenizer
+
+VOCAB = 256
+ROLLBACKS = ["scratch", "replay"]
+# Prefill in chunks that cross KDA's 16-token chunks, so the state handed over was carried
+# across both kinds of boundary.
+CHUNKED = {"prefill_chunk_tokens": 40, "max_prefill_tokens_per_request": 40}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=11)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_random_k3_pair(tmp_path_factory.mktemp("handoff"), tiny_k3_config(VOCAB))
+
+
+def prompts() -> list[list[int]]:
+    import random
+
+    rng = random.Random(3)
+    return [[rng.randrange(VOCAB - 3) for _ in range(n)] for n in (9, 70, 131)]
+
+
+def finish(engine: EngineCore, rids: list[str]) -> dict[str, Any]:
+    """Step until every request in `rids` ends: its tokens and its final output."""
+    tokens: dict[str, list[int]] = {r: [] for r in rids}
+    final: dict[str, Any] = {}
+    while len(final) < len(rids):
+        for out in engine.step():
+            if out.request_id in tokens:
+                tokens[out.request_id] += out.token_ids
+                if out.finished:
+                    final[out.request_id] = out
+    return {r: (tokens[r], final[r]) for r in rids}
+
+
+def prefill(engine: EngineCore, prompt: list[int], params: SamplingParams) -> str:
+    rid = engine.add_request(prompt, params, hand_off=True)
+    while True:
+        outs = [o for o in engine.step() if o.request_id == rid]
+        assert all(not o.token_ids for o in outs)  # nothing streams from the prefill side
+        if any(o.prefilled for o in outs):
+            return rid
+
+
+def disaggregated(p: EngineCore, d: EngineCore, prompt: list[int], params: SamplingParams
+                  ) -> tuple[list[int], Any]:
+    handoff = p.export(prefill(p, prompt, params))
+    assert handoff.nbytes > 0
+    rid = d.adopt(handoff)
+    return finish(d, [rid])[rid]
+
+
+def holds_nothing(engine: EngineCore) -> None:
+    cap = engine.capacity()
+    assert cap["kv_tokens_used"] == 0 and cap["state_slots_used"] == 0
+    assert cap["kv_tokens_reserved"] == 0 and not engine.sequences
+    assert engine.runner.cache.states.used == 0
+
+
+@pytest.mark.parametrize("rollback", ROLLBACKS)
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_handed_over_request_decodes_as_the_aggregated_engine(
+        pair: tuple[Path, Path], rollback: str, params: SamplingParams) -> None:
+    spec = {"kda_rollback": rollback}
+    agg = engine_from(pair, engine=CHUNKED, **spec)
+    p, d = engine_from(pair, engine=CHUNKED, **spec), engine_from(pair, engine=CHUNKED, **spec)
+    for prompt in prompts():
+        expected = agg.generate([prompt], params)[0]
+        tokens, out = disaggregated(p, d, prompt, params)
+        assert tokens == expected.token_ids
+        assert out.completion_tokens == len(tokens) and out.prompt_tokens == len(prompt)
+        assert out.spec == expected.spec
+    holds_nothing(p)
+    holds_nothing(d)
+    assert d.stats()["spec_verify_ct"] == agg.stats()["spec_verify_ct"]
+
+
+def test_the_draft_context_moves_with_the_request() -> None:
+    """On the trained embedded pair (its draft accepts), the decode side's speculation is the
+    aggregated engine's, step for step: equal tokens, verify steps and histogram, greedy and
+    seeded. A decode side that rebuilt nothing of the draft's context would accept less."""
+    tok = load_tokenizer(TOKENIZER)
+    prompt = heldout_prompt_ids(tok, n_completion=1, n_chat=0)[0]
+    pair = (TARGET, DRAFT)
+    for params in (GREEDY, SEEDED):
+        agg = engine_from(pair)
+        p, d = engine_from(pair), engine_from(pair)
+        expected = agg.generate([prompt], params)[0]
+        tokens, out = disaggregated(p, d, prompt, params)
+        assert tokens == expected.token_ids
+        assert out.spec == expected.spec
+        assert expected.spec["spec_accept_length"] > 1.5  # the check has drafts to lose
+
+
+def test_the_prefill_side_keeps_the_prompt_in_its_prefix_cache(pair: tuple[Path, Path]
+                                                               ) -> None:
+    """A hand-off request's prompt stays cached on the prefill side (a second request with
+    that prefix hits it and is handed over exactly too); the decode side caches nothing it
+    was not asked to and frees everything."""
+    cache = {**CHUNKED, "prefix_cache": {"enabled": True, "snapshot_interval": 32}}
+    agg = engine_from(pair, engine=CHUNKED)
+    p, d = engine_from(pair, engine=cache), engine_from(pair, engine=CHUNKED)
+    first = prompts()[2]
+    second = first[:96] + [5, 6, 7]
+    for prompt in (first, second):
+        tokens, out = disaggregated(p, d, prompt, GREEDY)
+        assert tokens == agg.generate([prompt], GREEDY)[0].token_ids
+    assert out.cached_tokens == 96  # the second prompt's hit, reported by the decode side
+    assert p.capacity()["state_slots_used"] == 0 and not p.sequences
+    holds_nothing(d)
+
+
+def test_an_adoption_that_does_not_fit_changes_nothing(pair: tuple[Path, Path]) -> None:
+    p = engine_from(pair)
+    small = engine_from(pair, engine={"kv_capacity_tokens": 64})
+    no_draft = engine_from(pair, draft=False)
+    handoff = p.export(prefill(p, prompts()[2], GREEDY))  # 131 + 24 tokens: > 64
+    before = small.capacity()
+    with pytest.raises(KVCapacityError):
+        small.adopt(handoff)
+    assert small.capacity() == before and not small.sequences
+    with pytest.raises(ValueError, match="draft"):
+        no_draft.adopt(handoff)
+    holds_nothing(no_draft)
+    with pytest.raises(ValueError, match="not a prefilled"):
+        p.export("no-such-request")
+    # The hand-over is still whole: a decode engine with room takes it.
+    d = engine_from(pair)
+    rid = d.adopt(handoff)
+    assert len(finish(d, [rid])[rid][0]) == GREEDY.max_tokens
+    holds_nothing(d)
+
+
+def test_a_request_that_ends_on_its_first_token_is_not_handed_over(pair: tuple[Path, Path]
+                                                                  ) -> None:
+    p = engine_from(pair)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rid = p.add_request(prompts()[0], one, hand_off=True)
+    (tokens, out), = finish(p, [rid]).values()
+    assert len(tokens) == 1 and out.finish_reason == "length" and not out.prefilled
+    holds_nothing(p)
