@@ -10,13 +10,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 from spec_helpers import engine_from
 from tiny_models import tiny_k3_config, write_random_k3_pair
 
+from serve_app.config import ReferenceEngineConfig
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, heldout_prompt_ids
+from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.reference.engine import EngineCore
+from serve_app.engines.reference.handoff import RequestHandoff, reshard
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.models.kv_capacity import KVCapacityError
+from serve_app.netutil import free_port
 from serve_app.tokenizer import load_tokenizer
 
 VOCAB = 256
@@ -121,7 +127,7 @@ def test_the_prefill_side_keeps_the_prompt_in_its_prefix_cache(pair: tuple[Path,
     agg = engine_from(pair, engine=CHUNKED)
     p, d = engine_from(pair, engine=cache), engine_from(pair, engine=CHUNKED)
     first = prompts()[2]
-    second = first[:96] + [5, 6, 7]
+    second = [*first[:96], 5, 6, 7]
     for prompt in (first, second):
         tokens, out = disaggregated(p, d, prompt, GREEDY)
         assert tokens == agg.generate([prompt], GREEDY)[0].token_ids
@@ -159,3 +165,83 @@ def test_a_request_that_ends_on_its_first_token_is_not_handed_over(pair: tuple[P
     (tokens, out), = finish(p, [rid]).values()
     assert len(tokens) == 1 and out.finish_reason == "length" and not out.prefilled
     holds_nothing(p)
+
+
+def test_reshard_is_a_round_trip(pair: tuple[Path, Path]) -> None:
+    p = engine_from(pair)
+    handoff = p.export(prefill(p, prompts()[1], GREEDY))
+    two = reshard(handoff.shares, 2, draft_kv_heads=2)
+    assert len(two) == 2
+    conv = next(n for n in two[0]["target"] if n.endswith(".conv"))
+    whole = handoff.shares[0]["target"][conv]
+    assert two[0]["target"][conv].shape[-1] * 2 == whole.shape[-1]
+    back = reshard(two, 1, draft_kv_heads=2)[0]
+    for part, entries in handoff.shares[0].items():
+        for name, t in entries.items():
+            assert torch.equal(back[part][name], t), (part, name)
+    with pytest.raises(ValueError, match="KV heads"):
+        reshard(handoff.shares, 4, draft_kv_heads=2)
+
+
+# --- between tensor-parallel sizes -----------------------------------------------------------
+
+
+def _tp2_worker(rank: int, port: int, pair: tuple[Path, Path], prompt: list[int],
+                handoff: RequestHandoff, results: mp.Queue, received: Any) -> None:
+    """A TP 2 engine over gloo: hands over `prompt` after prefilling it, and decodes
+    `handoff` (prefilled by a TP 1 engine)."""
+    from serve_app.engines.reference.builder import init_tensor_parallel, release_tensor_parallel
+
+    torch.set_num_threads(1)
+    group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, 2, "gloo")
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **CHUNKED)  # type: ignore[arg-type]
+    runner = build_runner(pair[0], pair[1], cfg, rank, 2, group)
+    if rank == 0:
+        engine = build_engine(runner, cfg)
+        out = engine.export(prefill(engine, prompt, SEEDED))
+        rid = engine.adopt(handoff)
+        decoded = finish(engine, [rid])[rid]
+        runner.shutdown()
+        results.put((out, decoded[0], decoded[1].spec, engine.capacity()))
+        # The hand-over's tensors travel in this process's shared memory: stay until read.
+        received.wait(timeout=300)
+        del engine
+    else:
+        runner.follow()
+    del runner, group
+    release_tensor_parallel()
+
+
+@pytest.mark.slow
+def test_a_hand_over_between_tp1_and_tp2_is_exact(pair: tuple[Path, Path]) -> None:
+    """TP 2 prefill -> TP 1 decode and TP 1 prefill -> TP 2 decode (the KDA heads, their conv
+    channels and the draft's KV heads re-split; the MLA latent is every rank's) give the
+    aggregated TP 1 engine's tokens and speculative statistics, seeded sampling."""
+    first, second = prompts()[1], prompts()[2]
+    agg = engine_from(pair, engine=CHUNKED)
+    expected = {i: agg.generate([p], SEEDED)[0] for i, p in enumerate((first, second))}
+    tp1 = engine_from(pair, engine=CHUNKED)
+    to_tp2 = tp1.export(prefill(tp1, second, SEEDED))
+    ctx = mp.get_context("spawn")
+    results, received = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = [ctx.Process(target=_tp2_worker,
+                         args=(r, port, pair, first, to_tp2, results, received))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    from_tp2, tokens, spec, capacity = results.get(timeout=300)
+    from_tp2.shares = [{part: {n: t.clone() for n, t in entries.items()}
+                        for part, entries in share.items()} for share in from_tp2.shares]
+    from_tp2.generator_state = from_tp2.generator_state.clone()
+    received.set()
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert len(from_tp2.shares) == 2
+    assert tokens == expected[1].token_ids and spec == expected[1].spec
+    assert capacity["kv_tokens_used"] == 0 and capacity["state_slots_used"] == 0
+    rid = tp1.adopt(from_tp2)
+    decoded, out = finish(tp1, [rid])[rid]
+    assert decoded == expected[0].token_ids and out.spec == expected[0].spec
+    holds_nothing(tp1)

@@ -37,3 +37,72 @@ class RequestHandoff:
         """What the hand-over moves (every rank's cache share)."""
         return sum(t.nbytes for share in self.shares for part in share.values()
                    for t in part.values())
+
+
+# How a request's cache entries are split across tensor-parallel ranks, by entry name, so a
+# hand-over can move between different TP sizes (`reshard`):
+# - "latent" (the MLA latent, K3's and K2's): every rank computes and keeps all of it;
+# - "kda.{layer}.ssm" [heads/t, D, D]: each rank holds its contiguous heads;
+# - "kda.{layer}.conv" [K−1, 3P/t]: each rank holds its heads' q, k and v channels, q|k|v;
+# - the draft's "k" / "v" [layers, length, kv_heads/t, D]: its KV heads, when every rank has
+#   its own (tensor_parallel.shard_dspark; with more ranks than KV heads they repeat, and
+#   the layouts do not allow a different TP on the other side).
+def _merge(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    if name == "latent":
+        return parts[0]
+    if name.endswith(".ssm"):
+        return torch.cat(parts, dim=0)
+    if name.endswith(".conv"):
+        q, k, v = zip(*(p.chunk(3, dim=-1) for p in parts), strict=True)
+        return torch.cat([*q, *k, *v], dim=-1)
+    if name in ("k", "v"):
+        return torch.cat(parts, dim=2)
+    raise ValueError(f"no tensor-parallel layout is known for cache entry {name!r}")
+
+
+def _split(name: str, whole: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    if name == "latent":
+        return [whole] * tp
+    if name.endswith(".ssm"):
+        return list(whole.chunk(tp, dim=0))
+    if name.endswith(".conv"):
+        q, k, v = (x.chunk(tp, dim=-1) for x in whole.chunk(3, dim=-1))
+        return [torch.cat([q[r], k[r], v[r]], dim=-1) for r in range(tp)]
+    if name in ("k", "v"):
+        return list(whole.chunk(tp, dim=2))
+    raise ValueError(f"no tensor-parallel layout is known for cache entry {name!r}")
+
+
+def _split_size(name: str, whole: torch.Tensor) -> int:
+    """How many ways an entry can be split (its heads)."""
+    if name == "latent":
+        return 0  # any
+    if name.endswith(".ssm"):
+        return whole.shape[0]
+    if name.endswith(".conv"):
+        return whole.shape[-1] // 3
+    return whole.shape[2]
+
+
+def reshard(shares: list[RankShare], tp: int, draft_kv_heads: int | None = None
+            ) -> list[RankShare]:
+    """The same request's cache shares for `tp` ranks instead of len(shares). `draft_kv_heads`:
+    the draft's configured KV heads; a side with more ranks than that repeats them, which no
+    other TP can be rebuilt from or into."""
+    if tp == len(shares):
+        return shares
+    for n in (tp, len(shares)):
+        if draft_kv_heads is not None and n > draft_kv_heads:
+            raise ValueError(f"the draft's {draft_kv_heads} KV heads repeat over {n} ranks: "
+                             "the hand-over cannot change its tensor-parallel size")
+    out: list[RankShare] = [{part: {} for part in shares[0]} for _ in range(tp)]
+    for part, entries in shares[0].items():
+        for name in entries:
+            whole = _merge(name, [s[part][name] for s in shares])
+            size = _split_size(name, whole)
+            if size and size % tp:
+                raise ValueError(f"cache entry {part}.{name} has {size} heads, which "
+                                 f"{tp} ranks cannot split evenly")
+            for r, piece in enumerate(_split(name, whole, tp)):
+                out[r][part][name] = piece.clone()
+    return out

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from serve_app.config import PrefixCacheConfig
-from serve_app.engines.reference.handoff import RankShare
+from serve_app.engines.reference.handoff import RankShare, reshard
 from serve_app.engines.reference.prefix_cache import PrefixCache
 from serve_app.engines.reference.proposer import Proposer
 from serve_app.models.dspark import DraftMask
@@ -143,13 +143,12 @@ class ModelRunner:
 
     def adopt(self, rid: Hashable, length: int, shares: Sequence[RankShare]) -> None:
         """`rid` arrives with `length` tokens in its caches, each rank taking its share of
-        another engine's `export` (the same tensor-parallel layout). All or nothing."""
-        if len(shares) != self.tp_size:
-            raise ValueError(f"the hand-over has {len(shares)} rank shares; this engine runs "
-                             f"tensor parallel {self.tp_size}")
+        another engine's `export`, re-split first when that engine ran another tensor-parallel
+        size (handoff.reshard; ValueError where the layouts do not allow it). All or nothing."""
         if any(("draft" in share) != (self.proposer is not None) for share in shares):
             raise ValueError("the hand-over and this engine disagree on having a draft")
-        self._broadcast("adopt", rid, length, list(shares))
+        shares = reshard(list(shares), self.tp_size, getattr(self.proposer, "kv_heads", None))
+        self._broadcast("adopt", rid, length, shares)
         self._adopt(rid, length, shares)
 
     def _adopt(self, rid: Hashable, length: int, shares: Sequence[RankShare]) -> None:

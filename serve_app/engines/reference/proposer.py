@@ -62,6 +62,9 @@ class DSparkProposer:
         self.draft = draft
         self.gamma = draft.config.block_size
         self.tap_layers = tuple(draft.config.target_layer_ids)
+        # The configured KV heads of its context cache (all ranks'): a hand-over re-splits
+        # the cache by them (handoff.reshard).
+        self.kv_heads = draft.config.num_key_value_heads
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.cache: PagedKVCache = draft.new_cache(
