@@ -17,6 +17,7 @@ from rich.table import Table
 
 from capacity.calibration import evaluate, fit
 from capacity.config import Layout, Speculation, Workload, validated
+from capacity.disagg import ModeRow, Targets, compare
 from capacity.errors import CapacityError
 from capacity.families import describe_model
 from capacity.formats import KvDtype, WeightFormat, parse_kv_dtype, parse_weight_format
@@ -320,6 +321,15 @@ def plan_cmd(
     markdown: Annotated[bool, typer.Option("--markdown", help="print a markdown table")] = False,
     csv_path: Annotated[Path | None, typer.Option("--csv", help="write all rows to CSV")] = None,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a Pareto PNG")] = None,
+    disagg: Annotated[bool, typer.Option(
+        "--disagg", help="rank aggregated and prefill/decode-disaggregated fleets together, "
+        "at the --ttft and --itl targets (capacity/disagg.py)")] = False,
+    output_tokens: Annotated[int, typer.Option(
+        help="--disagg: answer tokens per request; the prompt is the rest of --context")] = 4096,
+    ttft: Annotated[float | None, typer.Option(
+        "--ttft", help="--disagg: time to first token target, seconds")] = None,
+    itl: Annotated[float | None, typer.Option(
+        "--itl", help="--disagg: inter-token latency target, milliseconds")] = None,
 ) -> None:
     """Rank feasible fleets: cheapest per million output tokens first."""
     if top <= 0:
@@ -333,6 +343,13 @@ def plan_cmd(
     allowed = _split(gpus) or None
     for name in allowed or []:
         gpu_spec(gpu_specs, name)
+    if disagg:
+        _plan_modes(target, draft_model, spec, gpu_specs, price_rows, allowed,
+                    Targets(parse_tokens(context) - output_tokens, output_tokens, ttft,
+                            None if itl is None else itl / 1e3),
+                    _formats(weights), _kv_dtypes(kv), max_nodes, kda_rollback, top, per_gpu,
+                    as_json)
+        return
     result = plan(
         target, gpu_specs, price_rows, parse_tokens(context), draft_model,
         allowed_gpus=allowed, concurrency=concurrency, target_tokens_s=target_tps,
@@ -384,6 +401,66 @@ def plan_cmd(
     if result.rejected:
         for gpu, why in sorted(result.rejected.items()):
             out.print(f"[dim]{gpu}: no layout fits: {why}[/dim]", soft_wrap=True)
+
+
+def _plan_modes(target: ModelDescriptor, draft: ModelDescriptor | None,
+                spec: Speculation | None, gpu_specs: dict[str, GpuSpec],
+                price_rows: list[PriceRow], allowed: list[str] | None, targets: Targets,
+                weights: list[WeightFormat | None], kv: list[KvDtype], max_nodes: int,
+                kda_rollback: str, top: int, per_gpu: int | None, as_json: bool) -> None:
+    """`plan --disagg`: the best aggregated and disaggregated fleets side by side."""
+    if targets.input_tokens <= 0:
+        raise CapacityError(f"--output-tokens {targets.output_tokens} leaves no prompt in "
+                            "--context")
+    rows = compare(target, gpu_specs, price_rows, targets, draft, allowed_gpus=allowed,
+                   weight_formats=weights, kv_dtypes=kv, max_nodes=max_nodes,
+                   speculation=spec, kda_rollback=kda_rollback)
+    what = (f"{target.name}" + (f" + {draft.name}" if draft else "")
+            + f", {targets.input_tokens:,}-token prompts, {targets.output_tokens:,}-token answers"
+            + (f", TTFT <= {targets.ttft_s} s" if targets.ttft_s is not None else "")
+            + (f", ITL <= {1e3 * targets.itl_s:g} ms" if targets.itl_s is not None else ""))
+    if not rows:
+        raise CapacityError(f"no aggregated or disaggregated fleet of up to {max_nodes}-node "
+                            f"replicas meets {what}")
+    # The best of each mode always shows, then the rest by cost.
+    shown: list[ModeRow] = []
+    seen: dict[tuple[str, str], int] = {}
+    for mode in ("agg", "disagg"):
+        shown += [r for r in rows if r.mode == mode][:1]
+    for row in rows:
+        key = (row.decode.gpu, row.mode)
+        if row not in shown and len(shown) < top and (per_gpu is None
+                                                       or seen.get(key, 0) < per_gpu):
+            shown.append(row)
+        seen[key] = seen.get(key, 0) + 1
+    shown.sort(key=rows.index)
+    dicts = [r.as_dict() for r in shown]
+    used = [r.price for r in shown if r.price]
+    if as_json:
+        print(json.dumps({"targets": vars(targets), "rows": dicts, "feasible": len(rows),
+                          "prices": _price_age_line(used)}, indent=2))
+        return
+    table = Table(title=f"{what} ({len(rows)} fleets meet it)")
+    for col in ("#", "mode", "prefill x replicas (batch)", "decode x replicas (running)", "GPUs",
+                "TTFT s", "ITL ms", "hand-over GB / s", "tok/s", "$/h", "$/Mtok"):
+        table.add_column(col, justify="left" if "x replicas" in col or col == "mode" else "right")
+    for i, r in enumerate(dicts, start=1):
+        table.add_row(
+            str(i), r["mode"],
+            "-" if r["prefill"] is None else
+            f"{r['prefill']} x{r['prefill_replicas']} ({r['prefill_batch']})",
+            f"{r['decode']} x{r['decode_replicas']} ({r['decode_concurrency']})", str(r["gpus"]),
+            f"{r['ttft_s']:.2f}", f"{r['itl_ms']:.1f}",
+            "-" if r["mode"] == "agg" else f"{r['handoff_gb']:.2f} / {r['transfer_s']:.2f}",
+            f"{r['output_tokens_s']:.0f}",
+            "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}",
+            "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.2f}")
+    out.print(table)
+    out.print(_price_age_line(used))
+    out.print("agg: prefills stall the decodes (ITL is the mean gap, stalls included; TTFT adds "
+              "a decode step per 8K chunk); disagg: prefill replicas hand each request over "
+              "the scale-out network (TTFT = prefill + transfer). No queueing.",
+              soft_wrap=True, highlight=False)
 
 
 def _layout_from_options(
