@@ -203,6 +203,27 @@ def test_constrained_greedy_speculation_equals_target_only(
     assert len(engine.grammars) == 0  # every matcher left with its request
 
 
+def test_a_constrained_request_handed_over_decodes_as_target_only(
+        k3_pair: dict[str, Path], tokenizer: Tokenizer, prompts: list[list[int]],
+        target_only: dict[str, list[list[int]]]) -> None:
+    """Prefilled on one engine (its first token sampled under the grammar), decoded on
+    another: the decode side's matcher, rebuilt from the tokens, constrains as one that never
+    moved (greedy, speculative, the same tokens as the constrained target alone)."""
+    prefill = k3_engine(k3_pair, tokenizer, speculative=True)
+    decode = k3_engine(k3_pair, tokenizer, speculative=True)
+    for name in ("json_schema", "required"):
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[name], grammar=SPECS[name])
+        rid = prefill.add_request(prompts[1], params, hand_off=True)
+        while not any(o.prefilled for o in prefill.step()):
+            pass
+        rid = decode.adopt(prefill.export(rid))
+        tokens: list[int] = []
+        while rid in decode.sequences:
+            tokens += [t for o in decode.step() for t in o.token_ids]
+        assert tokens == target_only[name][1], name
+    assert len(prefill.grammars) == 0 and len(decode.grammars) == 0
+
+
 def test_constrained_and_free_requests_batch_together(
         k3_pair: dict[str, Path], tokenizer: Tokenizer, prompts: list[list[int]],
         target_only: dict[str, list[list[int]]]) -> None:

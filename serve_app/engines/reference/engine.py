@@ -159,19 +159,23 @@ class EngineCore:
             )
         seq = Sequence(rid, list(prompt_ids), params, self.eos_token_ids, self.detokenize,
                        hand_off=hand_off)
-        matcher = None
-        if params.grammar is not None:
-            if self.grammar is None:
-                raise ValueError(f"{params.grammar.param}: this engine cannot constrain its "
-                                 "output (it was built without a tokenizer)")
-            # A GrammarError (a ValueError naming the field) leaves nothing queued.
-            matcher = self.grammar.matcher(params.grammar)
+        # A GrammarError (a ValueError naming the field) leaves nothing queued.
+        matcher = self._matcher(params)
         self.scheduler.add(seq)
         if matcher is not None:
             self.grammars.add(rid, matcher, len(prompt_ids))
         self.sequences[rid] = seq
         self._notify("on_queued", seq, time.time_ns())
         return rid
+
+    def _matcher(self, params: SamplingParams) -> Any:
+        """A fresh matcher of the request's grammar, or None without one."""
+        if params.grammar is None:
+            return None
+        if self.grammar is None:
+            raise ValueError(f"{params.grammar.param}: this engine cannot constrain its "
+                             "output (it was built without a tokenizer)")
+        return self.grammar.matcher(params.grammar)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The prompt against this engine's vocabulary (SamplingParams checks its own
@@ -241,12 +245,7 @@ class EngineCore:
         seq.num_cached = handoff.num_cached
         seq.cached_tokens = handoff.cached_tokens
         seq.generator.set_state(handoff.generator_state)
-        matcher = None
-        if params.grammar is not None:
-            if self.grammar is None:
-                raise ValueError(f"{params.grammar.param}: this engine cannot constrain its "
-                                 "output (it was built without a tokenizer)")
-            matcher = self.grammar.matcher(params.grammar)
+        matcher = self._matcher(params)
         self.scheduler.adopt(seq)
         try:
             self.runner.adopt(rid, handoff.num_cached, handoff.shares)
