@@ -30,8 +30,8 @@ ROLLBACKS = ["scratch", "replay"]
 # Prefill in chunks that cross KDA's 16-token chunks, so the state handed over was carried
 # across both kinds of boundary.
 CHUNKED = {"prefill_chunk_tokens": 40, "max_prefill_tokens_per_request": 40}
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SEEDED = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True, seed=11)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, ignore_eos=True, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_an_adoption_that_does_not_fit_changes_nothing(pair: tuple[Path, Path]) 
     p = engine_from(pair)
     small = engine_from(pair, engine={"kv_capacity_tokens": 64})
     no_draft = engine_from(pair, draft=False)
-    handoff = p.export(prefill(p, prompts()[2], GREEDY))  # 131 + 24 tokens: > 64
+    handoff = p.export(prefill(p, prompts()[2], GREEDY))  # 131 + 16 tokens: > 64
     before = small.capacity()
     with pytest.raises(KVCapacityError):
         small.adopt(handoff)
