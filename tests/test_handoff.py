@@ -245,3 +245,52 @@ def test_a_hand_over_between_tp1_and_tp2_is_exact(pair: tuple[Path, Path]) -> No
     decoded, out = finish(tp1, [rid])[rid]
     assert decoded == expected[0].token_ids and out.spec == expected[0].spec
     holds_nothing(tp1)
+
+
+# --- through the async engine (what a prefill and a decode replica run) ----------------------
+
+
+async def test_the_async_engines_hand_over_while_other_requests_decode(
+        pair: tuple[Path, Path]) -> None:
+    """A prefill replica's engine returns the hand-over (exported on its loop thread); a decode
+    replica's engine streams the request from its first token, batched with a request of its
+    own, and both give the aggregated tokens. A decode engine without room refuses the
+    hand-over as it would a request, and a client gone mid-stream frees the decode side."""
+    import asyncio
+
+    from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
+    from serve_app.engines.types import GenerateRequest
+
+    agg = engine_from(pair)
+    first, second = prompts()[1], prompts()[2]
+    expected = [o.token_ids for o in agg.generate([first, second], SEEDED)]
+    p, d = ReferenceAsyncEngine(engine_from(pair)), ReferenceAsyncEngine(engine_from(pair))
+    small = ReferenceAsyncEngine(engine_from(pair, engine={"kv_capacity_tokens": 64}))
+    try:
+        async def local() -> list[int]:
+            return [t async for o in d.generate(GenerateRequest("own", first, SEEDED))
+                    for t in o.token_ids]
+
+        async def moved() -> list[int]:
+            handoff = await p.prefill(GenerateRequest("moved", second, SEEDED))
+            assert isinstance(handoff, RequestHandoff)
+            with pytest.raises(KVCapacityError):
+                async for _ in small.adopt(handoff):
+                    pass
+            return [t async for o in d.adopt(handoff) for t in o.token_ids]
+
+        got = await asyncio.wait_for(asyncio.gather(local(), moved()), 120)
+        assert got == expected
+        handoff = await p.prefill(GenerateRequest("gone", second, SEEDED))
+        stream = d.adopt(handoff)
+        await anext(stream)
+        await stream.aclose()  # the client went away
+        for _ in range(200):
+            if not d.core.sequences:
+                break
+            await asyncio.sleep(0.05)
+        for engine in (p, d, small):
+            holds_nothing(engine.core)
+    finally:
+        for engine in (p, d, small):
+            await engine.shutdown()

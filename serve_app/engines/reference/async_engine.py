@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from serve_app.engines.reference.engine import EngineCore
+from serve_app.engines.reference.handoff import RequestHandoff
 from serve_app.engines.types import (
     EngineUnavailable,
     GenerateRequest,
@@ -47,9 +48,10 @@ SHUT_DOWN = "engine is shut down"  # the message clients have always seen
 class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | RequestHandoff | BaseException] = \
+            asyncio.Queue()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | RequestHandoff | BaseException) -> None:
         # RuntimeError: the caller's event loop is closed, so nobody is listening.
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -124,6 +126,19 @@ class ReferenceAsyncEngine:
                     stream.put(RequestFailed(out.error))
                 continue
             stream = self._streams.get(out.request_id)
+            if out.prefilled:
+                # A hand-off request is ready: it leaves the engine here, on the loop thread
+                # that owns the engine, and its stream ends with the hand-over.
+                self._streams.pop(out.request_id, None)
+                try:
+                    item: RequestHandoff | BaseException = self.core.export(out.request_id)
+                except Exception:
+                    logger.exception("request %s: export failed; aborting it", out.request_id)
+                    self.core.abort(out.request_id)
+                    item = RequestFailed("the engine could not hand the request over")
+                if stream is not None:
+                    stream.put(item)
+                continue
             if stream is not None:
                 stream.put(out)
             if out.finished:
@@ -133,10 +148,14 @@ class ReferenceAsyncEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for op, arg in inbox:
-            if op == "add":
+            if op in ("add", "prefill", "adopt"):
                 request, stream = arg
                 try:
-                    self.core.add_request(request.prompt_ids, request.params, request.request_id)
+                    if op == "adopt":
+                        self.core.adopt(request)
+                    else:
+                        self.core.add_request(request.prompt_ids, request.params,
+                                              request.request_id, hand_off=op == "prefill")
                 except (ValueError, KVCapacityError) as exc:  # refused: nothing was queued
                     self._refuse(request.request_id, stream, exc)
                 except Exception:
@@ -233,30 +252,54 @@ class ReferenceAsyncEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         await self._prepare_grammar(request)
+        async for out in self._run_stream("add", request.request_id, request):
+            yield out
+
+    async def prefill(self, request: GenerateRequest) -> RequestHandoff | RequestOutput:
+        """Prefill only (a prefill replica of a disaggregated app): the request's hand-over
+        to a decode engine (`adopt`), or its final output when it ended on its first token."""
+        await self._prepare_grammar(request)
+        async for item in self._run_stream("prefill", request.request_id, request):
+            if isinstance(item, RequestHandoff) or item.finished:
+                return item
+        raise RequestFailed("the prefill ended without a result")
+
+    async def adopt(self, handoff: RequestHandoff) -> AsyncIterator[RequestOutput]:
+        """Decode a request another engine prefilled (its `prefill`), streaming from the
+        first token."""
+        if handoff.params.grammar is not None and self.core.grammar is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                self._compiles, self.core.grammar.prepare, handoff.params.grammar)
+        async for out in self._run_stream("adopt", handoff.request_id, handoff):
+            yield out
+
+    async def _run_stream(self, op: str, request_id: str, arg: Any
+                          ) -> AsyncIterator[RequestOutput | RequestHandoff]:
+        """Send `op` for one request and relay its stream until it ends."""
         stream = _Stream(asyncio.get_running_loop())
         # Checked and registered under the lock that _fail_engine takes: a stream is either
         # refused here or failed there, never left waiting on a dead engine.
         with self._lock:
             self._check_alive()
-            if request.request_id in self._streams:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
-            self._streams[request.request_id] = stream
-        self.telemetry.attach(request.request_id)  # the caller's trace becomes the parent
-        self._send("add", (request, stream))
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self.telemetry.attach(request_id)  # the caller's trace becomes the parent
+        self._send(op, (arg, stream))
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                finished = isinstance(item, RequestHandoff) or item.finished
                 yield item
                 if finished:
                     return
         finally:
             # Client gone (cancelled) or consumer stopped early: free the cache at once.
             if not finished:
-                self._send("abort", request.request_id)
+                self._send("abort", request_id)
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
