@@ -30,16 +30,24 @@ SHUTDOWN_POLL_S = 0.2
 
 
 def validate(config: AppConfig) -> None:
-    """Cross-checks that need the model configs (not the weights); each names the field."""
+    """Cross-checks that need the model configs (not the weights); each names the field (a
+    disaggregated app's: each side's layout, prefixed by its side)."""
+    if config.disaggregation.enabled:
+        problems = [f"disaggregation.{role}: {p}" for role in ("prefill", "decode")
+                    for p in _problems(config.side(role))]
+    else:
+        problems = _problems(config)
+    if problems:
+        raise ConfigError("invalid deployment config:\n  - " + "\n  - ".join(problems))
+
+
+def _problems(config: AppConfig) -> list[str]:
     if config.engine.backend == "sglang":
         # The checkpoints may live only on the GPU nodes: these checks read them when present
         # and the capacity planner's packaged descriptors otherwise (serve_app.engines.sglang).
         from serve_app.engines.sglang.checks import sglang_problems
 
-        problems = sglang_problems(config)
-        if problems:
-            raise ConfigError("invalid deployment config:\n  - " + "\n  - ".join(problems))
-        return
+        return sglang_problems(config)
     target, draft = model_configs(config)
     problems = []
     if draft is not None:
@@ -70,8 +78,7 @@ def validate(config: AppConfig) -> None:
                             f"target's vocab_size={target.vocab_size}")
     except ValueError as exc:
         problems.append(f"models.tokenizer: {exc}")
-    if problems:
-        raise ConfigError("invalid deployment config:\n  - " + "\n  - ".join(problems))
+    return problems
 
 
 def _router_options(config: AppConfig) -> dict[str, Any]:
@@ -87,13 +94,35 @@ def _router_options(config: AppConfig) -> dict[str, Any]:
 
 
 def build_app(config: AppConfig) -> Application:
-    """The Serve application: OpenAI ingress -> target replicas (each on its placement group)."""
+    """The Serve application: OpenAI ingress -> target replicas (each on its placement group);
+    disaggregated: OpenAI ingress -> prefill replicas -> decode replicas."""
     if not isinstance(config, AppConfig):
         config = AppConfig.model_validate(config)
-    validate(config)
-    raw = json.loads(config.model_dump_json())
-    pl = config.placement
     logging_config = {"encoding": "JSON" if config.observability.json_logs else "TEXT"}
+    raw = json.loads(config.model_dump_json())
+    validate(config)
+    if not config.disaggregation.enabled:
+        target = _target_deployment(config, "TargetDeployment", logging_config).bind(raw)
+    else:
+        sides = {role: config.side(role) for role in ("prefill", "decode")}
+        decode = _target_deployment(sides["decode"], "DecodeDeployment", logging_config).bind(
+            json.loads(sides["decode"].model_dump_json()), "decode")
+        # The ingress's target is the prefill side: its request path is the same.
+        target = _target_deployment(sides["prefill"], "TargetDeployment", logging_config).bind(
+            json.loads(sides["prefill"].model_dump_json()), "prefill", decode)
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        num_replicas=config.ingress.replicas,
+        ray_actor_options={"num_cpus": config.ingress.ingress_cpus},
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+        logging_config=logging_config,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+    )
+    return ingress.bind(target, raw)
+
+
+def _target_deployment(config: AppConfig, name: str, logging_config: dict[str, Any]) -> Any:
+    """The target deployment of `config` (one side's, when disaggregated), unbound."""
+    pl = config.placement
     actor_options: dict[str, Any] = {"num_cpus": pl.cpus_per_rank}
     sglang = config.engine.backend == "sglang"
     if pl.accelerator == "GPU":
@@ -102,7 +131,7 @@ def build_app(config: AppConfig) -> Application:
         actor_options["num_gpus"] = 0 if sglang else 1
     max_ongoing = (config.engine.sglang.max_running_requests * 2 if sglang
                    else config.engine.reference.max_batch_size * 4)
-    target = serve.deployment(TargetReplica, name="TargetDeployment").options(
+    return serve.deployment(TargetReplica, name=name).options(
         num_replicas=pl.replicas,
         ray_actor_options=actor_options,
         placement_group_bundles=config.bundles(),
@@ -115,11 +144,3 @@ def build_app(config: AppConfig) -> Application:
         logging_config=logging_config,
         **_router_options(config),
     )
-    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
-        num_replicas=config.ingress.replicas,
-        ray_actor_options={"num_cpus": config.ingress.ingress_cpus},
-        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
-        logging_config=logging_config,
-        max_ongoing_requests=config.ingress.max_ongoing_requests,
-    )
-    return ingress.bind(target.bind(raw), raw)

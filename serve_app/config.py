@@ -400,6 +400,25 @@ class ObservabilityConfig(_Strict):
                             "request_id and trace_id")
 
 
+class DisaggregationSide(_Strict):
+    """One side of a disaggregated app: its replicas and their layout (default: the app's
+    `parallelism`)."""
+
+    replicas: int = Field(default=1, ge=1)
+    parallelism: ParallelismConfig | None = None
+
+
+class DisaggregationConfig(_Strict):
+    """Prefill/decode disaggregation (docs/disaggregation.md): prefill replicas prefill each
+    request, sample its first token and hand it over (its caches, KDA state, draft context)
+    to a decode replica, which streams the answer through them; each side has its own
+    placement groups and tensor-parallel size."""
+
+    enabled: bool = False
+    prefill: DisaggregationSide = DisaggregationSide()
+    decode: DisaggregationSide = DisaggregationSide()
+
+
 class AppConfig(_Strict):
     """Everything `build_app` needs: models, engine backend, parallelism, placement, ingress."""
 
@@ -411,10 +430,23 @@ class AppConfig(_Strict):
     api: ApiConfig = ApiConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     router: RouterConfig = RouterConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:
         p = self.parallelism
+        if self.disaggregation.enabled:
+            if self.engine.backend != "reference":
+                raise ValueError("disaggregation.enabled: only the reference engine hands "
+                                 "requests over yet (engine.backend='reference')")
+            if self.router.policy != "ray_default":
+                raise ValueError("disaggregation.enabled: the router's admission does not pair "
+                                 "prefill and decode replicas yet (router.policy='ray_default')")
+            for name in ("prefill", "decode"):
+                side = getattr(self.disaggregation, name).parallelism
+                if side is not None and (side.pp != 1 or side.attention_dp != 1):
+                    raise ValueError(f"disaggregation.{name}.parallelism: the reference engine "
+                                     "runs pp 1 and attention_dp 1")
         if self.engine.backend == "reference":
             problems = []
             if p.pp != 1:
@@ -432,6 +464,14 @@ class AppConfig(_Strict):
             raise ValueError("engine.reference.speculation.enabled=true needs models.draft "
                              "(or set enabled: false)")
         return self
+
+    def side(self, role: Literal["prefill", "decode"]) -> AppConfig:
+        """The config a disaggregated side's replicas run: its replicas and parallelism in
+        place of the app's."""
+        side = getattr(self.disaggregation, role)
+        return self.model_copy(update={
+            "parallelism": side.parallelism or self.parallelism,
+            "placement": self.placement.model_copy(update={"replicas": side.replicas})})
 
     # --- placement ------------------------------------------------------------------------------
 

@@ -13,14 +13,16 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serve_app.config import AppConfig, context_length
+from serve_app.engines.reference.handoff import RequestHandoff
 from serve_app.engines.types import Engine, EngineUnavailable, GenerateRequest, RequestOutput
 from serve_app.netutil import free_port
 from serve_app.observability.logs import get_logger, install_trace_ids
@@ -28,6 +30,8 @@ from serve_app.observability.metrics import replica_name
 from serve_app.routing.reservation import ReplicaFull, ReplicaLedger, Reservation
 
 logger = get_logger("target")
+
+Role = Literal["both", "prefill", "decode"]
 
 
 def _placement_info(rank: int, devices_per_node: int) -> dict[str, Any]:
@@ -163,7 +167,15 @@ class TargetReplica:
     """The body of the target deployment (wrapped with serve.deployment in app.py): it starts
     the configured engine backend and serves the engine interface to the ingress/router."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], role: Role = "both",
+                 decode: DeploymentHandle | None = None) -> None:
+        """`role`: "both" (prefill and decode), or a side of a disaggregated app: "prefill"
+        (prefills, then hands each request to a replica of `decode` and relays its stream) or
+        "decode" (serves `decode` calls)."""
+        if (role == "prefill") != (decode is not None):
+            raise ValueError("a prefill replica, and only one, needs the decode deployment")
+        self.role = role
+        self._decode = decode.options(stream=True).decode if decode is not None else None
         self.config = AppConfig.model_validate(config)
         install_trace_ids()
         started = time.perf_counter()
@@ -220,7 +232,20 @@ class TargetReplica:
                 if self._watcher is None or self._watcher.done():
                     self._watcher = asyncio.get_running_loop().create_task(
                         self._watch_callers())
-            async for out in self.engine.generate(request):
+            if self._decode is None:
+                async for out in self.engine.generate(request):
+                    yield out
+                return
+            result = await self.engine.prefill(request)  # type: ignore[attr-defined]
+            if isinstance(result, RequestOutput):  # it ended on its first token
+                yield result
+                return
+            if ledger is not None:  # the request holds nothing here any more
+                ledger.release(request.request_id)
+                ledger = None
+            # The hand-over travels to the decode replica as the call's argument (Ray's
+            # object store); the tokens come back through here to the caller.
+            async for out in self._decode.remote(result):
                 yield out
         finally:
             if ledger is not None:
@@ -230,6 +255,14 @@ class TargetReplica:
                 mine.pop(request.request_id, None)
                 if not mine:
                     self._by_caller.pop(caller, None)
+
+    async def decode(self, handoff: RequestHandoff) -> AsyncIterator[RequestOutput]:
+        """A request a prefill replica handed over: decoded here, streamed from its first
+        token (aborted here when its prefill replica, and so its caller, stops reading)."""
+        if self.role != "decode":
+            raise ValueError(f"this replica is a {self.role!r} replica, not a decode one")
+        async for out in self.engine.adopt(handoff):  # type: ignore[attr-defined]
+            yield out
 
     async def _watch_callers(self) -> None:
         """Once a second, while requests are in flight: is each sending ingress still alive?
