@@ -99,3 +99,27 @@ def test_a_dropped_stream_leaves_nothing_held(server: Any) -> None:
         assert held("DecodeDeployment")[0][1] >= 1  # decoding there
         assert holds_nothing("TargetDeployment")  # handed over: nothing on the prefill side
     assert holds_nothing("DecodeDeployment")
+
+
+def test_a_prefill_replica_that_dies_mid_answer_frees_the_decode_side(server: Any) -> None:
+    """The prefill replica relays the decode side's stream; killed after the hand-over, its
+    client's stream ends and the decode replica (which watches it as its caller) aborts the
+    request. Last in the module: Serve replaces the killed replica."""
+    import ray
+
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if "TargetDeployment" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    assert len(names) == 1
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        assert held("DecodeDeployment")[0][1] >= 1
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=False)
+        with pytest.raises(httpx.HTTPError):
+            for _ in lines:  # the stream breaks (or ends) without its 500 tokens
+                pass
+            raise httpx.ReadError("ended")
+    assert holds_nothing("DecodeDeployment")

@@ -185,6 +185,11 @@ class TargetReplica:
         else:
             self.engine, self.workers, self.info = _start_reference(self.config, config)
         self.replica = replica_name()
+        # This replica as a caller of the decode side (which watches it like the ingress).
+        from ray.serve._private.constants import SERVE_NAMESPACE
+
+        name = ray.get_runtime_context().get_actor_name()
+        self.caller = (SERVE_NAMESPACE, name) if name else None
         self._status_at = -1e9
         self._status: dict[str, Any] = {}
         self._last_check_problem: str | None = None
@@ -225,13 +230,8 @@ class TargetReplica:
             except ReplicaFull as exc:
                 exc.info["replica"] = self._replica_id()
                 raise
-        task = asyncio.current_task()
+        self._track(caller, request.request_id)
         try:
-            if caller is not None and task is not None:
-                self._by_caller.setdefault(caller, {})[request.request_id] = task
-                if self._watcher is None or self._watcher.done():
-                    self._watcher = asyncio.get_running_loop().create_task(
-                        self._watch_callers())
             if self._decode is None:
                 async for out in self.engine.generate(request):
                     yield out
@@ -244,25 +244,43 @@ class TargetReplica:
                 ledger.release(request.request_id)
                 ledger = None
             # The hand-over travels to the decode replica as the call's argument (Ray's
-            # object store); the tokens come back through here to the caller.
-            async for out in self._decode.remote(result):
+            # object store); the tokens come back through here to the caller. The decode
+            # replica watches this one as its caller.
+            async for out in self._decode.remote(result, self.caller):
                 yield out
         finally:
             if ledger is not None:
                 ledger.release(request.request_id)
-            if caller is not None:
-                mine = self._by_caller.get(caller, {})
-                mine.pop(request.request_id, None)
-                if not mine:
-                    self._by_caller.pop(caller, None)
+            self._untrack(caller, request.request_id)
 
-    async def decode(self, handoff: RequestHandoff) -> AsyncIterator[RequestOutput]:
-        """A request a prefill replica handed over: decoded here, streamed from its first
-        token (aborted here when its prefill replica, and so its caller, stops reading)."""
+    def _track(self, caller: tuple[str, str] | None, request_id: str) -> None:
+        """Serve `request_id` for `caller` (an actor): its task is cancelled if that actor
+        dies (`_watch_callers`)."""
+        task = asyncio.current_task()
+        if caller is not None and task is not None:
+            self._by_caller.setdefault(caller, {})[request_id] = task
+            if self._watcher is None or self._watcher.done():
+                self._watcher = asyncio.get_running_loop().create_task(self._watch_callers())
+
+    def _untrack(self, caller: tuple[str, str] | None, request_id: str) -> None:
+        if caller is not None:
+            mine = self._by_caller.get(caller, {})
+            mine.pop(request_id, None)
+            if not mine:
+                self._by_caller.pop(caller, None)
+
+    async def decode(self, handoff: RequestHandoff, caller: tuple[str, str] | None = None
+                     ) -> AsyncIterator[RequestOutput]:
+        """A request a prefill replica (`caller`) handed over: decoded here, streamed from its
+        first token; aborted when that replica stops reading or dies."""
         if self.role != "decode":
             raise ValueError(f"this replica is a {self.role!r} replica, not a decode one")
-        async for out in self.engine.adopt(handoff):  # type: ignore[attr-defined]
-            yield out
+        self._track(caller, handoff.request_id)
+        try:
+            async for out in self.engine.adopt(handoff):  # type: ignore[attr-defined]
+                yield out
+        finally:
+            self._untrack(caller, handoff.request_id)
 
     async def _watch_callers(self) -> None:
         """Once a second, while requests are in flight: is each sending ingress still alive?
