@@ -182,3 +182,14 @@ def sample_many(engine: EngineCore, prompt: list[int], params: SamplingParams, n
         plist = [SamplingParams(**{**params.__dict__, "seed": chunk + i}) for i in range(500)]
         outs += engine.generate([prompt] * 500, plist)
     return [o.token_ids for o in outs]
+
+
+def prefill_for_handoff(engine: EngineCore, prompt: list[int], params: SamplingParams) -> str:
+    """Add `prompt` as a hand-off request and step until it is prefilled (nothing streams
+    from the prefill side meanwhile); its request id, ready for `engine.export`."""
+    rid = engine.add_request(prompt, params, hand_off=True)
+    while True:
+        outs = [o for o in engine.step() if o.request_id == rid]
+        assert all(not o.token_ids for o in outs)
+        if any(o.prefilled for o in outs):
+            return rid

@@ -75,7 +75,7 @@ def test_the_hand_over_bytes_are_what_the_engine_moves(tmp_path) -> None:
     draft's context rows) against the reference engine's export of the same mini K3, which
     keeps every cache in fp32 (the planner's bf16 is half of it per token; SGLang's bf16
     conv / fp32 SSM state is the engine's with conv_bytes 4)."""
-    from spec_helpers import engine_from
+    from spec_helpers import engine_from, prefill_for_handoff
     from tiny_models import tiny_k3_config, write_random_k3_pair
 
     from capacity.families import descriptor_from_config
@@ -88,10 +88,8 @@ def test_the_hand_over_bytes_are_what_the_engine_moves(tmp_path) -> None:
     engine = engine_from((target, draft))
     moved = {}
     for n in (20, 52):
-        rid = engine.add_request(list(range(1, n + 1)),
-                                 SamplingParams(temperature=0.0, max_tokens=4), hand_off=True)
-        while not any(o.prefilled for o in engine.step()):
-            pass
+        rid = prefill_for_handoff(engine, list(range(1, n + 1)),
+                                  SamplingParams(temperature=0.0, max_tokens=4))
         moved[n] = engine.export(rid).nbytes
     per_token = (moved[52] - moved[20]) / 32
     planned = handoff_bytes(model, draft_model, 1, KvDtype.BF16) - model.kda_state_bytes()

@@ -14,7 +14,14 @@ import jsonschema
 import pytest
 import torch
 from fuzz_strategies import HOSTILE_SCHEMAS
-from spec_helpers import SAMPLED, SkewedProposer, chi2_pvalue, engine_with, sample_many
+from spec_helpers import (
+    SAMPLED,
+    SkewedProposer,
+    chi2_pvalue,
+    engine_with,
+    prefill_for_handoff,
+    sample_many,
+)
 from tiny_models import DATA, tiny_k3_config, write_k3_format_pair, write_random_k3_pair
 
 from serve_app.chat.xtml_output import XTMLControls, XTMLOutputParser
@@ -213,10 +220,7 @@ def test_a_constrained_request_handed_over_decodes_as_target_only(
     decode = k3_engine(k3_pair, tokenizer, speculative=True)
     for name in ("json_schema", "required"):
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[name], grammar=SPECS[name])
-        rid = prefill.add_request(prompts[1], params, hand_off=True)
-        while not any(o.prefilled for o in prefill.step()):
-            pass
-        rid = decode.adopt(prefill.export(rid))
+        rid = decode.adopt(prefill.export(prefill_for_handoff(prefill, prompts[1], params)))
         tokens: list[int] = []
         while rid in decode.sequences:
             tokens += [t for o in decode.step() for t in o.token_ids]

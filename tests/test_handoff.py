@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from spec_helpers import engine_from
+from spec_helpers import prefill_for_handoff as prefill
 from tiny_models import tiny_k3_config, write_random_k3_pair
 
 from serve_app.config import ReferenceEngineConfig
@@ -57,15 +58,6 @@ def finish(engine: EngineCore, rids: list[str]) -> dict[str, Any]:
                 if out.finished:
                     final[out.request_id] = out
     return {r: (tokens[r], final[r]) for r in rids}
-
-
-def prefill(engine: EngineCore, prompt: list[int], params: SamplingParams) -> str:
-    rid = engine.add_request(prompt, params, hand_off=True)
-    while True:
-        outs = [o for o in engine.step() if o.request_id == rid]
-        assert all(not o.token_ids for o in outs)  # nothing streams from the prefill side
-        if any(o.prefilled for o in outs):
-            return rid
 
 
 def disaggregated(p: EngineCore, d: EngineCore, prompt: list[int], params: SamplingParams
