@@ -509,10 +509,11 @@ async def test_an_add_request_crash_refuses_only_that_request(
     core = engine_from(pair)
     real = core.add_request
 
-    def add_request(prompt: list[int], params: SamplingParams, rid: str | None = None) -> str:
+    def add_request(prompt: list[int], params: SamplingParams, rid: str | None = None,
+                    hand_off: bool = False) -> str:
         if rid == "boom":
             raise RuntimeError("an unexpected bug at /srv/engine.py")
-        return real(prompt, params, rid)
+        return real(prompt, params, rid, hand_off=hand_off)
 
     core.add_request = add_request  # type: ignore[method-assign]
     engine = async_engine(core)

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 from ray import serve
@@ -22,12 +22,14 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serve_app.config import AppConfig, context_length
-from serve_app.engines.reference.handoff import RequestHandoff
 from serve_app.engines.types import Engine, EngineUnavailable, GenerateRequest, RequestOutput
 from serve_app.netutil import free_port
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.metrics import replica_name
 from serve_app.routing.reservation import ReplicaFull, ReplicaLedger, Reservation
+
+if TYPE_CHECKING:  # torch stays out of the ingress's process
+    from serve_app.engines.reference.handoff import RequestHandoff
 
 logger = get_logger("target")
 
