@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from serve_app.tokenizer import HFTokenizer
+from serve_app.chat.segments import encode_segments
+from serve_app.tokenizer import Tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
 TARGET = ASSETS / "kimi-k3-mini"
@@ -21,20 +23,29 @@ HELDOUT_PROMPTS = ASSETS / "heldout_prompts.json"
 ASSET_DIRS = (TARGET, DRAFT, TOKENIZER)
 
 
-def heldout_prompt_texts() -> dict[str, list[str]]:
-    """{'completion': [code...], 'chat': [user message...]} from held-out corpus files."""
+def heldout_prompts() -> dict[str, list]:
+    """{'completion': [code...], 'conversations': [{kind, request, answer}...]} from held-out
+    corpus files (`python -m serve_app.training heldout` writes them)."""
     data = json.loads(HELDOUT_PROMPTS.read_text())
-    return {"completion": list(data["completion"]), "chat": list(data["chat"])}
+    return {"completion": list(data["completion"]), "conversations": list(data["conversations"])}
 
 
-def heldout_prompt_ids(tokenizer: HFTokenizer, n_completion: int | None = None,
+def chat_prompt_ids(tokenizer: Tokenizer, request: dict[str, Any]) -> list[int]:
+    """A chat request's prompt ids as the ingress makes them (its chat format's plan)."""
+    from serve_app.chat.formats import chat_format_for
+    from serve_app.serving.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"model": "embedded", **request})
+    return encode_segments(tokenizer, chat_format_for(tokenizer).plan(body).segments)
+
+
+def heldout_prompt_ids(tokenizer: Tokenizer, n_completion: int | None = None,
                        n_chat: int | None = None) -> list[list[int]]:
-    """Token ids of the held-out prompts: completion prompts as raw text, chat prompts through
-    the chat template with the generation prompt."""
-    texts = heldout_prompt_texts()
-    ids = [tokenizer.encode(t) for t in texts["completion"][:n_completion]]
-    ids += [tokenizer.apply_chat_template([{"role": "user", "content": m}])
-            for m in texts["chat"][:n_chat]]
+    """Token ids of the held-out prompts: completion prompts as raw text, then the held-out
+    conversations' requests as the ingress renders them (ending with the generation prompt)."""
+    prompts = heldout_prompts()
+    ids = [tokenizer.encode_text(t) for t in prompts["completion"][:n_completion]]
+    ids += [chat_prompt_ids(tokenizer, c["request"]) for c in prompts["conversations"][:n_chat]]
     return ids
 
 

@@ -178,6 +178,21 @@ def _assistant(m: Message, thinking: bool) -> list[Segment]:
     return _message(_role("assistant", m.name), body)
 
 
+def generation_prompt(thinking: bool) -> list[Segment]:
+    """What a prompt ends with: the assistant message opened, then its first channel."""
+    return [*_open("message", [("role", "assistant")]), *_open("think" if thinking else "response")]
+
+
+def assistant_completion(m: Message, thinking: bool) -> list[Segment]:
+    """What the model writes after `generation_prompt`: an unnamed assistant message as the
+    history renders it, less that prompt (the training corpus's completions, so that what the
+    model learns to write is exactly what a later turn renders)."""
+    whole, stub = _assistant(m, thinking), generation_prompt(thinking)
+    if m.name or whole[:len(stub)] != stub:
+        raise ValueError("a completion is an unnamed assistant message")
+    return whole[len(stub):]
+
+
 class RenderError(ValueError):
     """A conversation the format cannot express; `param` names the field."""
 
@@ -257,6 +272,5 @@ def render(messages: Sequence[Message], options: RenderOptions) -> list[Segment]
     if o.response_format in ("json_object", "json_schema"):
         out += response_format_message(o.response_format, o.response_schema)
     if o.add_generation_prompt:
-        out += [*_open("message", [("role", "assistant")]),
-                *_open("think" if o.thinking else "response")]
+        out += generation_prompt(o.thinking)
     return out

@@ -3,7 +3,7 @@
 Trains the embedded CPU default from the Python standard library's source on this machine:
 the tokenizer, the mini Kimi K3 target and its DSpark draft, each under a wall-time budget, and
 writes the asset folders (default: `serve_app/assets/`). `all` trains the target then the draft
-with the committed tokenizer (`train-tokenizer` remakes it). CI runs a short version of the same
+with the committed tokenizer (`train-tokenizer` remakes it) and held-out prompts (`heldout`). CI runs a short version of the same
 recipe (tests/test_training.py).
 
     python -m serve_app.training all --budget-minutes 130 --seed 0
@@ -85,6 +85,34 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
           f"({time.monotonic() - t0:.0f} s)", flush=True)
 
 
+def cmd_heldout(args: argparse.Namespace) -> None:
+    """The fixed held-out prompts (`embedded.heldout_prompts`): code prompts and conversations
+    of every kind, from held-out files only."""
+    import random
+
+    from serve_app.embedded import HELDOUT_PROMPTS
+    from serve_app.training.conversations import per_kind
+    from serve_app.training.corpus import heldout_prompts
+
+    _, held = _corpus()
+    data = {
+        "about": "Fixed evaluation prompts cut from the HELD-OUT files of the training corpus "
+                 "(stdlib files whose path hash falls in bucket 0 of 20; never trained on), "
+                 f"CPython {platform.python_version()}. 'completion': raw code that the target "
+                 "continues; 'conversations': chat requests in OpenAI's shape (rendered in the "
+                 "tokenizer's chat format) with the answer the corpus would give. Written by "
+                 "`python -m serve_app.training heldout`.",
+        "heldout_files": [f.rel for f in held],
+        "completion": heldout_prompts(held, 10),
+        "conversations": [{"kind": c.kind, "request": c.request, "answer": c.answer}
+                          for c in per_kind(held, 2, random.Random(args.seed))],
+    }
+    out = args.out / HELDOUT_PROMPTS.name
+    out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    print(f"heldout: {len(data['completion'])} code prompts, {len(data['conversations'])} "
+          f"conversations -> {out}", flush=True)
+
+
 def cmd_target(args: argparse.Namespace, budget_s: float) -> None:
     from serve_app.tokenizer import load_tokenizer
     from serve_app.training.train_target import train_target
@@ -110,8 +138,8 @@ def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_app.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["train-tokenizer", "train-target", "train-draft",
-                                            "all", "cards"])
+    parser.add_argument("command", choices=["train-tokenizer", "heldout", "train-target",
+                                            "train-draft", "all", "cards"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-minutes", type=float, default=None,
                         help=f"wall-time budget of this command (all: {round(100 * _TARGET_SHARE)}%% target)")
@@ -135,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.provenance = provenance(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    defaults = {"train-tokenizer": 2.0, "train-target": _TARGET_MINUTES,
+    defaults = {"train-tokenizer": 2.0, "heldout": 0.0, "train-target": _TARGET_MINUTES,
                 "train-draft": _DRAFT_MINUTES, "all": _TARGET_MINUTES + _DRAFT_MINUTES,
                 "cards": 0.0}
     budget_s = 60 * (args.budget_minutes if args.budget_minutes is not None
@@ -150,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         write_cards(args.out, bench)
     elif args.command == "train-tokenizer":
         cmd_tokenizer(args)
+    elif args.command == "heldout":
+        cmd_heldout(args)
     elif args.command == "train-target":
         cmd_target(args, budget_s)
     elif args.command == "train-draft":

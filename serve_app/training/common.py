@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serve_app.chat.segments import encode_segments
 from serve_app.tokenizer import HFTokenizer
-from serve_app.training.bpe import SPECIAL_TOKENS
-from serve_app.training.corpus import SourceFile, chat_documents
+from serve_app.training.conversations import Conversation, conversations
+from serve_app.training.corpus import SourceFile
 
 
 def seed_everything(seed: int) -> None:
@@ -76,22 +77,39 @@ def cosine_lr(fraction: float, step: int, peak: float, warmup: int, floor: float
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction))))
 
 
+# The share of the training stream's tokens that are conversations in K3's format (the rest is
+# the code itself).
+CONVERSATION_FRACTION = 0.3
+
+
+def conversation_ids(tok: HFTokenizer, conversation: Conversation) -> tuple[list[int], list[int]]:
+    """(prompt, completion) token ids, tokenized as the server tokenizes a request."""
+    prompt, completion = conversation.tokens()
+    return encode_segments(tok, prompt), encode_segments(tok, completion)
+
+
 def encode_documents(tok: HFTokenizer, files: list[SourceFile], seed: int,
-                     chat_fraction: float = 0.25) -> torch.Tensor:
-    """One token stream: every file and some chat exchanges (about `chat_fraction` of the
-    documents), shuffled with the seed, each followed by <|endoftext|>."""
+                     conversation_fraction: float = CONVERSATION_FRACTION) -> torch.Tensor:
+    """One token stream: every file (as plain text: a file's "[EOS]" stays characters) and
+    conversations about its functions in K3's chat format (`conversation_fraction` of the
+    tokens), shuffled with the seed, each document preceded by [BOS]."""
     rng = random.Random(seed)
-    texts = [f.text for f in files]
-    # Chats average ~700 characters: enough of them for chat_fraction of the characters.
-    n_chat = int(sum(map(len, texts)) * chat_fraction / (1 - chat_fraction) / 700)
-    texts += [tok.render_chat(m, add_generation_prompt=False)
-              for m in chat_documents(files, rng, n_chat)]
-    rng.shuffle(texts)
-    sep = tok.tokenizer.token_to_id(SPECIAL_TOKENS[0])
+    docs = [tok.encode_text(f.text) for f in files]
+    wanted = sum(map(len, docs)) * conversation_fraction / (1 - conversation_fraction)
+    made = 0
+    while made < wanted:
+        batch = conversations(files, 256, rng)
+        if not batch:
+            break
+        for c in batch:
+            prompt, completion = conversation_ids(tok, c)
+            docs.append(prompt + completion)
+            made += len(docs[-1])
+    rng.shuffle(docs)
     ids: list[int] = []
-    for enc in tok.tokenizer.encode_batch(texts, add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(sep)
+    for doc in docs:
+        ids.append(tok.bos_token_id)
+        ids.extend(doc)
     return torch.tensor(ids, dtype=torch.int32)
 
 

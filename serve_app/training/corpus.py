@@ -6,19 +6,15 @@ content), so the same files are held out on every Python 3.11 install even when 
 edit a few of them. Another minor version of Python gives a slightly different corpus; the
 committed models were trained on CPython 3.11.7.
 
-Besides raw files, some training documents are chat exchanges built from the same training
-files ("Write the function X from module Y." -> its source), so that a chat request to the demo
-gets an answer in the assistant's turn instead of random code.
+The training stream also holds conversations in Kimi K3's chat format about the same files'
+functions (`conversations.py`).
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import random
 import sysconfig
-import textwrap
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,43 +70,6 @@ def split_files(files: list[SourceFile]) -> tuple[list[SourceFile], list[SourceF
     train = [f for f in files if not is_heldout(f.rel)]
     heldout = [f for f in files if is_heldout(f.rel)]
     return train, heldout
-
-
-def function_examples(file: SourceFile, max_chars: int = 1600) -> Iterator[tuple[str, str]]:
-    """(request, source) pairs for the top-level functions and methods of a file whose source
-    is short enough to fit a training window."""
-    try:
-        tree = ast.parse(file.text)
-    except SyntaxError:
-        return
-    lines = file.text.splitlines(keepends=True)
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            continue
-        if node.name.startswith("__") or node.name.startswith("test") or not node.end_lineno:
-            continue
-        # Whole lines, dedented (methods read as standalone functions); not
-        # ast.get_source_segment, which rescans the file per call (minutes on the stdlib).
-        src = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).rstrip() + "\n"
-        if not 80 <= len(src) <= max_chars:
-            continue
-        yield f"Write the function {node.name} from the {file.module} module.", src
-
-
-def chat_documents(files: list[SourceFile], rng: random.Random,
-                   max_examples: int) -> list[list[dict[str, str]]]:
-    """Chat exchanges (message lists) drawn from the given files."""
-    examples = [ex for f in files for ex in function_examples(f)]
-    rng.shuffle(examples)
-    chats = []
-    for request, src in examples[:max_examples]:
-        messages = [{"role": "user", "content": request},
-                    {"role": "assistant", "content": src}]
-        # A third of the chats carry a system turn, so the template's system role is trained.
-        if rng.random() < 0.33:
-            messages.insert(0, {"role": "system", "content": "You are a helpful Python assistant."})
-        chats.append(messages)
-    return chats
 
 
 def heldout_prompts(files: list[SourceFile], n: int, seed: int = 0,

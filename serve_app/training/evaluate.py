@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from serve_app.chat.formats import ChatPlan, chat_format_for
+from serve_app.chat.segments import encode_segments
+from serve_app.chat.xtml_render import END_OF_MSG, HistoryCall, Message, assistant_completion
 from serve_app.config import ReferenceEngineConfig, SpeculationConfig
 from serve_app.engines.reference.builder import (
     build_engine,
@@ -13,6 +18,7 @@ from serve_app.engines.reference.builder import (
 )
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams
+from serve_app.tokenizer import Tokenizer, stop_token_ids
 
 LOOP_NGRAM = 4
 LOOP_COVERAGE = 0.5
@@ -76,3 +82,89 @@ def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]],
                                                  ignore_eos=True))[0].token_ids for p in prompts]
         result["identical_to_target_only"] = ref == [o.token_ids for o in outs]
     return result
+
+
+def well_formed(tokenizer: Tokenizer, plan: ChatPlan, ids: Sequence[int]) -> bool:
+    """An answer in K3's format that the output parser reads in full and that the renderer
+    would write back unchanged: it ends the message (<|end_of_msg|>), and re-rendering the
+    reasoning, content and tool calls the parser read gives the same text, control tokens
+    included (so no stray tag, channel or call was dropped on the way)."""
+    assert plan.k3 is not None
+    end = tokenizer.special_ids[END_OF_MSG]
+    if not ids or ids[-1] != end:
+        return False
+    output = chat_format_for(tokenizer).output(plan)
+    output.parser.feed(ids)
+    output.parser.finish()
+    p = output.parser
+    if any(not c.complete for c in p.tool_calls):
+        return False
+    try:
+        calls = tuple(HistoryCall(c.name, arguments=json.loads(c.arguments))
+                      for c in p.tool_calls)
+    except ValueError:
+        return False
+    if any(not isinstance(c.arguments, dict) for c in calls):
+        return False
+    answer = Message("assistant", (p.content,), reasoning=p.reasoning, tool_calls=calls)
+    rendered = encode_segments(tokenizer, assistant_completion(answer, plan.k3.thinking))
+    return tokenizer.decode(rendered, skip_special_tokens=False) == tokenizer.decode(
+        list(ids), skip_special_tokens=False)
+
+
+def valid_call(plan: ChatPlan, arguments: str, name: str) -> bool:
+    """A call of a declared tool whose arguments validate against its parameters schema."""
+    import jsonschema
+
+    assert plan.k3 is not None
+    fn = plan.k3.declared.get(name)
+    if fn is None:
+        return False
+    try:
+        jsonschema.validate(json.loads(arguments), fn.get("parameters") or {"type": "object"})
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def measure_conversations(target: Path, draft: Path, tokenizer: Tokenizer,
+                          conversations: list[dict[str, Any]], max_tokens: int = 384,
+                          seed: int = 0, grammar: bool = False) -> dict[str, Any]:
+    """The held-out conversations answered at K3's own sampling parameters (thinking: T 1.0,
+    non-thinking: T 0.6; top_p 0.95), with speculation, one at a time: the share of
+    well-formed answers (`well_formed`) and, for tool_choice required, of answers that call a
+    declared tool with valid arguments; `grammar` constrains as the server would."""
+    from serve_app.chat.parameters import K3_TEMPERATURE, K3_TOP_P
+    from serve_app.serving.protocol import ChatCompletionRequest
+
+    engine = pair_engine(target, draft, True)
+    fmt = chat_format_for(tokenizer)
+    stops = tuple(stop_token_ids(tokenizer))
+    formed, required, required_ok, by_kind = 0, 0, 0, {}
+    for i, c in enumerate(conversations):
+        body = ChatCompletionRequest.model_validate({"model": "embedded", **c["request"]})
+        plan = fmt.plan(body)
+        assert plan.k3 is not None
+        params = SamplingParams(temperature=K3_TEMPERATURE[plan.k3.thinking], top_p=K3_TOP_P,
+                                max_tokens=max_tokens, seed=seed + i, stop_token_ids=stops,
+                                grammar=plan.grammar if grammar else None)
+        out = engine.generate([encode_segments(tokenizer, plan.segments)], params)[0]
+        ok = well_formed(tokenizer, plan, out.token_ids)
+        formed += ok
+        kind = by_kind.setdefault(c["kind"], [0, 0])
+        kind[0] += ok
+        kind[1] += 1
+        if c["request"].get("tool_choice") == "required":
+            required += 1
+            output = fmt.output(plan)
+            output.parser.feed(out.token_ids)
+            output.parser.finish()
+            calls = output.parser.tool_calls
+            required_ok += bool(calls) and all(valid_call(plan, t.arguments, t.name)
+                                               for t in calls)
+    stats = engine.stats()
+    return {"conversations": len(conversations), "max_tokens": max_tokens, "grammar": grammar,
+            "well_formed": formed / max(1, len(conversations)),
+            "well_formed_by_kind": {k: f"{a}/{n}" for k, (a, n) in by_kind.items()},
+            "tool_required": required, "tool_required_valid": required_ok / max(1, required),
+            "spec_accept_length_token_weighted": stats["spec_accept_length"]}

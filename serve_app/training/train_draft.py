@@ -34,12 +34,14 @@ from serve_app.tokenizer import HFTokenizer
 from serve_app.training.common import (
     Progress,
     ThreadTuner,
+    conversation_ids,
     cosine_lr,
     encode_documents,
     random_windows,
     seed_everything,
 )
-from serve_app.training.corpus import SourceFile, chat_documents
+from serve_app.training.conversations import conversations
+from serve_app.training.corpus import SourceFile
 
 GAMMA = 7
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
@@ -122,12 +124,12 @@ def generate(target: K3ForCausalLM, prompts: torch.Tensor, new_tokens: int,
 def generation_prompts(tok: HFTokenizer, stream: torch.Tensor, files: list[SourceFile],
                        n: int, length: int, rng: random.Random,
                        gen: torch.Generator) -> torch.Tensor:
-    """[n, length] prompts: corpus windows, and (a quarter of them) a chat request placed after
-    a document separator at the end of a corpus window, the way a chat prompt starts fresh."""
+    """[n, length] prompts: corpus windows, and (a quarter of them) a chat request in K3's
+    format, ending with its generation prompt, placed after a document separator at the end of
+    a corpus window, the way a chat prompt starts fresh."""
     rows = random_windows(stream, n, length, gen)
-    chats = chat_documents(files, rng, n // 4)
-    for i, messages in enumerate(chats):
-        ids = [tok.bos_token_id, *tok.apply_chat_template(messages[:-1])]
+    for i, c in enumerate(conversations(files, n // 4, rng)):
+        ids = [tok.bos_token_id, *conversation_ids(tok, c)[0]]
         if len(ids) < length:
             rows[i, length - len(ids):] = torch.tensor(ids)
     return rows[torch.randperm(n, generator=gen)]
@@ -224,7 +226,7 @@ def train_draft(
     for p in target.parameters():
         p.requires_grad_(False)
     stream = encode_documents(tok, train_files, seed + 1)
-    held = encode_documents(tok, heldout_files, seed + 1, chat_fraction=0.0)
+    held = encode_documents(tok, heldout_files, seed + 1, conversation_fraction=0.0)
     seq_len = prompt_len + new_tokens
 
     # 1. The target's own continuations (a fixed share of the budget).
@@ -323,12 +325,20 @@ def train_draft(
                          [round(float(a), 4) for a in by_row], est)
     metrics = {**_metrics(result), "provenance": provenance or {}}
     # What the engine measures on the fixed held-out prompts (after the training wall time).
-    from serve_app.embedded import heldout_prompt_ids
-    from serve_app.training.evaluate import measure_acceptance
+    from serve_app.embedded import heldout_prompt_ids, heldout_prompts
+    from serve_app.training.evaluate import measure_acceptance, measure_conversations
 
     metrics["engine_heldout_greedy"] = measure_acceptance(
         target_dir, out, heldout_prompt_ids(tok)[:eval_prompts])
     print(f"draft: engine, held-out greedy: {metrics['engine_heldout_greedy']}", flush=True)
+    # The pair as a K3 server samples it: the held-out conversations at K3's parameters.
+    held_conversations = heldout_prompts()["conversations"][:eval_prompts]
+    for grammar in (False, True):
+        key = "engine_heldout_conversations" + ("_grammar" if grammar else "")
+        metrics[key] = measure_conversations(target_dir, out, tok, held_conversations,
+                                             grammar=grammar)
+        print(f"draft: engine, held-out conversations at K3's parameters"
+              f"{' with the grammar' if grammar else ''}: {metrics[key]}", flush=True)
     (out / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return result
 

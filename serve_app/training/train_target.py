@@ -178,7 +178,7 @@ def train_target(
     seed_everything(seed)
     start = time.monotonic()
     stream = encode_documents(tok, train_files, seed)
-    held = encode_documents(tok, heldout_files, seed, chat_fraction=0.0)
+    held = encode_documents(tok, heldout_files, seed, conversation_fraction=0.0)
     eval_windows = fixed_windows(held, 48, seq_len + 1)
     print(f"target: {len(stream):,} training tokens, {len(held):,} held-out tokens "
           f"({len(train_files)} / {len(heldout_files)} files)", flush=True)
