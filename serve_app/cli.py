@@ -89,7 +89,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from serve_app.demo import run_demo
 
-    return run_demo(args.prompt, args.max_tokens, args.port)
+    return run_demo(args.max_tokens, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,10 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_inspect)
-    p = sub.add_parser("demo", help="serve deployments/local.yaml and stream one chat answer "
-                       "with its acceptance statistics")
-    p.add_argument("--prompt", help="the user message (default: a held-out prompt)")
-    p.add_argument("--max-tokens", type=int, default=160)
+    p = sub.add_parser("demo", help="serve deployments/local.yaml and stream a K3 conversation "
+                       "(reasoning, answer, a required tool call) with acceptance statistics")
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--port", type=int, help="HTTP port (default: the deployment file's)")
     p.set_defaults(func=_cmd_demo)
     args = parser.parse_args(argv)

@@ -1,5 +1,7 @@
 """The main job on the embedded CPU default: serve `deployments/local.yaml` with Ray Serve, stream
-one chat answer through the OpenAI API, and print its speculative-decoding statistics."""
+a K3 conversation through the OpenAI API (the reasoning, then the answer; then a request with
+tools and tool_choice required, answered by a tool call), and print the speculative-decoding
+statistics after each."""
 
 from __future__ import annotations
 
@@ -29,10 +31,61 @@ def _local_config() -> dict[str, Any]:
             "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25}}}]}
 
 
-def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None = None,
+def _stats(usage: Any, elapsed: float, first: float | None, t0: float, gamma: int) -> None:
+    spec = usage.model_extra or {}
+    print(f"  completion tokens      {usage.completion_tokens} in {elapsed:.2f} s "
+          f"({usage.completion_tokens / elapsed:.1f} tokens/s, first token after "
+          f"{((first or t0) - t0) * 1e3:.0f} ms)")
+    print(f"  spec_accept_length     {spec.get('spec_accept_length', 0):.2f} tokens per verify "
+          f"step (max {gamma + 1})")
+    print(f"  spec_accept_rate       {spec.get('spec_accept_rate', 0):.2f}")
+    print(f"  spec_verify_ct         {spec.get('spec_verify_ct')}")
+    print(f"  accepted-drafts histogram (steps that accepted 0..{gamma} drafts): "
+          f"{json.dumps(spec.get('spec_correct_drafts_histogram'))}\n")
+
+
+def _stream(client: Any, model: str, request: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """Stream one chat request, printing reasoning and answer as they come; returns what came."""
+    t0 = time.perf_counter()
+    first, usage, reasoning, text, calls = None, None, "", "", {}
+    channel = None
+    stream = client.chat.completions.create(model=model, max_tokens=max_tokens, stream=True,
+                                            **request)
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        think = (delta.model_extra or {}).get("reasoning_content")
+        for name, piece in (("thinking", think), ("assistant", delta.content)):
+            if piece:
+                first = first or time.perf_counter()
+                if channel != name:
+                    print(f"\n{name}> ", end="")
+                    channel = name
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                if name == "thinking":
+                    reasoning += piece
+                else:
+                    text += piece
+        for call in delta.tool_calls or []:
+            got = calls.setdefault(call.index, {"name": "", "arguments": ""})
+            got["name"] += call.function.name or ""
+            got["arguments"] += call.function.arguments or ""
+    elapsed = time.perf_counter() - t0
+    for call in calls.values():
+        print(f"\ntool call> {call['name']}({call['arguments']})", end="")
+    print("\n")
+    return {"reasoning": reasoning, "text": text, "tool_calls": list(calls.values()),
+            "usage": usage, "elapsed": elapsed, "first": first, "t0": t0}
+
+
+def run_demo(max_tokens: int = 256, port: int | None = None,
              result: dict[str, Any] | None = None) -> int:
-    """Returns the exit status; `result`, if given, receives the prompt, the streamed text and
-    the usage (with the speculative statistics)."""
+    """Returns the exit status; `result`, if given, receives each turn's request and what came
+    back (reasoning, text, tool calls, usage with the speculative statistics)."""
     # A local, single-machine cluster: no token authentication (set explicitly, see README).
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Serve's 5 s proxy readiness check is tight on a small, busy laptop (the proxy is killed
@@ -44,7 +97,7 @@ def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None 
 
     from serve_app.app import build_app
     from serve_app.config import AppConfig
-    from serve_app.embedded import heldout_prompt_texts
+    from serve_app.embedded import heldout_prompts
 
     deployment = _local_config()
     app_spec = deployment["applications"][0]
@@ -52,7 +105,12 @@ def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None 
     http = dict(deployment.get("http_options", {}))
     if port is not None:
         http["port"] = port
-    prompt = prompt or heldout_prompt_texts()["chat"][0]
+    # Two held-out conversations (never trained on): a question answered after thinking, then
+    # a request that must call one of its tools.
+    held = heldout_prompts()["conversations"]
+    turns = [next(c["request"] for c in held if c["kind"] == "code"),
+             next(c["request"] for c in held if c["kind"] == "tool_required")]
+    gamma = config.engine.reference.speculation.gamma or 7
 
     print(f"starting Ray Serve with {LOCAL_YAML.name}: {config.models.served_model_name}, "
           f"reference engine, TP {config.parallelism.tp}, speculation "
@@ -64,42 +122,24 @@ def run_demo(prompt: str | None = None, max_tokens: int = 160, port: int | None 
         serve.run(build_app(config), name=app_spec.get("name", "kimi"),
                   route_prefix=app_spec.get("route_prefix", "/"))
         base = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}/v1"
-        print(f"serving at {base} (ready in {time.perf_counter() - started:.1f} s)\n")
+        print(f"serving at {base} (ready in {time.perf_counter() - started:.1f} s)")
         client = openai.OpenAI(base_url=base, api_key="local", max_retries=0)
-        print(f"user> {prompt}\nassistant> ", end="", flush=True)
-        t0 = time.perf_counter()
-        first = None
-        usage = None
-        text = ""
-        stream = client.chat.completions.create(
-            model=config.models.served_model_name, messages=[{"role": "user", "content": prompt}],
-            max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True})
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                first = first or time.perf_counter()
-                text += chunk.choices[0].delta.content
-                sys.stdout.write(chunk.choices[0].delta.content)
-                sys.stdout.flush()
-            if chunk.usage is not None:
-                usage = chunk.usage
-        elapsed = time.perf_counter() - t0
-        print("\n")
+        got = []
+        for request in turns:
+            for tool in request.get("tools", []):
+                print(f"\n[tool] {tool['function']['name']}: {tool['function']['description']}",
+                      end="")
+            if "tool_choice" in request:
+                print(f"\n[tool_choice] {request['tool_choice']}", end="")
+            print(f"\nuser> {request['messages'][-1]['content']}", end="")
+            turn = _stream(client, config.models.served_model_name, request, max_tokens)
+            got.append({"request": request, **turn})
+            if turn["usage"] is None:
+                print("no usage returned", file=sys.stderr)
+                return 1
+            _stats(turn["usage"], turn["elapsed"], turn["first"], turn["t0"], gamma)
         if result is not None:
-            result.update(prompt=prompt, text=text, usage=usage, config=config)
-        if usage is None:
-            print("no usage returned", file=sys.stderr)
-            return 1
-        spec = usage.model_extra or {}
-        print(f"completion tokens      {usage.completion_tokens} in {elapsed:.2f} s "
-              f"({usage.completion_tokens / elapsed:.1f} tokens/s, first token after "
-              f"{((first or t0) - t0) * 1e3:.0f} ms)")
-        print(f"spec_accept_length     {spec.get('spec_accept_length', 0):.2f} tokens per verify "
-              f"step (max {(config.engine.reference.speculation.gamma or 7) + 1})")
-        print(f"spec_accept_rate       {spec.get('spec_accept_rate', 0):.2f}")
-        print(f"spec_verify_ct         {spec.get('spec_verify_ct')}")
-        print(f"accepted-drafts histogram (steps that accepted 0..7 drafts): "
-              f"{json.dumps(spec.get('spec_correct_drafts_histogram'))}")
+            result.update(turns=got, config=config)
         return 0
     finally:
         try:
