@@ -108,8 +108,9 @@ def run_demo(max_tokens: int = 256, port: int | None = None,
     # Two held-out conversations (never trained on): a question answered after thinking, then
     # a request that must call one of its tools.
     held = heldout_prompts()["conversations"]
-    turns = [next(c["request"] for c in held if c["kind"] == "code"),
-             next(c["request"] for c in held if c["kind"] == "tool_required")]
+    # Seeded: K3 samples (T 1.0 while thinking), and the demo shows the same answers each run.
+    turns = [{**next(c["request"] for c in held if c["kind"] == kind), "seed": 1}
+             for kind in ("code", "tool_required")]
     gamma = config.engine.reference.speculation.gamma or 7
 
     print(f"starting Ray Serve with {LOCAL_YAML.name}: {config.models.served_model_name}, "

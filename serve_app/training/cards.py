@@ -131,7 +131,7 @@ def _draft_card(dm: dict[str, Any], dcfg: dict[str, Any], bench: list[str],
         "convention (0-based layer outputs, no shift: the AttnRes mixture the next layer reads, "
         "the last layer's through the output read); block size (gamma) "
         f"{dcfg.get('block_size')}, Markov head rank {fl.get('markov_rank')}, confidence head, "
-        f"MASK token id {fl.get('mask_token_id')} (`<|mask|>`); the target's embedding and "
+        f"MASK token id {fl.get('mask_token_id')} (a reserved control token, as K3's draft's); the target's embedding and "
         "lm_head are used, not stored.",
         f"Parameters: {dm.get('parameters', 0):,}. Weights bf16, {_bytes(folder) / 1e6:.1f} MB.",
         "",
@@ -155,9 +155,27 @@ def _draft_card(dm: dict[str, Any], dcfg: dict[str, Any], bench: list[str],
         f"{eng.get('spec_accept_length_macro', 0):.2f} (macro over prompts) / "
         f"{eng.get('spec_accept_length_token_weighted', 0):.2f} (token-weighted), accept rate "
         f"{eng.get('spec_accept_rate', 0):.3f}; outputs identical to target-only: "
-        f"{eng.get('identical_to_target_only')}.", "",
+        f"{eng.get('identical_to_target_only')}.",
+        *_conversation_lines(dm), "",
         "## Speed", *bench, "",
     ]
+
+
+def _conversation_lines(dm: dict[str, Any]) -> list[str]:
+    """The pair on held-out K3 conversations at K3's sampling parameters (training records)."""
+    lines = []
+    for key, how in (("engine_heldout_conversations", "without a grammar"),
+                     ("engine_heldout_conversations_grammar", "with the server's grammar")):
+        c = dm.get(key)
+        if c:
+            lines.append(
+                f"Held-out conversations at K3's sampling parameters {how} ({c['conversations']}, "
+                f"up to {c['max_tokens']} tokens): {100 * c['well_formed']:.0f}% well-formed XTML "
+                f"(by kind {c['well_formed_by_kind']}); tool_choice required answers calling a "
+                f"declared tool with valid arguments {100 * c['tool_required_valid']:.0f}% of "
+                f"{c['tool_required']}; token-weighted accept length "
+                f"{c['spec_accept_length_token_weighted']:.2f}.")
+    return lines
 
 
 def write_cards(assets: Path, bench: dict[str, Any] | None = None) -> None:
@@ -171,9 +189,15 @@ def write_cards(assets: Path, bench: dict[str, Any] | None = None) -> None:
         "The Python standard library's own `.py` sources on the training machine (CPython "
         "3.11.7; `test/`, `idlelib/`, `lib2to3/`, `encodings/` and a few other folders skipped), "
         "read at training time; nothing downloaded. Files are split by a hash of their path: "
-        "1 in 20 is held out (`serve_app/assets/heldout_prompts.json` is cut from those). About "
-        "a quarter of the training characters are chat exchanges built from the training files "
-        "(user: `Write the function NAME from the MODULE module.`, assistant: its source).",
+        "1 in 20 is held out (`serve_app/assets/heldout_prompts.json` is cut from those, by "
+        "`python -m serve_app.training heldout`). 30% of the training tokens are conversations "
+        "in Kimi K3's chat format about the training files' functions "
+        "(`serve_app/training/conversations.py`), tokenized by the server's own K3 parser and "
+        "renderer: think and response channels, multi-turn history, request-level and dynamic "
+        "tool declarations, tool calls with typed arguments and tool results, tool_choice "
+        "required, questions that need no tool, json_schema and json_object answers, thinking "
+        "off. The tokenizer carries K3's control tokens (a 16-id block at the top of the "
+        "vocabulary, K3's names and offsets) and no chat template.",
     ]
     (target_dir / "MODEL_CARD.md").write_text("\n".join(
         _target_card(tm, _load(target_dir / "config.json"), lines, data, target_dir)))

@@ -335,7 +335,9 @@ def train_draft(
     held_conversations = heldout_prompts()["conversations"][:eval_prompts]
     for grammar in (False, True):
         key = "engine_heldout_conversations" + ("_grammar" if grammar else "")
+        # A step-budget run (CI's) measures the same way, shorter.
         metrics[key] = measure_conversations(target_dir, out, tok, held_conversations,
+                                             max_tokens=48 if max_steps else 384,
                                              grammar=grammar)
         print(f"draft: engine, held-out conversations at K3's parameters"
               f"{' with the grammar' if grammar else ''}: {metrics[key]}", flush=True)
