@@ -8,7 +8,15 @@ import statistics
 import pytest
 import torch
 
-from serve_app.embedded import DRAFT, TARGET, TOKENIZER, asset_bytes, heldout_prompt_ids
+from serve_app.chat.formats import K3Format, chat_format_for
+from serve_app.embedded import (
+    DRAFT,
+    TARGET,
+    TOKENIZER,
+    asset_bytes,
+    chat_prompt_ids,
+    heldout_prompt_ids,
+)
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.k3_config import K3Config
@@ -30,7 +38,7 @@ def tok() -> HFTokenizer:
 
 @pytest.fixture(scope="module")
 def prompts(tok: HFTokenizer) -> list[list[int]]:
-    # 5 code-completion prompts and 1 chat request, all from held-out files.
+    # 5 code-completion prompts and 1 K3 conversation, all from held-out files.
     return heldout_prompt_ids(tok, n_completion=5, n_chat=1)
 
 
@@ -67,22 +75,17 @@ def test_assets_fit_the_wheel_budget() -> None:
     assert asset_bytes() < 25_000_000
 
 
-def test_tokenizer_round_trip_and_chat_template(tok: HFTokenizer) -> None:
+def test_tokenizer_round_trip_and_k3_chat_format(tok: HFTokenizer) -> None:
     text = 'def f(x):\n    """Docstring — ünïcode ✓."""\n\treturn x  # tab\n'
-    assert tok.decode(tok.encode(text)) == text
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Write the function f."}]
-    assert tok.render_chat(messages) == (
-        "<|im_system|>Be brief.<|im_end|><|im_user|>Write the function f.<|im_end|>"
-        "<|im_assistant|>")
-    ids = tok.apply_chat_template(messages)
-    special = {tok.tokenizer.token_to_id(t) for t in
-               ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_end|>")}
-    assert special <= set(ids) and ids[-1] == tok.tokenizer.token_to_id("<|im_assistant|>")
-    assert ids.count(tok.eos_token_id) == 2  # each finished turn ends with the EOS token
-    assert tok.decode(ids) == "Be brief.Write the function f."  # specials skipped
-    with pytest.raises(ValueError, match="unknown chat roles"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    assert tok.decode(tok.encode_text(text)) == text
+    assert isinstance(chat_format_for(tok), K3Format) and tok.chat_template is None
+    ids = chat_prompt_ids(tok, {"messages": [{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": "Say <|open|>."}]})
+    opens = tok.special_ids["<|open|>"]
+    # The thinking-effort message, system, user, then the generation prompt's message and
+    # think tags: the user's "<|open|>" is text.
+    assert ids.count(opens) == 5 and ids.count(tok.special_ids["<|end_of_msg|>"]) == 3
+    assert "<|open|>" in tok.decode(ids, skip_special_tokens=True)
 
 
 def test_speculation_is_lossless_and_accepts_enough(prompts: list[list[int]]) -> None:

@@ -147,8 +147,8 @@ def test_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
 
     shutil.copytree(TOKENIZER, tmp_path / TOKENIZER.name)
     # A step budget (the wall-time one far away), so what is checked does not depend on the
-    # machine's speed: 6 steps measured held-out perplexity 2,099 (seed 3; 55 s on 2 cores;
-    # 12 steps: 1,457 in 74 s).
+    # machine's speed: 6 steps measured held-out perplexity 3,005 (seed 3, 30% of the tokens
+    # K3 conversations; 2,099 on code alone), against ~4,200 at initialisation.
     argv = ["all", "--budget-minutes", "20", "--max-steps", "6", "--max-files", "24",
             "--eval-prompts", "2", "--seed", "3", "--out", str(tmp_path)]
     run = subprocess.run([sys.executable, "-m", "serve_app.training", *argv],
@@ -158,7 +158,7 @@ def test_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
     tm = json.loads((tmp_path / TARGET.name / "training_metrics.json").read_text())
     dm = json.loads((tmp_path / DRAFT.name / "training_metrics.json").read_text())
     assert tm["steps"] == dm["steps"] == 6 and tm["train_tokens_per_s"] > 0
-    assert tm["heldout_perplexity"] < 3000  # at initialisation ~4,200 (uniform: 4,096)
+    assert tm["heldout_perplexity"] < 3400  # at initialisation ~4,200 (uniform: 4,096)
     for m in (tm, dm):
         assert m["provenance"]["command"] == "python -m serve_app.training " + " ".join(argv)
         assert m["provenance"]["torch"] == torch.__version__
