@@ -18,7 +18,7 @@ from serve_app.engines.reference.builder import (
 )
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams
-from serve_app.tokenizer import Tokenizer, stop_token_ids
+from serve_app.tokenizer import Tokenizer
 
 LOOP_NGRAM = 4
 LOOP_COVERAGE = 0.5
@@ -48,13 +48,15 @@ def is_looping(token_ids: list[int]) -> bool:
 
 def pair_engine(target: Path, draft: Path, speculative: bool,
                 kv_capacity_tokens: int = 4096,
-                speculation_max_batch: int | None = None) -> EngineCore:
+                speculation_max_batch: int | None = None,
+                tokenizer: Tokenizer | None = None) -> EngineCore:
     """A reference engine on a target/draft pair, fp32 on CPU; target-only without speculation
-    (`speculation_max_batch`: speculation.max_batch_size)."""
+    (`speculation_max_batch`: speculation.max_batch_size; `tokenizer`: to constrain output)."""
     cfg = ReferenceEngineConfig(kv_capacity_tokens=kv_capacity_tokens,
                                 speculation=SpeculationConfig(
                                     enabled=speculative, max_batch_size=speculation_max_batch))
-    return build_engine(build_runner(target, draft if speculative else None, cfg), cfg)
+    return build_engine(build_runner(target, draft if speculative else None, cfg), cfg,
+                        tokenizer=tokenizer)
 
 
 def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]],
@@ -137,19 +139,22 @@ def measure_conversations(target: Path, draft: Path, tokenizer: Tokenizer,
     from serve_app.chat.parameters import K3_TEMPERATURE, K3_TOP_P
     from serve_app.serving.protocol import ChatCompletionRequest
 
-    engine = pair_engine(target, draft, True)
+    engine = pair_engine(target, draft, True, tokenizer=tokenizer)
     fmt = chat_format_for(tokenizer)
-    stops = tuple(stop_token_ids(tokenizer))
+    # Only the end of the message stops (EOS ignored), so a "stop" is an <|end_of_msg|>, which
+    # the engine does not return: it is put back for the check.
+    end = tokenizer.special_ids[END_OF_MSG]
     formed, required, required_ok, by_kind = 0, 0, 0, {}
     for i, c in enumerate(conversations):
         body = ChatCompletionRequest.model_validate({"model": "embedded", **c["request"]})
         plan = fmt.plan(body)
         assert plan.k3 is not None
         params = SamplingParams(temperature=K3_TEMPERATURE[plan.k3.thinking], top_p=K3_TOP_P,
-                                max_tokens=max_tokens, seed=seed + i, stop_token_ids=stops,
-                                grammar=plan.grammar if grammar else None)
+                                max_tokens=max_tokens, seed=seed + i, stop_token_ids=(end,),
+                                ignore_eos=True, grammar=plan.grammar if grammar else None)
         out = engine.generate([encode_segments(tokenizer, plan.segments)], params)[0]
-        ok = well_formed(tokenizer, plan, out.token_ids)
+        ids = out.token_ids + ([end] if out.finish_reason == "stop" else [])
+        ok = well_formed(tokenizer, plan, ids)
         formed += ok
         kind = by_kind.setdefault(c["kind"], [0, 0])
         kind[0] += ok
@@ -157,7 +162,7 @@ def measure_conversations(target: Path, draft: Path, tokenizer: Tokenizer,
         if c["request"].get("tool_choice") == "required":
             required += 1
             output = fmt.output(plan)
-            output.parser.feed(out.token_ids)
+            output.parser.feed(ids)
             output.parser.finish()
             calls = output.parser.tool_calls
             required_ok += bool(calls) and all(valid_call(plan, t.arguments, t.name)
