@@ -105,7 +105,7 @@ def cmd_heldout(args: argparse.Namespace) -> None:
         "heldout_files": [f.rel for f in held],
         "completion": heldout_prompts(held, 10),
         "conversations": [{"kind": c.kind, "request": c.request, "answer": c.answer}
-                          for c in per_kind(held, 2, random.Random(args.seed))],
+                          for c in per_kind(held, 4, random.Random(args.seed))],
     }
     out = args.out / HELDOUT_PROMPTS.name
     out.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")

@@ -18,7 +18,8 @@ from serve_app.engines.reference.builder import (
 )
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams
-from serve_app.tokenizer import Tokenizer
+from serve_app.grammar.spec import ToolStrictLevel
+from serve_app.tokenizer import Tokenizer, stop_token_ids
 
 LOOP_NGRAM = 4
 LOOP_COVERAGE = 0.5
@@ -51,11 +52,14 @@ def pair_engine(target: Path, draft: Path, speculative: bool,
                 speculation_max_batch: int | None = None,
                 tokenizer: Tokenizer | None = None) -> EngineCore:
     """A reference engine on a target/draft pair, fp32 on CPU; target-only without speculation
-    (`speculation_max_batch`: speculation.max_batch_size; `tokenizer`: to constrain output)."""
+    (`speculation_max_batch`: speculation.max_batch_size). With the pair's `tokenizer` it
+    constrains output and stops where the server's engine does (EOS and <|end_of_msg|>), so a
+    grammar's end admits the end of the message, not only EOS."""
     cfg = ReferenceEngineConfig(kv_capacity_tokens=kv_capacity_tokens,
                                 speculation=SpeculationConfig(
                                     enabled=speculative, max_batch_size=speculation_max_batch))
     return build_engine(build_runner(target, draft if speculative else None, cfg), cfg,
+                        eos_token_ids=stop_token_ids(tokenizer) if tokenizer else None,
                         tokenizer=tokenizer)
 
 
@@ -131,16 +135,18 @@ def valid_call(plan: ChatPlan, arguments: str, name: str) -> bool:
 
 def measure_conversations(target: Path, draft: Path, tokenizer: Tokenizer,
                           conversations: list[dict[str, Any]], max_tokens: int = 384,
-                          seed: int = 0, grammar: bool = False) -> dict[str, Any]:
+                          seed: int = 0, grammar: bool = False,
+                          tool_strict_level: ToolStrictLevel = "off") -> dict[str, Any]:
     """The held-out conversations answered at K3's own sampling parameters (thinking: T 1.0,
     non-thinking: T 0.6; top_p 0.95), with speculation, one at a time: the share of
     well-formed answers (`well_formed`) and, for tool_choice required, of answers that call a
-    declared tool with valid arguments; `grammar` constrains as the server would."""
+    declared tool with valid arguments; `grammar` constrains as a server at
+    `tool_strict_level` would."""
     from serve_app.chat.parameters import K3_TEMPERATURE, K3_TOP_P
     from serve_app.serving.protocol import ChatCompletionRequest
 
     engine = pair_engine(target, draft, True, tokenizer=tokenizer)
-    fmt = chat_format_for(tokenizer)
+    fmt = chat_format_for(tokenizer, tool_strict_level if grammar else "off")
     # Only the end of the message stops (EOS ignored), so a "stop" is an <|end_of_msg|>, which
     # the engine does not return: it is put back for the check.
     end = tokenizer.special_ids[END_OF_MSG]
@@ -169,6 +175,7 @@ def measure_conversations(target: Path, draft: Path, tokenizer: Tokenizer,
                                                for t in calls)
     stats = engine.stats()
     return {"conversations": len(conversations), "max_tokens": max_tokens, "grammar": grammar,
+            "tool_strict_level": tool_strict_level if grammar else None,
             "well_formed": formed / max(1, len(conversations)),
             "well_formed_by_kind": {k: f"{a}/{n}" for k, (a, n) in by_kind.items()},
             "tool_required": required, "tool_required_valid": required_ok / max(1, required),
