@@ -21,6 +21,7 @@ from pydantic import (
 from capacity.config import Parallelism
 from capacity.sglang_recipe import SGLANG_OPTIONAL as _SGO
 from capacity.sglang_recipe import SGLANG_SECTION as _SG
+from serve_app.grammar.spec import ToolStrictLevel
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kimi_config import KimiConfig
@@ -132,6 +133,14 @@ class ApiConfig(_Strict):
         default="open", description="k3: Kimi K3's sampling contract (temperature in [0, 1], "
         "default 1.0 thinking / 0.6 not; top_p 0.95, unset or 1.0 taken as 0.95; other values "
         "a 400), as Moonshot verifies vendors; open: any value OpenAI allows")
+    tool_strict_level: ToolStrictLevel = Field(
+        default="off", description="the server's tool strictness, SGLang's "
+        "SGLANG_TOOL_STRICT_LEVEL 0/1/2 for K3: off: a call's arguments are constrained only for "
+        "tools declared `strict: true` (OpenAI's contract), the structure of calls under "
+        "tool_choice auto only when a strict tool is declared; function: the structure of "
+        "calls under auto is constrained for every tools request; parameter: as function, and "
+        "every declared tool is treated as strict (its arguments validate against its "
+        "parameters wherever a call is constrained)")
 
 
 class SGLangSettings(_Strict):

@@ -284,6 +284,26 @@ def test_tool_choice_defaults_and_what_may_be_delivered() -> None:
     assert named.options.tool_choice is None  # no prompt message for a named choice
 
 
+def test_the_server_tool_strict_level_decides_what_is_constrained() -> None:
+    """SGLang's SGLANG_TOOL_STRICT_LEVEL for K3: off constrains a non-strict tool's call only
+    in its structure and only when a call is forced; function constrains the structure of
+    calls under auto too; parameter makes every declared tool strict."""
+    auto, forced = request(tools=[WEATHER]), request(tools=[WEATHER], tool_choice="required")
+    assert k3_request.parse(auto).grammar is None
+    off = k3_request.parse(forced).grammar
+    assert off is not None and not off.tools[0].strict
+    function = k3_request.parse(auto, tool_strict_level="function").grammar
+    assert function is not None and function.optional_calls and not function.tools[0].strict
+    for body in (auto, forced):
+        grammar = k3_request.parse(body, tool_strict_level="parameter").grammar
+        assert grammar is not None and grammar.tools[0].strict
+        assert grammar.tools[0].parameters == WEATHER["function"]["parameters"]
+    # Nothing to constrain: no tools, or tool_choice none.
+    assert k3_request.parse(request(), tool_strict_level="parameter").grammar is None
+    assert k3_request.parse(request(tools=[WEATHER], tool_choice="none"),
+                            tool_strict_level="parameter").grammar is None
+
+
 def test_null_tool_fields_are_dropped_and_parameters_kept() -> None:
     tool = {"type": "function", "function": {"name": "f", "description": None, "strict": None,
                                              "parameters": {"type": "object", "x": None}}}

@@ -76,10 +76,12 @@ class ScriptedTarget:
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.scripts = {k: xtml_ids(self.tokenizer, v) for k, v in SCRIPTS.items()}
         self.prompts: list[list[int]] = []
+        self.grammars: list[Any] = []
 
     async def generate(self, request: GenerateRequest,
                        reservation: Any = None) -> AsyncIterator[RequestOutput]:
         self.prompts.append(list(request.prompt_ids))
+        self.grammars.append(request.params.grammar)
         prompt = self.tokenizer.decode(request.prompt_ids)
         name, chunk = re.findall(r"script=(\w+)/(\d+)", prompt)[-1]
         ids = self.scripts[name]
@@ -96,6 +98,9 @@ class ScriptedTarget:
     def last_prompt(self) -> list[int]:
         return self.prompts[-1]
 
+    def last_grammar(self) -> Any:
+        return self.grammars[-1]
+
     async def health_status(self) -> dict[str, Any]:
         return {"ok": True, "problem": None}
 
@@ -110,7 +115,8 @@ def server(folder: Path) -> Iterator[tuple[str, Any]]:
     config = AppConfig.model_validate({
         "models": {"target": str(folder), "served_model_name": MODEL},
         "engine": {"reference": {"speculation": {"enabled": False}}},
-        "router": {"policy": "ray_default"}, "api": {"parameter_policy": "k3"},
+        "router": {"policy": "ray_default"},
+        "api": {"parameter_policy": "k3", "tool_strict_level": "parameter"},
         "ingress": {"default_max_tokens": 256, "max_tokens_limit": 4096, "ingress_cpus": 0.1}})
     # The replicas import this module (the scripted target is defined here): the shared
     # cluster's workers have the tests folder on their path.
@@ -314,6 +320,23 @@ def test_contract_refusals_are_400s_naming_the_field(server: tuple[str, Any], bo
 def test_k3_values_are_accepted(client: openai.OpenAI, body: dict[str, Any]) -> None:
     r = client.chat.completions.create(**ask("think", 4), **body)
     assert isinstance(r.choices[0].message.content, str)
+
+
+def test_the_server_tool_strict_level_reaches_the_engine(client: openai.OpenAI,
+                                                        server: tuple[str, Any]) -> None:
+    """api.tool_strict_level parameter (this app): a tools request under tool_choice auto
+    reaches the engine with its calls constrained and the non-strict tool made strict; the
+    production file (off, OpenAI's contract) leaves the same request free."""
+    r = client.chat.completions.create(**ask("tool", 2), tools=[WEATHER])
+    assert r.choices[0].finish_reason == "tool_calls"
+    grammar = server[1].last_grammar.remote().result()
+    assert grammar is not None and grammar.kind == "tool_call" and grammar.optional_calls
+    assert [(t.name, t.strict) for t in grammar.tools] == [("get_weather", True)]
+    prod = openai.OpenAI(base_url=server[0] + "/prod/v1", api_key="unused", max_retries=0)
+    prod.chat.completions.create(model="kimi-k3", tools=[WEATHER], messages=[
+        {"role": "user", "content": "script=tool/2"}])
+    prod_target = serve.get_deployment_handle("ScriptedTarget", "prod")
+    assert prod_target.last_grammar.remote().result() is None
 
 
 def test_the_production_ingress_starts_on_a_k3_tokenizer_folder(server: tuple[str, Any]) -> None:

@@ -10,8 +10,11 @@ What it writes under OUT:
     tiktoken.model) and K3's control tokens (tests/data/kimi-k3-style/tokenizer_config.json);
   - `draft/`: a random DSpark draft for it;
   - `k3_format.yaml`: deployments/local.yaml with these folders, TP 1, and K3's parameter
-    policy. The embedded pair does not speak XTML yet (it was trained on code), hence random
-    weights: every contract of the API holds whatever the model writes.
+    policy (the server's tool strictness off, as in production).
+
+The embedded pair speaks XTML too (`serve run deployments/local.yaml`), but on a 4,096-id
+vocabulary; this deployment checks the API's contracts at K3's own vocabulary and control ids
+with random weights, the hardest case: every contract must hold whatever the model writes.
 """
 
 from __future__ import annotations

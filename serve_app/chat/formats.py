@@ -26,7 +26,7 @@ from serve_app.chat.xtml_render import (
     RenderError,
     render,
 )
-from serve_app.grammar.spec import GrammarSpec
+from serve_app.grammar.spec import GrammarSpec, ToolStrictLevel
 from serve_app.serving.protocol import CHAT_FORMAT_FIELDS, ChatCompletionRequest, OpenAIError
 from serve_app.tokenizer import Tokenizer
 
@@ -98,13 +98,14 @@ def _neutral(name: str, value: object) -> bool:
 class K3Format:
     name = "k3"
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, tool_strict_level: ToolStrictLevel = "off") -> None:
         ids = tokenizer.special_ids
         self.controls = XTMLControls(ids[OPEN], ids[CLOSE], ids[SEP], ids[END_OF_MSG])
         self.tokenizer = tokenizer
+        self.tool_strict_level = tool_strict_level
 
     def plan(self, body: ChatCompletionRequest) -> ChatPlan:
-        request = k3_request.parse(body)
+        request = k3_request.parse(body, tool_strict_level=self.tool_strict_level)
         try:
             segments = render(request.messages, request.options)
         except RenderError as exc:
@@ -120,9 +121,12 @@ class K3Format:
         return XTMLOutput(parser, plan.k3.thinking, frozenset(plan.k3.tool_names))
 
 
-def chat_format_for(tokenizer: Tokenizer) -> ChatFormat:
+def chat_format_for(tokenizer: Tokenizer, tool_strict_level: ToolStrictLevel = "off"
+                    ) -> ChatFormat:
+    """The tokenizer folder's chat format (`tool_strict_level`: the server's, for K3; a Jinja
+    template's format declares no tools)."""
     if all(m in tokenizer.special_ids for m in MARKERS):
-        return K3Format(tokenizer)
+        return K3Format(tokenizer, tool_strict_level)
     if tokenizer.chat_template is not None:
         return JinjaFormat(tokenizer)
     raise ValueError("the tokenizer folder declares neither K3's XTML control tokens "

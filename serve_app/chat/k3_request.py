@@ -17,7 +17,7 @@ from jsonschema import Draft7Validator, Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from serve_app.chat.xtml_render import EFFORTS, HistoryCall, Message, RenderOptions
-from serve_app.grammar.spec import GrammarSpec, ToolSpec
+from serve_app.grammar.spec import GrammarSpec, ToolSpec, ToolStrictLevel
 from serve_app.serving.protocol import ChatCompletionRequest, ChatMessage, OpenAIError, quote
 
 TOOL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_-]{0,255}")
@@ -329,7 +329,11 @@ def _tool_choice(value: Any, names: tuple[str, ...]) -> tuple[str, str | None]:
     return "named", fn["name"]
 
 
-def parse(body: ChatCompletionRequest, add_generation_prompt: bool = True) -> K3Request:
+def parse(body: ChatCompletionRequest, add_generation_prompt: bool = True,
+          tool_strict_level: ToolStrictLevel = "off") -> K3Request:
+    """The request in K3's terms; `tool_strict_level` is the server's (config.py:
+    api.tool_strict_level): "parameter" treats every declared tool as strict, "function" and
+    above constrain the structure of calls under tool_choice auto too."""
     thinking, effort = resolve_thinking(body)
     declared: dict[str, dict[str, Any]] = {}
     request_tools = _tool_list("tools", body.tools) if body.tools is not None else []
@@ -341,7 +345,8 @@ def parse(body: ChatCompletionRequest, add_generation_prompt: bool = True) -> K3
         raise _bad("parallel_tool_calls", "must be true or false")
     kind, schema, strict = response_format(body.response_format)
     parallel = body.parallel_tool_calls is not False
-    tools = tuple(ToolSpec(name, fn.get("parameters"), fn.get("strict") is True)
+    tools = tuple(ToolSpec(name, fn.get("parameters"),
+                           fn.get("strict") is True or tool_strict_level == "parameter")
                   for name, fn in declared.items())
     grammar = None
     # A forced call with a JSON response_format: both internal messages render (Moonshot's
@@ -353,10 +358,11 @@ def parse(body: ChatCompletionRequest, add_generation_prompt: bool = True) -> K3
                               parallel_tool_calls=parallel)
     elif kind is not None:
         grammar = response_grammar(kind, schema, strict, "k3", thinking)
-    elif choice == "auto" and (any(t.strict for t in tools) or (tools and not parallel)):
-        # Strict tools (or parallel_tool_calls false) under auto: the answer is free, and a
-        # call, if made, follows its schema (SGLang's triggered tags), at most one without
-        # parallel calls.
+    elif choice == "auto" and tools and (any(t.strict for t in tools) or not parallel
+                                         or tool_strict_level != "off"):
+        # Strict tools (or parallel_tool_calls false, or a server strictness level) under
+        # auto: the answer is free, and a call, if made, follows its schema (SGLang's
+        # triggered tags), at most one without parallel calls.
         grammar = GrammarSpec("tool_call", "tools", chat_format="k3", thinking=thinking,
                               tools=tools, optional_calls=True, parallel_tool_calls=parallel)
     options = RenderOptions(

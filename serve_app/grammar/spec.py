@@ -18,6 +18,11 @@ from typing import Any, Literal
 Kind = Literal["json_object", "json_schema", "tool_call"]
 
 
+# The server's tool strictness (config.py: api.tool_strict_level), SGLang's
+# SGLANG_TOOL_STRICT_LEVEL for K3: 0 off, 1 function, 2 parameter.
+ToolStrictLevel = Literal["off", "function", "parameter"]
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     """A tool a call may name: its declared function."""

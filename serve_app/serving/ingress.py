@@ -244,7 +244,7 @@ class OpenAIIngress:
         self.target = target
         self._generate = target.options(stream=True).generate  # made once, not per request
         self.tokenizer = load_tokenizer(self.config.models.tokenizer_path())
-        self.chat = chat_format_for(self.tokenizer)
+        self.chat = chat_format_for(self.tokenizer, self.config.api.tool_strict_level)
         self.model_name = self.config.models.served_model_name
         self.max_model_len = context_length(self.config)
         ing = self.config.ingress

@@ -336,9 +336,10 @@ def train_draft(
     for grammar in (False, True):
         key = "engine_heldout_conversations" + ("_grammar" if grammar else "")
         # A step-budget run (CI's) measures the same way, shorter.
+        # The grammar run constrains as deployments/local.yaml serves (every tool strict).
         metrics[key] = measure_conversations(target_dir, out, tok, held_conversations,
                                              max_tokens=48 if max_steps else 384,
-                                             grammar=grammar)
+                                             grammar=grammar, tool_strict_level="parameter")
         print(f"draft: engine, held-out conversations at K3's parameters"
               f"{' with the grammar' if grammar else ''}: {metrics[key]}", flush=True)
     (out / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
