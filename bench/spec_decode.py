@@ -68,7 +68,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from serve_app.chat.parameters import K3_TEMPERATURE, K3_TOP_P  # noqa: E402
-from serve_app.embedded import DRAFT, TARGET, TOKENIZER, heldout_prompt_ids  # noqa: E402
+from serve_app.embedded import (  # noqa: E402
+    DRAFT,
+    TARGET,
+    TOKENIZER,
+    heldout_prompt_ids,
+    heldout_prompts,
+)
 from serve_app.engines.reference.engine import EngineCore  # noqa: E402
 from serve_app.engines.reference.sampling import SamplingParams  # noqa: E402
 from serve_app.tokenizer import load_tokenizer  # noqa: E402
@@ -168,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         target, draft = TARGET, DRAFT
         label = f"embedded trained pair: {TARGET.name} + {DRAFT.name}"
     prompts = heldout_prompt_ids(tok, args.completion_prompts, args.chat_prompts)
+    n_code = len(heldout_prompts()["completion"][:args.completion_prompts])
     report: dict[str, Any] = {
         "pair": args.pair, "label": label, "threads": args.threads,
         "max_tokens": args.max_tokens, "prompts": len(prompts), "repeats": args.repeats,
@@ -213,7 +220,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             n_tok = len(outputs["target_only"][0])
             med = {m: statistics.median(v) for m, v in times.items()}
             per_prompt.append({
-                "prompt": i, "prompt_tokens": len(prompt), "new_tokens": n_tok,
+                "prompt": i, "set": "code" if i < n_code else "conversation",
+                "prompt_tokens": len(prompt), "new_tokens": n_tok,
                 # The target's own continuation (its first repeat) decides the class, so both
                 # modes of a prompt land in the same one.
                 "looping": is_looping(outputs["target_only"][0]),
@@ -285,12 +293,11 @@ def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
             "speculation_max_batch": args.speculation_max_batch, "rows": rows}
 
 
-def by_loop_class(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Acceptance and speedup on looping and non-looping continuations apart (a loop is easy
-    to draft: pooled, repetition would flatter the acceptance)."""
+def by_class(rows: list[dict[str, Any]], key: str, classes: dict[str, Any]) -> dict[str, Any]:
+    """Acceptance and speedup of the prompts whose `key` is each class's value, apart."""
     out: dict[str, Any] = {}
-    for name, want in (("non_looping", False), ("looping", True)):
-        sel = [r for r in rows if r["looping"] is want]
+    for name, want in classes.items():
+        sel = [r for r in rows if r[key] == want]
         verify = sum(r["verify_ct"] for r in sel)
         out[name] = {
             "prompts": len(sel),
@@ -354,7 +361,10 @@ def summarize(temperature: float, rows: list[dict[str, Any]],
             "token_weighted": accept_tw,
         },
         "loop_fraction": statistics.fmean(r["looping"] for r in rows),
-        "by_loop_class": by_loop_class(rows),
+        # A loop is easy to draft: pooled, repetition would flatter the acceptance.
+        "by_loop_class": by_class(rows, "looping", {"non_looping": False, "looping": True}),
+        # Code continuations and K3 conversations are different work for the draft.
+        "by_prompt_set": by_class(rows, "set", {"code": "code", "conversation": "conversation"}),
         "speedup_bound": bound,
         "speedup_over_bound": (speedup_agg / bound["bound_verify_draft"] if bound else None),
         "spec_accept_rate": (sum(r["accepted"] for r in rows)
@@ -387,10 +397,8 @@ def print_table(report: dict[str, Any]) -> None:
     for r in report["results"]:
         print(f"{r['sampling']}: spec_correct_drafts_histogram "
               f"{r['spec_correct_drafts_histogram']}")
-        loops = r["by_loop_class"]
         parts = []
-        for name in ("non_looping", "looping"):
-            c = loops[name]
+        for name, c in [*r["by_loop_class"].items(), *r["by_prompt_set"].items()]:
             if c["prompts"]:
                 parts.append(f"{name} {c['prompts']} prompts: acc.len {c['spec_accept_length_macro']:.2f}"
                              f" (tok-w {c['spec_accept_length_token_weighted']:.2f}), speedup "
@@ -897,8 +905,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (random-k3: 5)")
     parser.add_argument("--completion-prompts", type=int, default=None,
                         help="how many held-out completion prompts (default all)")
-    parser.add_argument("--chat-prompts", type=int, default=None,
-                        help="how many held-out chat prompts (default all)")
+    parser.add_argument("--chat-prompts", type=int, default=9,
+                        help="how many held-out K3 conversations (default 9: one of each kind)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: batch-1 decode gains nothing from more)")
     parser.add_argument("--show-text", action="store_true", help="add a decoded sample")

@@ -42,22 +42,35 @@ def bench_lines(bench: dict[str, Any]) -> list[str]:
              f"{bench['max_tokens']} new tokens, batch 1, {bench['threads']} thread(s), "
              f"{bench['repeats']} repeats, target-only and speculative alternating in one run):",
              "",
-             "| T | target-only tok/s | speculative tok/s | speedup (median / aggregate) "
-             "| accept length, non-looping (macro) | accept length, all (macro / token-w.) "
-             "| loop fraction | lossless |",
+             "| sampling | target-only tok/s | speculative tok/s | speedup (median / aggregate) "
+             "| accept length, code / conversations (macro) | accept length, all (macro / "
+             "token-w.) | loop fraction | lossless |",
              "|---|---|---|---|---|---|---|---|"]
     for r in bench["results"]:
         lossless = {True: "identical outputs", False: "NOT identical",
                     None: "exact sampling (by construction)"}[r["lossless_identical"]]
-        nl = r["by_loop_class"]["non_looping"]
+        sets = r.get("by_prompt_set", {})
+        by_set = " / ".join(_fmt(sets[k]["spec_accept_length_macro"]) if k in sets else "-"
+                            for k in ("code", "conversation"))
         lines.append(
-            f"| {r['temperature']} | {r['target_only_tok_s']['median']:.1f} | "
+            f"| {r.get('sampling', r['temperature'])} (T {r['temperature']}, top_p "
+            f"{r.get('top_p', 1.0)}) | {r['target_only_tok_s']['median']:.1f} | "
             f"{r['speculative_tok_s']['median']:.1f} | {r['speedup']['median']:.2f}x / "
-            f"{r['speedup']['aggregate']:.2f}x | {_fmt(nl['spec_accept_length_macro'])} "
-            f"({nl['prompts']} prompts) | {r['spec_accept_length']['macro']:.2f} / "
-            f"{r['spec_accept_length']['token_weighted']:.2f} | {r['loop_fraction']:.2f} | "
+            f"{r['speedup']['aggregate']:.2f}x | {by_set} | {r['spec_accept_length']['macro']:.2f}"
+            f" / {r['spec_accept_length']['token_weighted']:.2f} | {r['loop_fraction']:.2f} | "
             f"{lossless} |")
     lines.append("")
+    conc = bench.get("concurrency")
+    if conc:
+        lines += [f"Concurrent requests at K3's thinking parameters, {conc['max_tokens']} tokens "
+                  f"each (tokens/s, median of {conc['repeats']}):", "",
+                  "| requests | target-only | speculation always on | speculation.max_batch_size "
+                  f"{conc['speculation_max_batch']} |", "|---|---|---|---|"]
+        lines += [f"| {row['concurrency']} | {row['target_only_tok_s']:.1f} | "
+                  f"{row['speculative_tok_s']:.1f} ({row['speedup']:.2f}x) | "
+                  f"{row['limited_tok_s']:.1f} ({row['limited_speedup']:.2f}x) |"
+                  for row in conc["rows"]]
+        lines.append("")
     for r in bench["results"]:
         b = r.get("speedup_bound")
         if b:
@@ -80,7 +93,9 @@ def _target_card(tm: dict[str, Any], tcfg: dict[str, Any], bench: list[str],
     return [
         f"# {TARGET.name}: a miniature Kimi K3 (KDA + MLA hybrid) for CPU demos", "",
         "Trained from scratch on CPU so that the project's demo and tests show real speculative "
-        "decoding of the K3 architecture offline. It continues Python code; it is not a useful "
+        "decoding of the K3 architecture offline. It continues Python code and answers in K3's "
+        "chat format (reasoning, answer, tool calls, JSON) about the standard library's "
+        "functions; at ~9M parameters its answers are often wrong, and it is not a useful "
         "assistant.", "",
         "## Architecture",
         f"K3's `config.json` layout (`kimi_k3` wrapper around a `kimi_linear` text_config; "
@@ -174,7 +189,9 @@ def _conversation_lines(dm: dict[str, Any]) -> list[str]:
                 f"(by kind {c['well_formed_by_kind']}); tool_choice required answers calling a "
                 f"declared tool with valid arguments {100 * c['tool_required_valid']:.0f}% of "
                 f"{c['tool_required']}; token-weighted accept length "
-                f"{c['spec_accept_length_token_weighted']:.2f}.")
+                f"{c['spec_accept_length_token_weighted']:.2f}"
+                + (f" (tools strict: `api.tool_strict_level: {c['tool_strict_level']}`)."
+                   if c.get("tool_strict_level") else "."))
     return lines
 
 
