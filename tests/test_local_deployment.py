@@ -51,7 +51,7 @@ def test_demo_streams_a_k3_conversation_with_acceptance_stats(
     engine = build_engine(build_runner(config.models.target_path(), config.models.draft_path(),
                                        engine_cfg), engine_cfg, stop_token_ids(tokenizer),
                           tokenizer.decode, tokenizer=tokenizer)
-    fmt = chat_format_for(tokenizer)
+    fmt = chat_format_for(tokenizer, config.api.tool_strict_level)  # as the ingress plans
     for turn in result["turns"]:
         usage = turn["usage"]
         spec = usage.model_extra
