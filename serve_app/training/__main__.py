@@ -1,12 +1,14 @@
-"""`python -m serve_app.training {train-tokenizer,train-target,train-draft,all}`.
+"""`python -m serve_app.training COMMAND`: train-tokenizer, heldout, train-target, train-draft,
+all, evaluate, cards.
 
 Trains the embedded CPU default from the Python standard library's source on this machine:
 the tokenizer, the mini Kimi K3 target and its DSpark draft, each under a wall-time budget, and
 writes the asset folders (default: `serve_app/assets/`). `all` trains the target then the draft
-with the committed tokenizer (`train-tokenizer` remakes it) and held-out prompts (`heldout`). CI runs a short version of the same
-recipe (tests/test_training.py).
+with the committed tokenizer (`train-tokenizer` remakes it) and held-out prompts (`heldout`);
+`evaluate` measures a trained pair in the engine again and `cards` rewrites the model cards. CI
+runs a short version of the same recipe (tests/test_training.py).
 
-    python -m serve_app.training all --budget-minutes 130 --seed 0
+    python -m serve_app.training all --budget-minutes 110 --seed 0
 
 Give it the machine: with another process on one of the 2 cores, training runs several times
 slower (the ThreadTuner falls back to one thread).
@@ -135,11 +137,27 @@ def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
                 markov_rank=args.markov_rank, max_steps=args.max_steps)
 
 
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    """Measures the committed pair again, as `train-draft` does after training, into the
+    draft's training_metrics.json (the training fields stay; `evaluated_by` says what made the
+    engine fields)."""
+    from serve_app.tokenizer import load_tokenizer
+    from serve_app.training.train_draft import evaluate_pair
+
+    tok_dir, target_dir, draft_dir = _paths(args.out)
+    path = draft_dir / "training_metrics.json"
+    metrics = json.loads(path.read_text()) if path.exists() else {}
+    metrics.update(evaluate_pair(target_dir, draft_dir, load_tokenizer(tok_dir),
+                                 args.eval_prompts, short=args.max_steps is not None))
+    metrics["evaluated_by"] = args.provenance
+    path.write_text(json.dumps(metrics, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_app.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["train-tokenizer", "heldout", "train-target",
-                                            "train-draft", "all", "cards"])
+                                            "train-draft", "all", "evaluate", "cards"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-minutes", type=float, default=None,
                         help=f"wall-time budget of this command (all: {round(100 * _TARGET_SHARE)}%% target)")
@@ -165,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     defaults = {"train-tokenizer": 2.0, "heldout": 0.0, "train-target": _TARGET_MINUTES,
                 "train-draft": _DRAFT_MINUTES, "all": _TARGET_MINUTES + _DRAFT_MINUTES,
-                "cards": 0.0}
+                "evaluate": 0.0, "cards": 0.0}
     budget_s = 60 * (args.budget_minutes if args.budget_minutes is not None
                      else defaults[args.command])
     t0 = time.monotonic()
@@ -184,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         cmd_target(args, budget_s)
     elif args.command == "train-draft":
         cmd_draft(args, budget_s)
+    elif args.command == "evaluate":
+        cmd_evaluate(args)
     else:
         cmd_target(args, budget_s * _TARGET_SHARE)
         cmd_draft(args, budget_s - (time.monotonic() - t0))
-    if args.command in ("train-draft", "all"):
+    if args.command in ("train-draft", "all", "evaluate"):
         from serve_app.training.cards import write_cards
 
         write_cards(args.out)

@@ -27,7 +27,18 @@ def _made_by(metrics: dict[str, Any]) -> str:
         p.get("training_code_clean")]
     return (f"Made by `{p.get('command')}` at commit `{p.get('commit')}` (training code "
             f"{clean}), Python {p.get('python')}, torch {p.get('torch')}, {p.get('cpus')} CPUs, "
-            f"started {p.get('started_utc')}; wall time {metrics.get('wall_s', 0) / 60:.1f} min.")
+            f"started {p.get('started_utc')}; wall time {metrics.get('wall_s', 0) / 60:.1f} min."
+            + _evaluated_by(metrics))
+
+
+def _evaluated_by(metrics: dict[str, Any]) -> str:
+    """Where the engine's measurements came from a later `evaluate` run, and why."""
+    e = metrics.get("evaluated_by")
+    if not e:
+        return ""
+    why = f" ({metrics['recorded_from']})" if metrics.get("recorded_from") else ""
+    return (f" Engine measurements by `{e.get('command')}` at commit `{e.get('commit')}`, "
+            f"started {e.get('started_utc')}{why}.")
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:

@@ -325,25 +325,34 @@ def train_draft(
                          [round(float(a), 4) for a in by_row], est)
     metrics = {**_metrics(result), "provenance": provenance or {}}
     # What the engine measures on the fixed held-out prompts (after the training wall time).
+    metrics.update(evaluate_pair(target_dir, out, tok, eval_prompts, short=max_steps is not None))
+    (out / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return result
+
+
+def evaluate_pair(target_dir: Path, draft_dir: Path, tok: HFTokenizer,
+                  eval_prompts: int | None = None, short: bool = False) -> dict[str, Any]:
+    """The engine's measurements of a trained pair, as the draft's training_metrics.json keeps
+    them: greedy acceptance on the held-out code prompts, and the held-out conversations at
+    K3's parameters without and with the grammar. `short` (a step-budget run, CI's) decodes
+    fewer tokens per conversation."""
     from serve_app.embedded import heldout_prompt_ids, heldout_prompts
     from serve_app.training.evaluate import measure_acceptance, measure_conversations
 
+    metrics: dict[str, Any] = {}
     metrics["engine_heldout_greedy"] = measure_acceptance(
-        target_dir, out, heldout_prompt_ids(tok)[:eval_prompts])
+        target_dir, draft_dir, heldout_prompt_ids(tok)[:eval_prompts])
     print(f"draft: engine, held-out greedy: {metrics['engine_heldout_greedy']}", flush=True)
-    # The pair as a K3 server samples it: the held-out conversations at K3's parameters.
     held_conversations = heldout_prompts()["conversations"][:eval_prompts]
     for grammar in (False, True):
         key = "engine_heldout_conversations" + ("_grammar" if grammar else "")
-        # A step-budget run (CI's) measures the same way, shorter.
         # The grammar run constrains as deployments/local.yaml serves (every tool strict).
-        metrics[key] = measure_conversations(target_dir, out, tok, held_conversations,
-                                             max_tokens=48 if max_steps else 384,
+        metrics[key] = measure_conversations(target_dir, draft_dir, tok, held_conversations,
+                                             max_tokens=48 if short else 384,
                                              grammar=grammar, tool_strict_level="parameter")
         print(f"draft: engine, held-out conversations at K3's parameters"
               f"{' with the grammar' if grammar else ''}: {metrics[key]}", flush=True)
-    (out / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    return result
+    return metrics
 
 
 def _metrics(r: DraftResult) -> dict[str, Any]:
