@@ -347,3 +347,44 @@ def test_a_wrong_rejection_rule_is_caught_under_a_grammar(
     outs = sample_many(engine, prompt, SamplingParams(**{**SAMPLED.__dict__, "grammar": ARRAY}),
                        3000)
     assert chi2_pvalue([o[1] for o in outs], p2.float()) < 1e-6
+
+
+# A K3 json_object answer the embedded pair sampled (the committed tokenizer's ids): think text,
+# then `<|open|>response<|sep|>{"name":"getRunner extension","module":"handlers","parameters":`.
+_ANSWER = [1857, 1981, 86, 268, 317, 2112, 3558, 3936, 308, 807, 80, 277, 63, 542, 296, 807,
+           1006, 1759, 63, 681, 25, 2500, 2302, 493, 85, 1584, 13, 4084, 356, 261, 74, 4085,
+           4083, 2181, 4085, 90, 1, 368, 1002, 1, 372, 2892, 1692, 1988, 3547, 769, 1002, 1,
+           3457, 3547, 3133, 82, 1002]
+_REJECTED = [90, 1, 68, 92, 360]  # a draft block: `{"e} for`
+_NEXT = 2152  # `["`
+
+
+def test_a_rolled_back_window_masks_as_a_matcher_that_never_saw_it() -> None:
+    """The window protocol's roll-back leaves the masks a matcher that never consumed the
+    rolled-back drafts computes. With llguidance 1.9.1's own rollback() it did not, once masks
+    had been computed over the rolled-back part: in this answer it then allowed `":` inside a
+    JSON array, and its consume refused it, failing the request mid-answer (the embedded pair's
+    held-out json_object conversation, sampled at K3's parameters with speculation)."""
+    from serve_app.chat.formats import chat_format_for
+    from serve_app.embedded import TARGET, TOKENIZER
+    from serve_app.serving.protocol import ChatCompletionRequest
+
+    tokenizer = load_tokenizer(TOKENIZER)
+    vocab = json.loads((TARGET / "config.json").read_text())["text_config"]["vocab_size"]
+    plan = chat_format_for(tokenizer, "parameter").plan(ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}],
+         "response_format": {"type": "json_object"}, "reasoning_effort": "max"}))
+    compiler = GrammarCompiler(ll_tokenizer(tokenizer, vocab, [tokenizer.eos_token_id]))
+    states = GrammarStates(vocab, [tokenizer.eos_token_id])
+    states.add(0, compiler.matcher(plan.grammar), 0)
+    states.consume(0, _ANSWER)
+    for token in _REJECTED:  # drafted, each masked as it is proposed
+        assert states.advance(0, token)
+    states.commit([0], [len(_ANSWER)])  # none accepted
+    states.consume(0, [_NEXT])
+
+    fresh = GrammarStates(vocab, [tokenizer.eos_token_id])
+    fresh.add(0, compiler.matcher(plan.grammar), 0)
+    fresh.consume(0, [*_ANSWER, _NEXT])
+    assert torch.equal(states.mask(0), fresh.mask(0))
+    assert not states.mask(0)[1002]  # `":` in an array

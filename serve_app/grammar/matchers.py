@@ -34,6 +34,11 @@ class GrammarFault(RuntimeError):
 class _State:
     matcher: LLMatcher
     length: int  # the request's tokens the matcher has seen (prompt + consumed output)
+    # The matcher as of the last commit. A window is rolled back by restarting from a copy of
+    # it, not by LLMatcher.rollback: llguidance 1.9.1's masks after rollback() and consume can
+    # differ from a fresh matcher's on the same tokens once masks were computed in the rolled
+    # back part (it then allowed a token its consume refused: tests/test_grammar.py).
+    at_commit: LLMatcher | None = None
     # The window since the last commit: masks[j] is the mask after the window's first j tokens.
     masks: list[torch.Tensor] = field(default_factory=list)
     window: list[int] = field(default_factory=list)
@@ -53,7 +58,7 @@ class GrammarStates:
         self.masks_computed = 0
 
     def add(self, rid: Hashable, matcher: LLMatcher, length: int) -> None:
-        self._states[rid] = _State(matcher, length)
+        self._states[rid] = _State(matcher, length, at_commit=matcher.deep_copy())
 
     def __contains__(self, rid: Hashable) -> bool:
         return rid in self._states
@@ -114,7 +119,9 @@ class GrammarStates:
         elif state.matcher.consume_token(int(token)):
             state.masks.append(self._compute(state.matcher))
         else:
-            raise GrammarFault(f"the grammar refused token {token} it allowed")
+            raise GrammarFault(f"the grammar refused token {token} it allowed"
+                               + (f" ({state.matcher.get_error()[:200]})"
+                                  if state.matcher.is_error() else ""))
         state.window.append(int(token))
         state.consumed.append(token not in self.eos)
         return True
@@ -144,9 +151,13 @@ class GrammarStates:
 
     def _truncate(self, state: _State, keep: int) -> None:
         """Roll the window back to its first `keep` tokens (still uncommitted)."""
-        drop = sum(state.consumed[keep:])
-        if drop and not state.matcher.rollback(drop):
-            raise GrammarFault("the grammar could not roll back")
+        if any(state.consumed[keep:]):
+            assert state.at_commit is not None
+            matcher = state.at_commit.deep_copy()
+            for token, consumed in zip(state.window[:keep], state.consumed, strict=False):
+                if consumed and not matcher.consume_token(token):
+                    raise GrammarFault("the grammar could not roll back")
+            state.matcher = matcher
         del state.window[keep:]
         del state.consumed[keep:]
         del state.masks[keep + 1:]
@@ -164,6 +175,8 @@ class GrammarStates:
                 raise GrammarFault(f"commit to {n} tokens outside the window "
                                    f"[{state.length}, {state.length + len(state.window)}]")
             self._truncate(state, keep)
+            if any(state.consumed):
+                state.at_commit = state.matcher.deep_copy()
             state.length = n
             state.window, state.consumed = [], []
             state.masks = state.masks[-1:]
