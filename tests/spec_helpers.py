@@ -193,3 +193,50 @@ def prefill_for_handoff(engine: EngineCore, prompt: list[int], params: SamplingP
         assert all(not o.token_ids for o in outs)
         if any(o.prefilled for o in outs):
             return rid
+
+
+def _tensor_parallel_worker(rank: int, world: int, port: int, paths: tuple[Path, Path | None],
+                            engine_cfg: ReferenceEngineConfig, tokenizer_dir: Path,
+                            requests: list[tuple[list[int], SamplingParams]],
+                            results: Any) -> None:
+    from serve_app.engines.reference.builder import init_tensor_parallel, release_tensor_parallel
+    from serve_app.tokenizer import load_tokenizer, stop_token_ids
+
+    torch.set_num_threads(1)
+    group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, world, "gloo")
+    runner = build_runner(paths[0], paths[1], engine_cfg, rank, world, group)
+    if rank == 0:
+        tokenizer = load_tokenizer(tokenizer_dir)
+        engine = build_engine(runner, engine_cfg, stop_token_ids(tokenizer), tokenizer.decode,
+                              tokenizer=tokenizer)
+        results.put([engine.generate([ids], params)[0] for ids, params in requests])
+        runner.shutdown()
+    else:
+        runner.follow()
+    release_tensor_parallel()
+
+
+def generate_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEngineConfig,
+                             tokenizer_dir: Path, requests: list[tuple[list[int], SamplingParams]],
+                             world: int) -> list[RequestOutput]:
+    """Each (prompt ids, params) of `requests` in turn, by an engine at TP `world` over gloo in
+    spawned processes, as a served replica runs it. Seeded sampling is exact only at the same
+    TP: between TP sizes the float sums differ in their last bits, and an inverse-CDF draw
+    that lands between two ids' cumulative probabilities picks the neighbour."""
+    import multiprocessing as mp
+
+    from serve_app.netutil import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_tensor_parallel_worker,
+                         args=(r, world, port, paths, engine_cfg, tokenizer_dir, requests,
+                               results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    outs = results.get(timeout=600)
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    return outs

@@ -7,17 +7,17 @@ from typing import Any
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
+from spec_helpers import generate_tensor_parallel
 from tiny_models import stop_ray
 
 from serve_app.chat.formats import chat_format_for
 from serve_app.chat.parameters import K3_TEMPERATURE, K3_TOP_P
 from serve_app.demo import LOCAL_YAML, run_demo
 from serve_app.embedded import chat_prompt_ids
-from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.types import SamplingParams
 from serve_app.netutil import free_port
 from serve_app.serving.protocol import ChatCompletionRequest
-from serve_app.tokenizer import load_tokenizer, stop_token_ids
+from serve_app.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +38,8 @@ def test_demo_streams_a_k3_conversation_with_acceptance_stats(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The README's first command: a held-out K3 conversation streamed (reasoning, then the
     answer), then a request with tools and tool_choice required answered by a call of a
-    declared tool; acceptance statistics after each; the served TP-2 answers are what the
-    engine generates in this process from the same prompt ids and seed."""
+    declared tool; acceptance statistics after each; the served TP-2 answers are what a TP-2
+    engine outside Serve generates from the same prompt ids and seed."""
     stop_ray()  # the demo starts Ray itself, as a user's first command does
     result: dict[str, Any] = {}
     assert run_demo(max_tokens=MAX_TOKENS, port=free_port(), result=result) == 0
@@ -47,30 +47,31 @@ def test_demo_streams_a_k3_conversation_with_acceptance_stats(
     assert printed.count("spec_accept_length") == 2
     config = result["config"]
     tokenizer = load_tokenizer(config.models.tokenizer_path())
-    engine_cfg = config.engine.reference
-    engine = build_engine(build_runner(config.models.target_path(), config.models.draft_path(),
-                                       engine_cfg), engine_cfg, stop_token_ids(tokenizer),
-                          tokenizer.decode, tokenizer=tokenizer)
     fmt = chat_format_for(tokenizer, config.api.tool_strict_level)  # as the ingress plans
-    for turn in result["turns"]:
+    plans = [fmt.plan(ChatCompletionRequest.model_validate({"model": "m", **turn["request"]}))
+             for turn in result["turns"]]
+    # The served replica's engine again, at its TP (2): sampling seeded, so the same tokens.
+    direct = generate_tensor_parallel(
+        (config.models.target_path(), config.models.draft_path()), config.engine.reference,
+        config.models.tokenizer_path(),
+        [(chat_prompt_ids(tokenizer, turn["request"]), SamplingParams(
+            temperature=K3_TEMPERATURE[plan.k3.thinking], top_p=K3_TOP_P,
+            max_tokens=MAX_TOKENS, seed=turn["request"]["seed"], grammar=plan.grammar))
+         for turn, plan in zip(result["turns"], plans, strict=True)],
+        world=config.parallelism.tp)
+    for turn, plan, out in zip(result["turns"], plans, direct, strict=True):
         usage = turn["usage"]
         spec = usage.model_extra
         assert usage.completion_tokens >= 1
         assert spec["spec_accept_length"] == pytest.approx(
             usage.completion_tokens / spec["spec_verify_ct"])
         assert sum(spec["spec_correct_drafts_histogram"]) == spec["spec_verify_ct"]
-        request = turn["request"]
-        plan = fmt.plan(ChatCompletionRequest.model_validate({"model": "m", **request}))
-        assert plan.k3 is not None
-        direct = engine.generate([chat_prompt_ids(tokenizer, request)], SamplingParams(
-            temperature=K3_TEMPERATURE[plan.k3.thinking], top_p=K3_TOP_P,
-            max_tokens=MAX_TOKENS, seed=request["seed"], grammar=plan.grammar))[0]
         output = fmt.output(plan)
-        output.parser.feed(direct.token_ids)  # type: ignore[attr-defined]
+        output.parser.feed(out.token_ids)  # type: ignore[attr-defined]
         output.parser.finish()  # type: ignore[attr-defined]
         assert (output.parser.reasoning, output.parser.content) == (  # type: ignore[attr-defined]
             turn["reasoning"], turn["text"])
-        assert direct.completion_tokens == usage.completion_tokens
+        assert out.completion_tokens == usage.completion_tokens
     first, second = result["turns"]
     assert first["reasoning"] and first["reasoning"] in printed
     declared = {t["function"]["name"] for t in second["request"]["tools"]}
