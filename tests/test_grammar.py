@@ -29,8 +29,10 @@ from serve_app.config import ReferenceEngineConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.reference.sampling import target_probs
 from serve_app.engines.types import SamplingParams
-from serve_app.grammar.compiler import GrammarCompiler, GrammarError, ll_tokenizer
+from serve_app.grammar.compiler import MAX_REF_DEPTH, GrammarCompiler, GrammarError, ll_tokenizer
+from serve_app.grammar.lark import json_rule
 from serve_app.grammar.matchers import GrammarStates
+from serve_app.grammar.recursion import bound_recursion
 from serve_app.grammar.spec import GrammarSpec, ToolSpec
 from serve_app.models.dspark import DraftOutput
 from serve_app.models.k3_paged import PagedK3
@@ -117,6 +119,59 @@ def test_every_walle_schema_compiles_as_a_strict_tool(compiler: GrammarCompiler)
     # minLength 10^12); the other 208 are enforced (TestAnyOf's `"$id": "anyOf with refs"`,
     # no URI, is compiled without its `$id`: compiler.py).
     assert relaxed == RELAXED_WALLE
+
+
+# --- a recursive schema nests to a bound -------------------------------------------------------
+
+LINKED_LIST = {"$defs": {"node": {
+    "type": "object", "additionalProperties": False, "required": ["value", "next"],
+    "properties": {"next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]},
+                   "value": {"type": "number"}}}}, "$ref": "#/$defs/node"}
+
+
+def _linked_list(length: int) -> str:
+    text = "null"
+    for _ in range(length):
+        text = '{"next":' + text + ',"value":1}'
+    return text
+
+
+def _accepts(compiler: GrammarCompiler, tokenizer: Tokenizer, schema: Any, text: str) -> bool:
+    matcher = compiler._build(f"start: {json_rule(schema)}\n")
+    assert not isinstance(matcher, str), matcher
+    return matcher.consume_tokens(tokenizer.encode_text(text)) and matcher.is_accepting()
+
+
+def test_a_recursive_schema_nests_to_the_bound_and_no_deeper(
+        compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    """Unfolded to 3 `$ref`s, a linked list takes up to 3 nodes and refuses the 4th, where the
+    original takes any length; each is valid against the original (jsonschema). The embedded
+    pair, sampled at K3's parameters, nested KVV's linked-list case ~100 nodes deep until
+    `max_tokens` cut the call off."""
+    bounded = bound_recursion(LINKED_LIST, 3)
+    for length in range(1, 6):
+        jsonschema.validate(json.loads(_linked_list(length)), LINKED_LIST)
+        assert _accepts(compiler, tokenizer, LINKED_LIST, _linked_list(length))
+        assert _accepts(compiler, tokenizer, bounded, _linked_list(length)) == (length <= 3)
+
+
+def test_only_recursive_schemas_are_unfolded(compiler: GrammarCompiler) -> None:
+    """The 20 walle schemas whose `$ref`s form a cycle are unfolded and compile; the other 192
+    are enforced as given. A property whose every instance is infinite (`next` required at
+    every level) is left out: the original admits no finite value for it either."""
+    cases = [json.loads(line) for f in WALLE for line in f.read_text().splitlines() if line]
+    unfolded = [bound_recursion(c, MAX_REF_DEPTH) for c in cases]
+    changed = [u for c, u in zip(cases, unfolded, strict=True) if u is not c]
+    assert len(changed) == 20
+    assert all(compiler._json_compiles(u) for u in changed)
+    endless = {"$defs": {"n": {"type": "object", "required": ["next"],
+                               "properties": {"next": {"$ref": "#/$defs/n"}}}},
+               "type": "object", "properties": {"node": {"$ref": "#/$defs/n"}}}
+    assert bound_recursion(endless, 4) == {"type": "object", "properties": {"node": False}}
+    spec = GrammarSpec("tool_call", "tool_choice", chat_format="k3",
+                       tools=(ToolSpec("walk", LINKED_LIST, strict=True),))
+    assert compiler._resolvable(spec).tools[0].parameters == bound_recursion(
+        LINKED_LIST, MAX_REF_DEPTH)
 
 
 def test_uncompilable_response_schemas_are_errors_naming_the_field(

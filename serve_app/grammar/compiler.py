@@ -24,6 +24,7 @@ import llguidance
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from serve_app.grammar.lark import json_rule, lark_grammar
+from serve_app.grammar.recursion import bound_recursion
 from serve_app.grammar.spec import GrammarSpec, ToolSpec
 from serve_app.tokenizer import Tokenizer
 
@@ -32,6 +33,10 @@ from serve_app.tokenizer import Tokenizer
 # (~100 MB); a grammar of at most 200k symbols (a 10 MB schema is refused by this).
 LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=50_000,
               max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
+# How many `$ref`s deep a recursive schema may nest (recursion.py): far deeper than the
+# arguments and answers agents ask for, and it leaves a model that keeps recursing room to
+# close within a few hundred tokens.
+MAX_REF_DEPTH = 32
 
 
 class GrammarError(ValueError):
@@ -157,15 +162,22 @@ class GrammarCompiler:
         return built
 
     def _resolvable(self, spec: GrammarSpec) -> GrammarSpec:
-        """`spec` with `$id`s dropped from each schema that compiles only without them. A
-        validator given the schema document alone resolves its `#/...` references in that
-        document; llguidance instead resolves them against an `$id` that is no URI ("anyOf
-        with refs") or is one it would have to fetch, and fails (4 of KVV's walle schemas)."""
+        """`spec` with each schema as the engine enforces it.
+
+        - `$id`s are dropped from a schema that compiles only without them. A validator given
+          the schema document alone resolves its `#/...` references in that document;
+          llguidance instead resolves them against an `$id` that is no URI ("anyOf with refs")
+          or is one it would have to fetch, and fails (4 of KVV's walle schemas).
+        - A recursive schema is unfolded to `MAX_REF_DEPTH` (recursion.py), when the unfolding
+          compiles; else it is enforced unbounded."""
         def fixed(schema: Any) -> Any:
-            if not _has_id(schema) or self._json_compiles(schema):
-                return schema
-            plain = _without_ids(schema)
-            return plain if self._json_compiles(plain) else schema
+            if _has_id(schema) and not self._json_compiles(schema):
+                plain = _without_ids(schema)
+                schema = plain if self._json_compiles(plain) else schema
+            bounded = bound_recursion(schema, MAX_REF_DEPTH)
+            if bounded is not schema and self._json_compiles(bounded):
+                return bounded
+            return schema
 
         if spec.kind == "json_schema" and spec.strict:
             spec = replace(spec, schema=fixed(spec.schema))
