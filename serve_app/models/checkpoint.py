@@ -13,13 +13,16 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -85,6 +88,32 @@ class TensorSpec:
     dtypes: frozenset[str] = FLOAT_DTYPES
     # Other stored shapes the model's loader takes (it reshapes or narrows them itself).
     accepts: Callable[[tuple[int, ...]], bool] | None = None
+
+
+class _SkipFills(TorchFunctionMode):
+    """Random in-place fills (module initialisation) return their tensor untouched."""
+
+    # By name: a tensor method arrives as TensorBase's, nn.init's functions as themselves.
+    FILLS = frozenset({"uniform_", "normal_", "random_", "exponential_", "bernoulli_",
+                       "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                       "xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_"})
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if getattr(func, "__name__", None) in self.FILLS:
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def uninitialised() -> Iterator[None]:
+    """Build modules without initialising them, for a loader that assigns every tensor: their
+    tensors are `torch.empty` (pages untouched until assigned over) and random fills are
+    skipped. Not the meta device: a meta tensor's random fill or elementwise op (`.log()` in an
+    init) runs through torch._refs, whose first call imports torch._dynamo, 1.5-2 s of CPU in
+    every process that loads a model (Serve replicas, rank workers, TP test workers)."""
+    with _SkipFills():
+        yield
 
 
 def read_header(path: str | os.PathLike[str]) -> dict[str, TensorInfo]:

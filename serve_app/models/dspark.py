@@ -30,6 +30,7 @@ from serve_app.models.checkpoint import (
     expected_from_module,
     load_tensors,
     save_tensors,
+    uninitialised,
 )
 from serve_app.models.draw import draw_rows
 from serve_app.models.dspark_config import DSparkConfig
@@ -445,7 +446,7 @@ def survival_draft_count(confidence: torch.Tensor, threshold: float) -> torch.Te
 
 def expected_tensors(config: DSparkConfig) -> dict[str, TensorSpec]:
     """Names and shapes of a DSpark checkpoint, derived from the module on the meta device."""
-    with torch.device("meta"):
+    with uninitialised():
         return expected_from_module(DSparkDraft(config))
 
 
@@ -458,11 +459,11 @@ def load_dspark(
     config's)."""
     config = DSparkConfig.from_file(path)
     dtype = dtype or TORCH_DTYPES[config.dtype]
-    with torch.device("meta"):
+    with uninitialised():
         model = DSparkDraft(config)
     state = load_tensors(path, expected_from_module(model), dtype=dtype, device=device)
     model.load_state_dict(state, assign=True)
-    # Non-persistent buffers were created on meta; rebuild them for real.
+    # Non-persistent buffers were built on the CPU; rebuild them on `device`.
     model.rotary = RotaryEmbedding(config.head_dim, config.rope_parameters).to(device)
     return model.eval()
 

@@ -44,6 +44,7 @@ from serve_app.models.checkpoint import (
     quantize_fp8_block,
     read_index,
     save_tensors,
+    uninitialised,
 )
 from serve_app.models.k3 import K3ForCausalLM
 from serve_app.models.k3_config import K3Config, K3ConfigError, k3_tensor_shapes
@@ -196,7 +197,7 @@ def load_k3(
         raise CheckpointError(folder, [f"config.json: {exc}"]) from None
     dtype = dtype or TORCH_DTYPES[config.dtype]
     block = _quant_block(folder, config)
-    with torch.device("meta"):
+    with uninitialised():
         model = K3ForCausalLM(config, tp)
     expected = {**k3_checkpoint_specs(config, block), **_mtp_specs(folder, config)}
     # Zero-copy views of the mapped files, by the model's names (SGLang's renames applied).

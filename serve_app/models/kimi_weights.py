@@ -28,6 +28,7 @@ from serve_app.models.checkpoint import (
     quantize_fp8_block,
     read_index,
     save_tensors,
+    uninitialised,
 )
 from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_config import Fp8QuantConfig, KimiConfig
@@ -141,7 +142,7 @@ def load_kimi(
     are dequantized to `dtype` (default: the config's torch_dtype)."""
     config = KimiConfig.from_file(folder)
     dtype = dtype or TORCH_DTYPES[config.torch_dtype]
-    with torch.device("meta"):
+    with uninitialised():
         model = KimiForCausalLM(config, tp_rank, tp_size, group)
     expected = {**checkpoint_specs(config), **_mtp_specs(folder, config)}
     # dtype=None and CPU: every tensor stays a zero-copy view of the mapped files until sliced.
