@@ -6,7 +6,13 @@ is the aggregated engine's, and a dropped stream leaves nothing held on either s
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -101,25 +107,127 @@ def test_a_dropped_stream_leaves_nothing_held(server: Any) -> None:
     assert holds_nothing("DecodeDeployment")
 
 
+def replica(deployment: str) -> Any:
+    """The one replica actor of `deployment`."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::kimi#{deployment}#")]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def recovered(url: str) -> None:
+    """Wait (up to 3 minutes) until Serve has replaced a killed replica and a request is
+    answered again, so each test leaves the app whole, in any order."""
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            resp = httpx.post(url + "/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": [5, 6], "max_tokens": 2, "temperature": 0})
+            if resp.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the app did not recover"
+        time.sleep(1.0)
+
+
+@contextmanager
+def frozen(deployment: str) -> Iterator[None]:
+    """`deployment`'s replica process stopped (SIGSTOP): calls to it wait in transit."""
+    pid = serve.get_deployment_handle(deployment, app_name="kimi").placement.remote().result(
+        timeout_s=30)[0]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def body(max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+
+def stream(url: str, max_tokens: int) -> Any:
+    return httpx.stream("POST", url + "/v1/completions", json=body(max_tokens), timeout=60)
+
+
 def test_a_prefill_replica_that_dies_mid_answer_frees_the_decode_side(server: Any) -> None:
     """The prefill replica relays the decode side's stream; killed after the hand-over, its
     client's stream ends and the decode replica (which watches it as its caller) aborts the
-    request. Last in the module: Serve replaces the killed replica."""
+    request."""
     import ray
 
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 500, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if "TargetDeployment" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
-    assert len(names) == 1
-    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as resp:
+    with stream(server[0], 500) as resp:
         lines = resp.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
         assert held("DecodeDeployment")[0][1] >= 1
-        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=False)
+        ray.kill(replica("TargetDeployment"), no_restart=False)
         with pytest.raises(httpx.HTTPError):
             for _ in lines:  # the stream breaks (or ends) without its 500 tokens
                 pass
             raise httpx.ReadError("ended")
+    assert holds_nothing("DecodeDeployment")
+    recovered(server[0])
+    assert holds_nothing("TargetDeployment")
+
+
+def test_a_prefill_replica_that_dies_mid_transfer_leaves_nothing_held(server: Any) -> None:
+    """Killed while its hand-over is in transit (prefilled and exported, the decode call sent
+    to a decode replica that is stopped, so it cannot have adopted it yet): the client gets
+    an OpenAI-shaped 503 (no token had been sent), and once the decode replica runs again it
+    holds nothing, whether the call reaches it (its caller is dead: aborted) or not (the
+    hand-over's owner is gone)."""
+    import ray
+
+    url = server[0]
+    with frozen("DecodeDeployment"), ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, url + "/v1/completions", json=body(50), timeout=60)
+        time.sleep(1.5)  # prefill + export of 4 tokens: milliseconds
+        assert held("TargetDeployment") == [(0, 0)]  # exported: nothing left there
+        assert not answer.done()  # no first token: the answer waits on the decode side
+        ray.kill(replica("TargetDeployment"), no_restart=False)
+        resp = answer.result(timeout=60)
+    assert resp.status_code == 503 and resp.headers["retry-after"]
+    assert resp.json()["error"]["code"] == "service_unavailable"
+    assert holds_nothing("DecodeDeployment")
+    recovered(url)
+    assert holds_nothing("TargetDeployment") and holds_nothing("DecodeDeployment")
+
+
+def test_a_client_gone_mid_transfer_leaves_nothing_held(server: Any) -> None:
+    """The client hangs up while its hand-over is in transit: the relay is cancelled, so is
+    the decode call, and neither side keeps the request."""
+    url = server[0]
+    with frozen("DecodeDeployment"):
+        with pytest.raises(httpx.ReadTimeout):  # gives up after 1.5 s and closes
+            httpx.post(url + "/v1/completions", json=body(50),
+                       timeout=httpx.Timeout(60, read=1.5))
+        assert held("TargetDeployment") == [(0, 0)]
+        time.sleep(0.5)  # the ingress sees the disconnect
+    assert holds_nothing("DecodeDeployment") and holds_nothing("TargetDeployment")
+    recovered(url)
+
+
+def test_a_decode_replica_that_dies_mid_answer_fails_the_stream(server: Any) -> None:
+    """Killed after the hand-over, mid-answer: the client's stream ends with an OpenAI-shaped
+    error event (503, retry), never with its 500 tokens' finish; the prefill side holds
+    nothing, and the replacement decode replica serves the next request."""
+    import ray
+
+    with stream(server[0], 500) as resp:
+        lines = resp.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        ray.kill(replica("DecodeDeployment"), no_restart=False)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"  # the stream's end, after the error event
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["code"] == "service_unavailable"
+    assert not any('"finish_reason":"length"' in line.replace(" ", "") for line in rest)
+    assert holds_nothing("TargetDeployment")
+    recovered(server[0])
     assert holds_nothing("DecodeDeployment")
