@@ -91,6 +91,17 @@ class RequestOutput:
     prefilled: bool = False
 
 
+@dataclass
+class Prefilled:
+    """A prefill replica's answer to `generate` in a disaggregated app: the request is
+    prefilled and exported, and `handoff` is a Ray object reference to its RequestHandoff
+    (owned by the prefill replica's process). The ingress passes the reference to a decode
+    replica, which fetches the hand-over itself and streams the answer from its first token."""
+
+    request_id: str
+    handoff: Any  # ray.ObjectRef[RequestHandoff]
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str

@@ -44,6 +44,7 @@ from serve_app.chat.segments import encode_segments, text_bytes
 from serve_app.config import AppConfig, context_length
 from serve_app.engines.types import (
     GenerateRequest,
+    Prefilled,
     RequestOutput,
 )
 from serve_app.observability.logs import get_logger, install_trace_ids
@@ -239,10 +240,15 @@ def _api_keys(config: AppConfig) -> list[str]:
 class OpenAIIngress:
     """The body of the ingress deployment."""
 
-    def __init__(self, target: DeploymentHandle, config: dict[str, Any]) -> None:
+    def __init__(self, target: DeploymentHandle, config: dict[str, Any],
+                 decode: DeploymentHandle | None = None) -> None:
+        """`target`: the target deployment (a disaggregated app's prefill side); `decode`: a
+        disaggregated app's decode side, which streams each answer the prefill side handed
+        over."""
         self.config = AppConfig.model_validate(config)
         self.target = target
         self._generate = target.options(stream=True).generate  # made once, not per request
+        self._decode = decode.options(stream=True).decode if decode is not None else None
         self.tokenizer = load_tokenizer(self.config.models.tokenizer_path())
         self.chat = chat_format_for(self.tokenizer, self.config.api.tool_strict_level)
         self.model_name = self.config.models.served_model_name
@@ -429,13 +435,15 @@ class OpenAIIngress:
                     raise OpenAIError(500, "the engine returned no output",
                                       "server_error") from None
                 except Exception as exc:
+                    # The call ended with its error: nothing runs that a cancel could stop
+                    # (and Serve's cancel of a call that never reached a replica re-raises).
+                    lease.stream = None
                     full = unwrap(exc)
                     if not (isinstance(full, ReplicaFull) and self.router is not None
                             and replica is not None):
                         raise error_for(exc, self.retry_after_s, rid) from None
                     # Another ingress took the room: back to the front of the queue, with
                     # the replica's numbers, until a replica has room.
-                    lease.stream = None
                     try:
                         replica = await self.router.requeue(
                             rid, str(full.info.get("replica") or replica), full.info)
@@ -443,6 +451,8 @@ class OpenAIIngress:
                         raise router_error(err, self.retry_after_s) from None
                     continue
                 break
+            if isinstance(first, Prefilled):
+                first = await self._decoded(first, lease, rid)
             lease.finished = first.finished
             lease.prefill_done()
             telemetry.first_token()
@@ -466,6 +476,24 @@ class OpenAIIngress:
         finally:
             if lease is not None:
                 lease.close()
+
+    async def _decoded(self, prefilled: Prefilled, lease: Lease, rid: str) -> RequestOutput:
+        """A disaggregated request's first output, from the decode replica that adopts its
+        hand-over: Ray gives that replica the reference, and it fetches the hand-over from the
+        prefill replica's object store (the ingress never holds the caches). The answer
+        streams from there; a lost hand-over (the prefill replica died) is a 503."""
+        if self._decode is None:
+            raise OpenAIError(500, "the engine handed over a request but there is no decode "
+                              "side", "server_error")
+        stream = self._decode.remote(prefilled.handoff, self.caller)
+        lease.stream = stream
+        try:
+            return await stream.__anext__()
+        except StopAsyncIteration:
+            raise OpenAIError(500, "the engine returned no output", "server_error") from None
+        except Exception as exc:
+            lease.stream = None  # ended with its error (as in `_serve`)
+            raise error_for(exc, self.retry_after_s, rid) from None
 
     async def _collect(self, rid: str, answer: Answer, first: RequestOutput,
                        lease: Lease) -> dict[str, Any]:

@@ -17,12 +17,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import ray
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serve_app.config import AppConfig, context_length
-from serve_app.engines.types import Engine, EngineUnavailable, GenerateRequest, RequestOutput
+from serve_app.engines.types import (
+    Engine,
+    EngineUnavailable,
+    GenerateRequest,
+    Prefilled,
+    RequestOutput,
+)
 from serve_app.netutil import free_port
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.metrics import replica_name
@@ -169,15 +174,11 @@ class TargetReplica:
     """The body of the target deployment (wrapped with serve.deployment in app.py): it starts
     the configured engine backend and serves the engine interface to the ingress/router."""
 
-    def __init__(self, config: dict[str, Any], role: Role = "both",
-                 decode: DeploymentHandle | None = None) -> None:
+    def __init__(self, config: dict[str, Any], role: Role = "both") -> None:
         """`role`: "both" (prefill and decode), or a side of a disaggregated app: "prefill"
-        (prefills, then hands each request to a replica of `decode` and relays its stream) or
-        "decode" (serves `decode` calls)."""
-        if (role == "prefill") != (decode is not None):
-            raise ValueError("a prefill replica, and only one, needs the decode deployment")
+        (prefills and exports each request: `generate` answers with a `Prefilled`) or
+        "decode" (serves `decode` calls with those hand-overs)."""
         self.role = role
-        self._decode = decode.options(stream=True).decode if decode is not None else None
         self.config = AppConfig.model_validate(config)
         install_trace_ids()
         started = time.perf_counter()
@@ -187,11 +188,6 @@ class TargetReplica:
         else:
             self.engine, self.workers, self.info = _start_reference(self.config, config)
         self.replica = replica_name()
-        # This replica as a caller of the decode side (which watches it like the ingress).
-        from ray.serve._private.constants import SERVE_NAMESPACE
-
-        name = ray.get_runtime_context().get_actor_name()
-        self.caller = (SERVE_NAMESPACE, name) if name else None
         self._status_at = -1e9
         self._status: dict[str, Any] = {}
         self._last_check_problem: str | None = None
@@ -216,12 +212,13 @@ class TargetReplica:
         return serve.get_replica_context().replica_id.unique_id
 
     async def generate(self, request: GenerateRequest, reservation: Reservation | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> AsyncIterator[RequestOutput | Prefilled]:
         """Reserve the request on this replica's ledger (the facts its ingress computed,
         or the same facts computed here for a call that carries none), then stream the
         engine's outputs; released exactly once when the request ends here, however it ends
         (finished, failed, aborted, its caller gone). Refused before any engine work with
-        ReplicaFull, which carries this ledger's numbers."""
+        ReplicaFull, which carries this ledger's numbers. A prefill replica answers with one
+        `Prefilled` (or the final output of a request that ended on its first token)."""
         caller = request.caller
         ledger = self.ledger
         if ledger is not None:
@@ -234,7 +231,7 @@ class TargetReplica:
                 raise
         self._track(caller, request.request_id)
         try:
-            if self._decode is None:
+            if self.role != "prefill":
                 async for out in self.engine.generate(request):
                     yield out
                 return
@@ -242,14 +239,10 @@ class TargetReplica:
             if isinstance(result, RequestOutput):  # it ended on its first token
                 yield result
                 return
-            if ledger is not None:  # the request holds nothing here any more
-                ledger.release(request.request_id)
-                ledger = None
-            # The hand-over travels to the decode replica as the call's argument (Ray's
-            # object store); the tokens come back through here to the caller. The decode
-            # replica watches this one as its caller.
-            async for out in self._decode.remote(result, self.caller):
-                yield out
+            # The hand-over goes into this process's object store; the decode replica the
+            # ingress calls with the reference fetches it from here, and the tokens go
+            # from there to the ingress, past this replica (busy prefilling other prompts).
+            yield Prefilled(request.request_id, ray.put(result))
         finally:
             if ledger is not None:
                 ledger.release(request.request_id)
@@ -273,8 +266,9 @@ class TargetReplica:
 
     async def decode(self, handoff: RequestHandoff, caller: tuple[str, str] | None = None
                      ) -> AsyncIterator[RequestOutput]:
-        """A request a prefill replica (`caller`) handed over: decoded here, streamed from its
-        first token; aborted when that replica stops reading or dies."""
+        """A request a prefill replica handed over (Ray fetched `handoff` from there):
+        decoded here, streamed to `caller` (its ingress) from the first token; aborted when
+        the ingress stops reading or dies."""
         if self.role != "decode":
             raise ValueError(f"this replica is a {self.role!r} replica, not a decode one")
         self._track(caller, handoff.request_id)
