@@ -40,7 +40,8 @@ def server(paths: dict[str, Path]) -> Any:
     cfg = AppConfig.model_validate({
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
                    "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": 4096, "prefill_chunk_tokens": 48}},
+        "engine": {"reference": {"kv_capacity_tokens": 4096, "prefill_chunk_tokens": 48,
+                                 "prefix_cache": {"enabled": True}}},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
         "router": {"policy": "ray_default"},
         "ingress": {"default_max_tokens": 16, "max_tokens_limit": 512},
@@ -52,9 +53,10 @@ def server(paths: dict[str, Path]) -> Any:
 
 
 def held(deployment: str) -> list[tuple[int, int]]:
-    """(KV tokens used, state slots used) of each replica of `deployment`."""
+    """(KV tokens requests hold, state slots used) of each replica of `deployment`: the
+    prefix cache's evictable pages are no request's."""
     handle = serve.get_deployment_handle(deployment, app_name="kimi")
-    return [(c["kv_tokens_used"], c["state_slots_used"])
+    return [(c["kv_tokens_used"] - c["kv_tokens_evictable"], c["state_slots_used"])
             for c in handle.broadcast("capacity").results(timeout_s=30)]
 
 
@@ -92,6 +94,22 @@ def test_a_disaggregated_answer_is_the_aggregated_engines(server: Any,
     assert extra["spec_accept_length"] == pytest.approx(
         usage.completion_tokens / extra["spec_verify_ct"])
     assert holds_nothing("TargetDeployment") and holds_nothing("DecodeDeployment")
+
+
+def test_the_prefill_sides_prefix_cache_serves_a_repeated_prompt(server: Any) -> None:
+    """The prefill replica keeps each prompt in its prefix cache (pages and KDA snapshots) after
+    handing it over: the same prompt again is prefilled from the cache (`cached_tokens`, which
+    the decode side reports in `usage`) and answered exactly as the first time."""
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    messages = [{"role": "user", "content": "class Cache:\n    def get(self, key):\n" * 8}]
+    answers = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                              temperature=0) for _ in range(2)]
+    assert answers[0].usage.prompt_tokens > 64  # past the first snapshot (every 64 tokens)
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+    assert cached[0] == 0 and cached[1] >= 64
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+    assert holds_nothing("DecodeDeployment")
 
 
 def test_a_dropped_stream_leaves_nothing_held(server: Any) -> None:
@@ -189,7 +207,7 @@ def test_a_prefill_replica_that_dies_mid_transfer_leaves_nothing_held(server: An
             answer = pool.submit(httpx.post, url + "/v1/completions", json=body(50),
                                  timeout=60)
             time.sleep(1.5)  # prefill + export of 4 tokens: milliseconds
-            assert held("TargetDeployment") == [(0, 0)]  # exported: nothing left there
+            assert holds_nothing("TargetDeployment")  # exported: nothing left there
             assert not answer.done()  # no first token: the answer waits on the decode side
             ray.kill(replica("TargetDeployment"), no_restart=False)
             time.sleep(1.0)
@@ -209,7 +227,7 @@ def test_a_client_gone_mid_transfer_leaves_nothing_held(server: Any) -> None:
         with pytest.raises(httpx.ReadTimeout):  # gives up after 1.5 s and closes
             httpx.post(url + "/v1/completions", json=body(50),
                        timeout=httpx.Timeout(60, read=1.5))
-        assert held("TargetDeployment") == [(0, 0)]
+        assert holds_nothing("TargetDeployment")
         time.sleep(0.5)  # the ingress sees the disconnect
     assert holds_nothing("DecodeDeployment") and holds_nothing("TargetDeployment")
     recovered(url)

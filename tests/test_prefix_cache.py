@@ -61,6 +61,9 @@ def check_tree(engine: EngineCore) -> None:
     assert set(prefix._locked) <= running
     if not running:
         assert all(n.locks == 0 for n in prefix.nodes())
+    # What capacity() says the cache alone holds: its pages that no running request locks.
+    free_nodes = sum(1 for n in prefix.nodes() if n.locks == 0)
+    assert engine.capacity()["kv_tokens_evictable"] == free_nodes * prefix.page
 
 
 @pytest.mark.parametrize("family,rollback", [("k2", "scratch"), ("k3", "scratch"),

@@ -217,6 +217,7 @@ def test_requests_wait_for_capacity_and_abort_frees(target: KimiForCausalLM) -> 
     assert engine.abort(second) and not engine.abort(second)
     slots = engine.scheduler.slots_total
     assert engine.capacity() == {"kv_tokens_total": 256, "kv_tokens_used": 0,
+                                 "kv_tokens_evictable": 0,
                                  "kv_tokens_free": 256, "kv_tokens_reserved": 0,
                                  "state_slots_total": slots, "state_slots_used": 0,
                                  "state_slots_free": slots, "state_slots_reserved": 0}

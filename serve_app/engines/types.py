@@ -146,7 +146,8 @@ class Engine(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
     def capacity(self) -> dict[str, int]:
-        """KV tokens: kv_tokens_total, kv_tokens_free (and used/reserved where known); state
+        """KV tokens: kv_tokens_total, kv_tokens_free (and used/reserved/evictable where
+        known); state
         slots, one per running request: state_slots_total, state_slots_used (and free/reserved
         where known). Without state_slots_total the router treats slots as unbounded."""
 

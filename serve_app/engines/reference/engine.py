@@ -561,12 +561,18 @@ class EngineCore:
 
     def capacity(self) -> dict[str, int]:
         """KV tokens and state slots. Every running request holds one slot (its per-request
-        state, where the target has one, and one of the batch's places), taken at admission."""
+        state, where the target has one, and one of the batch's places), taken at admission.
+        `kv_tokens_evictable`: of the used tokens, the prefix cache's pages no request uses
+        (eviction frees them on demand), so what requests hold is used minus evictable."""
         alloc = self.runner.allocator
         sched = self.scheduler
+        prefix = self.runner.prefix
+        evictable = 0 if prefix is None else (
+            prefix.cached_pages * prefix.page - prefix.pinned_tokens)
         return {
             "kv_tokens_total": alloc.capacity_tokens,
             "kv_tokens_used": alloc.used_tokens,
+            "kv_tokens_evictable": evictable,
             "kv_tokens_free": alloc.free_tokens,
             "kv_tokens_reserved": sched.reserved_tokens,
             "state_slots_total": sched.slots_total,
