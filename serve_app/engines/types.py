@@ -147,8 +147,8 @@ class Engine(Protocol):
 
     def capacity(self) -> dict[str, int]:
         """KV tokens: kv_tokens_total, kv_tokens_free (and used/reserved/evictable where
-        known); state
-        slots, one per running request: state_slots_total, state_slots_used (and free/reserved
-        where known). Without state_slots_total the router treats slots as unbounded."""
+        known); state slots, one per running request: state_slots_total, state_slots_used (and
+        free/reserved where known). Without state_slots_total the router treats slots as
+        unbounded."""
 
     async def shutdown(self) -> None: ...
