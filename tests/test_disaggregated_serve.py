@@ -233,6 +233,21 @@ def test_a_client_gone_mid_transfer_leaves_nothing_held(server: Any) -> None:
     recovered(url)
 
 
+def test_health_covers_the_decode_side(server: Any) -> None:
+    """/health is 503 while no decode replica can answer (one stopped with SIGSTOP), naming
+    that side, though every prefill replica is fine: requests could not be answered. 200
+    again once it runs."""
+    url = server[0]
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    with frozen("DecodeDeployment"):
+        time.sleep(1.1)  # past the probe's 1 s cache
+        resp = httpx.get(url + "/health", timeout=30)  # waits out the 3 s probe timeout
+        assert resp.status_code == 503 and resp.headers["retry-after"]
+        assert resp.json()["error"]["message"].startswith("decode side: ")
+    time.sleep(1.1)
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+
+
 def test_a_decode_replica_that_dies_mid_answer_fails_the_stream(server: Any) -> None:
     """Killed after the hand-over, mid-answer: the client's stream ends with an OpenAI-shaped
     error event (503, retry), never with its 500 tokens' finish; the prefill side holds

@@ -16,10 +16,13 @@ logger = get_logger("ingress")
 class HealthProbe:
     """GET /health: a target replica's own account of itself (its engine loop, watchdog and
     ranks), cached briefly so that probes stay cheap. No answer within the timeout (no
-    replica running, all stuck) is a 503."""
+    replica running, all stuck) is a 503. A disaggregated app has two target deployments and
+    serves only when both can: each is asked, and a problem names its side."""
 
-    def __init__(self, target: DeploymentHandle, cache_s: float, timeout_s: float) -> None:
-        self.target = target
+    def __init__(self, target: DeploymentHandle, cache_s: float, timeout_s: float,
+                 decode: DeploymentHandle | None = None) -> None:
+        self.sides = [("", target)] if decode is None else [
+            ("prefill side: ", target), ("decode side: ", decode)]
         self.cache_s = cache_s
         self.timeout_s = timeout_s
         self._at = -1e9
@@ -29,11 +32,13 @@ class HealthProbe:
     async def problem(self) -> str | None:
         async with self._lock:
             if time.monotonic() - self._at > self.cache_s:
-                self._problem = await self._ask()
+                problems = await asyncio.gather(*(self._ask(h) for _, h in self.sides))
+                self._problem = next((side + p for (side, _), p in zip(
+                    self.sides, problems, strict=True) if p is not None), None)
                 self._at = time.monotonic()
             return self._problem
 
-    async def _ask(self) -> str | None:
+    async def _ask(self, target: DeploymentHandle) -> str | None:
         # A probe that lands on a broken replica while another is healthy asks again: the
         # answer is "can any replica serve", not "is the first one fine".
         problem = None
@@ -42,7 +47,7 @@ class HealthProbe:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            response = self.target.health_status.remote()
+            response = target.health_status.remote()
             try:
                 status = await asyncio.wait_for(_result(response), left)
             except TimeoutError:

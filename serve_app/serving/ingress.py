@@ -260,7 +260,8 @@ class OpenAIIngress:
         self.retry_after_s = ing.retry_after_s
         self._tokenize_pool = ThreadPoolExecutor(ing.tokenizer_threads,
                                                  thread_name_prefix="tokenize")
-        self.health_probe = HealthProbe(target, ing.health_cache_s, ing.health_timeout_s)
+        self.health_probe = HealthProbe(target, ing.health_cache_s, ing.health_timeout_s,
+                                        decode)
         # Who we are, so the target can abort our requests if this process dies.
         # Serve's replica actors are named in Serve's namespace, not the job's.
         from ray.serve._private.constants import SERVE_NAMESPACE
