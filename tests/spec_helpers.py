@@ -196,9 +196,9 @@ def prefill_for_handoff(engine: EngineCore, prompt: list[int], params: SamplingP
 
 
 def _tensor_parallel_worker(rank: int, world: int, port: int, paths: tuple[Path, Path | None],
-                            engine_cfg: ReferenceEngineConfig, tokenizer_dir: Path,
-                            requests: list[tuple[list[int], SamplingParams]],
-                            results: Any) -> None:
+                            engine_cfg: ReferenceEngineConfig, tokenizer_dir: Path | None,
+                            job: Callable[..., Any], job_args: tuple, results: Any,
+                            received: Any) -> None:
     from serve_app.engines.reference.builder import init_tensor_parallel, release_tensor_parallel
     from serve_app.tokenizer import load_tokenizer, stop_token_ids
 
@@ -206,14 +206,55 @@ def _tensor_parallel_worker(rank: int, world: int, port: int, paths: tuple[Path,
     group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, world, "gloo")
     runner = build_runner(paths[0], paths[1], engine_cfg, rank, world, group)
     if rank == 0:
-        tokenizer = load_tokenizer(tokenizer_dir)
-        engine = build_engine(runner, engine_cfg, stop_token_ids(tokenizer), tokenizer.decode,
-                              tokenizer=tokenizer)
-        results.put([engine.generate([ids], params)[0] for ids, params in requests])
+        if tokenizer_dir is None:
+            engine = build_engine(runner, engine_cfg)
+        else:
+            tokenizer = load_tokenizer(tokenizer_dir)
+            engine = build_engine(runner, engine_cfg, stop_token_ids(tokenizer),
+                                  tokenizer.decode, tokenizer=tokenizer)
+        result = job(engine, *job_args)
         runner.shutdown()
+        results.put(result)
+        # Tensors in the result travel in this process's shared memory: stay until owned.
+        received.wait(timeout=300)
+        del engine
     else:
         runner.follow()
+    del runner, group
     release_tensor_parallel()
+
+
+def run_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEngineConfig,
+                        world: int, job: Callable[..., Any], job_args: tuple = (),
+                        tokenizer_dir: Path | None = None,
+                        own: Callable[[Any], Any] = lambda result: result) -> Any:
+    """`job(engine, *job_args)` on rank 0 of an engine at TP `world` over gloo, in spawned
+    processes as a served replica runs it (the other ranks follow); its result, passed
+    through `own` (copy any tensors in it: they live in the worker's shared memory until
+    `own` returns). `job` must be importable (a module-level function): spawn pickles it."""
+    import multiprocessing as mp
+
+    from serve_app.netutil import free_port
+
+    ctx = mp.get_context("spawn")
+    results, received = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = [ctx.Process(target=_tensor_parallel_worker,
+                         args=(r, world, port, paths, engine_cfg, tokenizer_dir, job, job_args,
+                               results, received)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    result = own(results.get(timeout=600))
+    received.set()
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    return result
+
+
+def _generate_each(engine: EngineCore, requests: list[tuple[list[int], SamplingParams]]
+                   ) -> list[RequestOutput]:
+    return [engine.generate([ids], params)[0] for ids, params in requests]
 
 
 def generate_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEngineConfig,
@@ -223,20 +264,5 @@ def generate_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: Refere
     spawned processes, as a served replica runs it. Seeded sampling is exact only at the same
     TP: between TP sizes the float sums differ in their last bits, and an inverse-CDF draw
     that lands between two ids' cumulative probabilities picks the neighbour."""
-    import multiprocessing as mp
-
-    from serve_app.netutil import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_tensor_parallel_worker,
-                         args=(r, world, port, paths, engine_cfg, tokenizer_dir, requests,
-                               results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    outs = results.get(timeout=600)
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    return outs
+    return run_tensor_parallel(paths, engine_cfg, world, _generate_each, (requests,),
+                               tokenizer_dir)

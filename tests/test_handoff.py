@@ -11,19 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from spec_helpers import engine_from
+from spec_helpers import engine_from, run_tensor_parallel
 from spec_helpers import prefill_for_handoff as prefill
 from tiny_models import tiny_k3_config, write_random_k3_pair
 
 from serve_app.config import ReferenceEngineConfig
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, heldout_prompt_ids
-from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.handoff import RequestHandoff, reshard
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.models.kv_capacity import KVCapacityError
-from serve_app.netutil import free_port
 from serve_app.tokenizer import load_tokenizer
 
 VOCAB = 256
@@ -178,30 +175,22 @@ def test_reshard_is_a_round_trip(pair: tuple[Path, Path]) -> None:
 # --- between tensor-parallel sizes -----------------------------------------------------------
 
 
-def _tp2_worker(rank: int, port: int, pair: tuple[Path, Path], prompt: list[int],
-                handoff: RequestHandoff, results: mp.Queue, received: Any) -> None:
-    """A TP 2 engine over gloo: hands over `prompt` after prefilling it, and decodes
-    `handoff` (prefilled by a TP 1 engine)."""
-    from serve_app.engines.reference.builder import init_tensor_parallel, release_tensor_parallel
+def _tp2_job(engine: EngineCore, prompt: list[int], handoff: RequestHandoff) -> tuple:
+    """On a TP 2 engine: hand over `prompt` after prefilling it, and decode `handoff`
+    (prefilled by a TP 1 engine)."""
+    out = engine.export(prefill(engine, prompt, SEEDED))
+    rid = engine.adopt(handoff)
+    decoded = finish(engine, [rid])[rid]
+    return out, decoded[0], decoded[1].spec, engine.capacity()
 
-    torch.set_num_threads(1)
-    group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, 2, "gloo")
-    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **CHUNKED)  # type: ignore[arg-type]
-    runner = build_runner(pair[0], pair[1], cfg, rank, 2, group)
-    if rank == 0:
-        engine = build_engine(runner, cfg)
-        out = engine.export(prefill(engine, prompt, SEEDED))
-        rid = engine.adopt(handoff)
-        decoded = finish(engine, [rid])[rid]
-        runner.shutdown()
-        results.put((out, decoded[0], decoded[1].spec, engine.capacity()))
-        # The hand-over's tensors travel in this process's shared memory: stay until read.
-        received.wait(timeout=300)
-        del engine
-    else:
-        runner.follow()
-    del runner, group
-    release_tensor_parallel()
+
+def _own_handoff(result: tuple) -> tuple:
+    """The TP 2 engine's hand-over with its tensors copied out of the worker's memory."""
+    handoff = result[0]
+    handoff.shares = [{part: {n: t.clone() for n, t in entries.items()}
+                       for part, entries in share.items()} for share in handoff.shares]
+    handoff.generator_state = handoff.generator_state.clone()
+    return result
 
 
 @pytest.mark.slow
@@ -214,22 +203,9 @@ def test_a_hand_over_between_tp1_and_tp2_is_exact(pair: tuple[Path, Path]) -> No
     expected = {i: agg.generate([p], SEEDED)[0] for i, p in enumerate((first, second))}
     tp1 = engine_from(pair, engine=CHUNKED)
     to_tp2 = tp1.export(prefill(tp1, second, SEEDED))
-    ctx = mp.get_context("spawn")
-    results, received = ctx.Queue(), ctx.Event()
-    port = free_port()
-    procs = [ctx.Process(target=_tp2_worker,
-                         args=(r, port, pair, first, to_tp2, results, received))
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    from_tp2, tokens, spec, capacity = results.get(timeout=300)
-    from_tp2.shares = [{part: {n: t.clone() for n, t in entries.items()}
-                        for part, entries in share.items()} for share in from_tp2.shares]
-    from_tp2.generator_state = from_tp2.generator_state.clone()
-    received.set()
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **CHUNKED)  # type: ignore[arg-type]
+    from_tp2, tokens, spec, capacity = run_tensor_parallel(
+        pair, cfg, 2, _tp2_job, (first, to_tp2), own=_own_handoff)
     assert len(from_tp2.shares) == 2
     assert tokens == expected[1].token_ids and spec == expected[1].spec
     assert capacity["kv_tokens_used"] == 0 and capacity["state_slots_used"] == 0

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from spec_helpers import (
     GREEDY,
     OracleProposer,
@@ -21,18 +20,18 @@ from spec_helpers import (
     engine_with,
     random_prompts,
     run_staggered,
+    run_tensor_parallel,
 )
 from tiny_models import tiny_k3_config, write_random_k3_pair
 
 from capacity.families import descriptor_from_config
 from serve_app.config import ReferenceEngineConfig
-from serve_app.engines.reference.builder import build_engine, build_runner
+from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.models.k3 import kda_sizes
 from serve_app.models.k3_paged import PagedK3
 from serve_app.models.k3_weights import load_k3
 from serve_app.models.kda import KDAState, KimiDeltaAttention
-from serve_app.netutil import free_port
 
 ROLLBACKS = ["scratch", "replay"]
 VOCAB = 256
@@ -242,31 +241,13 @@ def test_slots_are_never_over_committed_under_a_burst(pair: tuple[Path, Path]) -
 # --- tensor parallel -----------------------------------------------------------------------------
 
 
-def _tp_worker(rank: int, size: int, port: int, pair: tuple[Path, Path], prompts: list[list[int]],
-               rollback: str, results: mp.Queue) -> None:
-    from serve_app.engines.reference.builder import init_tensor_parallel, release_tensor_parallel
-
-    torch.set_num_threads(1)
-    group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, size, "gloo")
-    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **CHUNKED,
-                                speculation={"kda_rollback": rollback},  # type: ignore[arg-type]
-                                prefix_cache={"enabled": True, "snapshot_interval": 32,
-                                              "decode_snapshot_interval": 32})
-    runner = build_runner(pair[0], pair[1], cfg, rank, size, group)
-    if rank == 0:
-        engine = build_engine(runner, cfg)
-        outs = engine.generate(prompts, GREEDY)
-        stats = engine.stats()
-        # Again: prefix-cache hits, whose matches, snapshots and copies every rank makes.
-        again = engine.generate(prompts, GREEDY)
-        runner.shutdown()
-        results.put(([o.token_ids for o in outs], stats, runner.cache.states.bytes_per_slot,
-                     [o.token_ids for o in again], [o.cached_tokens for o in again]))
-        del engine
-    else:
-        runner.follow()
-    del runner, group
-    release_tensor_parallel()
+def _tp_job(engine: EngineCore, prompts: list[list[int]]) -> tuple:
+    outs = engine.generate(prompts, GREEDY)
+    stats = engine.stats()
+    # Again: prefix-cache hits, whose matches, snapshots and copies every rank makes.
+    again = engine.generate(prompts, GREEDY)
+    return ([o.token_ids for o in outs], stats, engine.runner.cache.states.bytes_per_slot,
+            [o.token_ids for o in again], [o.cached_tokens for o in again])
 
 
 @pytest.mark.slow
@@ -274,17 +255,12 @@ def test_tp2_over_gloo_matches_tp1_on_the_hybrid(pair: tuple[Path, Path]) -> Non
     prompts = prompts_crossing_chunks()[3:7]
     single = engine_from(pair, engine=CHUNKED, kda_rollback="replay")
     expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, pair, prompts, "replay", results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    tokens, stats, slot_bytes, again, cached = results.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **CHUNKED,
+                                speculation={"kda_rollback": "replay"},  # type: ignore[arg-type]
+                                prefix_cache={"enabled": True, "snapshot_interval": 32,
+                                              "decode_snapshot_interval": 32})
+    tokens, stats, slot_bytes, again, cached = run_tensor_parallel(pair, cfg, 2, _tp_job,
+                                                                   (prompts,))
     assert tokens == expected and again == expected
     assert sum(cached) > 0
     for key in ("spec_verify_ct", "spec_correct_drafts_histogram", "spec_accepted_drafts"):

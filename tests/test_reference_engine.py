@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from spec_helpers import (
     GREEDY,
     SAMPLED,
@@ -23,6 +22,7 @@ from spec_helpers import (
     greedy_continuation,
     random_prompts,
     run_staggered,
+    run_tensor_parallel,
     sample_many,
 )
 from tiny_models import tiny_k3_config, write_random_k3_pair, write_tiny_pair
@@ -32,6 +32,7 @@ from serve_app.engines.reference.builder import (
     build_engine,
     build_runner,
 )
+from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.engines.reference.sequence import Sequence
 from serve_app.models.k3_paged import PagedK3
@@ -39,7 +40,6 @@ from serve_app.models.k3_weights import load_k3
 from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_capacity import KVCapacityError
-from serve_app.netutil import free_port
 
 
 @pytest.fixture(scope="module")
@@ -370,24 +370,8 @@ def test_engine_without_draft_and_bad_requests(pair: tuple[Path, Path]) -> None:
 
 
 
-def _tp_worker(rank: int, size: int, port: int, pair: tuple[Path, Path], prompts: list[list[int]],
-               results: mp.Queue) -> None:
-    from serve_app.engines.reference.builder import init_tensor_parallel, release_tensor_parallel
-
-    torch.set_num_threads(1)
-    group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, size, "gloo")
-    cfg = ReferenceEngineConfig(kv_capacity_tokens=4096)
-    runner = build_runner(pair[0], pair[1], cfg, rank, size, group)
-    if rank == 0:
-        engine = build_engine(runner, cfg)
-        outs = engine.generate(prompts, GREEDY)
-        runner.shutdown()
-        results.put(([o.token_ids for o in outs], engine.stats()))
-        del engine
-    else:
-        runner.follow()
-    del runner, group
-    release_tensor_parallel()
+def _tp_job(engine: EngineCore, prompts: list[list[int]]) -> tuple:
+    return [o.token_ids for o in engine.generate(prompts, GREEDY)], engine.stats()
 
 
 @pytest.mark.slow
@@ -395,17 +379,8 @@ def test_tp2_over_gloo_matches_tp1(pair: tuple[Path, Path]) -> None:
     prompts = random_prompts(4, 64, seed=9)
     single = engine_from(pair)
     expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, pair, prompts, results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    tokens, stats = results.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    tokens, stats = run_tensor_parallel(pair, ReferenceEngineConfig(kv_capacity_tokens=4096), 2,
+                                        _tp_job, (prompts,))
     assert tokens == expected
     # The sharded draft proposes the same tokens, so acceptance is identical too.
     reference = single.stats()
