@@ -120,7 +120,7 @@ def bound_recursion(schema: Any, depth: int, max_bytes: int = 1 << 20) -> Any:
                     {k: rewrite(v, level) for k, v in value.items()}
                     if key in _SCHEMA_MAPS and isinstance(value, dict)
                     else rewrite(value, level))
-                if _contains_unsat(sub):
+                if _holds_unsat(sub):
                     return _UNSAT  # anywhere else, matching nothing cannot be said: cut it all
                 out[key] = sub
         return out
@@ -142,14 +142,12 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and value > 0
 
 
-def _contains_unsat(value: Any) -> bool:
-    if isinstance(value, _Unsatisfiable):
-        return True
-    if isinstance(value, list):
-        return any(_contains_unsat(v) for v in value)
-    if isinstance(value, dict):
-        return any(_contains_unsat(v) for v in value.values())
-    return False
+def _holds_unsat(value: Any) -> bool:
+    """Whether a rewritten value is, or directly holds, a subschema that matches nothing. One
+    level is enough: `rewrite` turns a schema that holds one into _UNSAT itself."""
+    items = value if isinstance(value, list) else (
+        value.values() if isinstance(value, dict) else (value,))
+    return any(isinstance(item, _Unsatisfiable) for item in items)
 
 
 _IDENTIFIERS = frozenset({"$id", "$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef"})
