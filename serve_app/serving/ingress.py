@@ -180,6 +180,21 @@ class Lease:
             self.router.release(self.request_id)
 
 
+async def _first_output(stream: Any, lease: Lease) -> Any:
+    """The first output of a target call's `stream`, which `lease` then owns. A stream that
+    ends without one is a 500. One that fails has ended with its error: the lease drops it
+    (nothing runs that a cancel could stop, and Serve's cancel of a call that never reached a
+    replica re-raises) and the error propagates."""
+    lease.stream = stream
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise OpenAIError(500, "the engine returned no output", "server_error") from None
+    except Exception:
+        lease.stream = None
+        raise
+
+
 class LeasedStream(StreamingResponse):
     """The SSE response of one admitted request, which closes its lease when sending ends, on
     every path. The body generator's own `finally` is not enough: when the client leaves before
@@ -428,17 +443,10 @@ class OpenAIIngress:
                                           replica=replica)
                 stream = (self._generate.remote(request) if reservation is None
                           else self._generate.remote(request, reservation))
-                lease.stream = stream
                 # Wait for the first event before answering, so a refused request gets its 4xx.
                 try:
-                    first = await stream.__anext__()
-                except StopAsyncIteration:
-                    raise OpenAIError(500, "the engine returned no output",
-                                      "server_error") from None
+                    first = await _first_output(stream, lease)
                 except Exception as exc:
-                    # The call ended with its error: nothing runs that a cancel could stop
-                    # (and Serve's cancel of a call that never reached a replica re-raises).
-                    lease.stream = None
                     full = unwrap(exc)
                     if not (isinstance(full, ReplicaFull) and self.router is not None
                             and replica is not None):
@@ -486,14 +494,10 @@ class OpenAIIngress:
         if self._decode is None:
             raise OpenAIError(500, "the engine handed over a request but there is no decode "
                               "side", "server_error")
-        stream = self._decode.remote(prefilled.handoff, self.caller)
-        lease.stream = stream
         try:
-            return await stream.__anext__()
-        except StopAsyncIteration:
-            raise OpenAIError(500, "the engine returned no output", "server_error") from None
+            return await _first_output(self._decode.remote(prefilled.handoff, self.caller),
+                                       lease)
         except Exception as exc:
-            lease.stream = None  # ended with its error (as in `_serve`)
             raise error_for(exc, self.retry_after_s, rid) from None
 
     async def _collect(self, rid: str, answer: Answer, first: RequestOutput,
