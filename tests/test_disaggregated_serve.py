@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from ray import serve
-from tiny_models import served, write_k3_serving_pair
+from tiny_models import served, wait_for, write_k3_serving_pair
 
 from serve_app.config import AppConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
@@ -63,12 +63,53 @@ def held(deployment: str) -> list[tuple[int, int]]:
 def holds_nothing(deployment: str) -> bool:
     """Whether `deployment`'s replicas come to hold nothing (within 30 s: Serve's health
     check may be running its one-token generation right now)."""
-    deadline = time.monotonic() + 30
-    while held(deployment) != [(0, 0)]:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    return bool(wait_for(lambda: held(deployment) == [(0, 0)], timeout=30, interval=0.1))
+
+
+def replica(deployment: str) -> Any:
+    """The one replica actor of `deployment`."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::kimi#{deployment}#")]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.post(url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
+                          ).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def recovered(url: str) -> None:
+    """Wait (up to 3 minutes) until Serve has replaced a killed replica and a request is
+    answered again, so each test leaves the app whole, in any order."""
+    assert wait_for(lambda: _answers(url), timeout=180, interval=1.0), "the app did not recover"
+
+
+@contextmanager
+def frozen(deployment: str) -> Iterator[None]:
+    """`deployment`'s replica process stopped (SIGSTOP): calls to it wait in transit."""
+    pid = serve.get_deployment_handle(deployment, app_name="kimi").placement.remote().result(
+        timeout_s=30)[0]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def body(max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def stream(url: str, max_tokens: int) -> Any:
+    return httpx.stream("POST", url + "/v1/completions", json=body(max_tokens), timeout=60)
 
 
 def test_a_disaggregated_answer_is_the_aggregated_engines(server: Any,
@@ -113,9 +154,7 @@ def test_the_prefill_sides_prefix_cache_serves_a_repeated_prompt(server: Any) ->
 
 
 def test_a_dropped_stream_leaves_nothing_held(server: Any) -> None:
-    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as resp:
+    with stream(server[0], 400) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         while not next(lines).startswith("data: {"):
@@ -123,53 +162,6 @@ def test_a_dropped_stream_leaves_nothing_held(server: Any) -> None:
         assert held("DecodeDeployment")[0][1] >= 1  # decoding there
         assert holds_nothing("TargetDeployment")  # handed over: nothing on the prefill side
     assert holds_nothing("DecodeDeployment")
-
-
-def replica(deployment: str) -> Any:
-    """The one replica actor of `deployment`."""
-    import ray
-
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"SERVE_REPLICA::kimi#{deployment}#")]
-    assert len(names) == 1, names
-    return ray.get_actor(names[0], namespace="serve")
-
-
-def recovered(url: str) -> None:
-    """Wait (up to 3 minutes) until Serve has replaced a killed replica and a request is
-    answered again, so each test leaves the app whole, in any order."""
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            resp = httpx.post(url + "/v1/completions", timeout=30, json={
-                "model": MODEL, "prompt": [5, 6], "max_tokens": 2, "temperature": 0})
-            if resp.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the app did not recover"
-        time.sleep(1.0)
-
-
-@contextmanager
-def frozen(deployment: str) -> Iterator[None]:
-    """`deployment`'s replica process stopped (SIGSTOP): calls to it wait in transit."""
-    pid = serve.get_deployment_handle(deployment, app_name="kimi").placement.remote().result(
-        timeout_s=30)[0]["pid"]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
-def body(max_tokens: int) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-
-def stream(url: str, max_tokens: int) -> Any:
-    return httpx.stream("POST", url + "/v1/completions", json=body(max_tokens), timeout=60)
 
 
 def test_a_prefill_replica_that_dies_mid_answer_does_not_touch_the_answer(server: Any
@@ -244,10 +236,9 @@ def test_health_covers_the_decode_side(server: Any) -> None:
         resp = httpx.get(url + "/health", timeout=30)  # waits out the 3 s probe timeout
         assert resp.status_code == 503 and resp.headers["retry-after"]
         assert resp.json()["error"]["message"].startswith("decode side: ")
-    deadline = time.monotonic() + 60  # the replica first works off what queued while stopped
-    while httpx.get(url + "/health", timeout=30).status_code != 200:
-        assert time.monotonic() < deadline, "/health stayed 503 after the decode side resumed"
-        time.sleep(0.5)
+    # The replica first works off what queued while it was stopped.
+    assert wait_for(lambda: httpx.get(url + "/health", timeout=30).status_code == 200,
+                    timeout=60, interval=0.5), "/health stayed 503 after the decode side resumed"
 
 
 def test_a_decode_replica_that_dies_mid_answer_fails_the_stream(server: Any) -> None:

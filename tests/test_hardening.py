@@ -25,7 +25,7 @@ import openai
 import pytest
 import ray
 from ray import serve
-from tiny_models import served, shared_serve, write_tiny_serving_pair
+from tiny_models import served, shared_serve, wait_for, write_tiny_serving_pair
 
 from serve_app.config import AppConfig
 from serve_app.tokenizer import load_tokenizer
@@ -89,17 +89,6 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = "
     if param != "*":
         assert err["param"] == param, err
     return err
-
-
-def wait_for(check: Any, timeout: float, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    value = None
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval)
-    return value
 
 
 def health(server: Any) -> int:

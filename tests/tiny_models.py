@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,19 @@ def _start_local_serve(**init: Any) -> int:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return port
+
+
+def wait_for(check: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
+    """Call `check` until it returns something true (returned) or `timeout` seconds pass (its
+    last value returned): for a served app's state that changes on its own time."""
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    return value
 
 
 def stop_ray() -> None:
