@@ -448,9 +448,6 @@ class AppConfig(_Strict):
             if self.engine.backend != "reference":
                 raise ValueError("disaggregation.enabled: only the reference engine hands "
                                  "requests over yet (engine.backend='reference')")
-            if self.router.policy != "ray_default":
-                raise ValueError("disaggregation.enabled: the router's admission does not pair "
-                                 "prefill and decode replicas yet (router.policy='ray_default')")
             for name in ("prefill", "decode"):
                 side = getattr(self.disaggregation, name).parallelism
                 if side is not None and (side.pp != 1 or side.attention_dp != 1):

@@ -43,13 +43,17 @@ def server(paths: dict[str, Path]) -> Any:
         "engine": {"reference": {"kv_capacity_tokens": 4096, "prefill_chunk_tokens": 48,
                                  "prefix_cache": {"enabled": True}}},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
-        "router": {"policy": "ray_default"},
         "ingress": {"default_max_tokens": 16, "max_tokens_limit": 512},
         "disaggregation": {"enabled": True, "prefill": {"parallelism": {"tp": 2}},
                            "decode": {"parallelism": {"tp": 1}}},
     })
     with served(cfg) as port:
-        yield f"http://127.0.0.1:{port}", cfg
+        url = f"http://127.0.0.1:{port}"
+        # Both admission stages know their replica before any test stops one (a stage that
+        # has never heard from the decode side could not place a request there).
+        assert wait_for(lambda: all(side["replicas"] for side in router_view(url)),
+                        timeout=60, interval=0.2)
+        yield url, cfg
 
 
 def held(deployment: str) -> list[tuple[int, int]]:
@@ -64,6 +68,26 @@ def holds_nothing(deployment: str) -> bool:
     """Whether `deployment`'s replicas come to hold nothing (within 30 s: Serve's health
     check may be running its one-token generation right now)."""
     return bool(wait_for(lambda: held(deployment) == [(0, 0)], timeout=30, interval=0.1))
+
+
+def router_view(url: str) -> list[dict[str, Any]]:
+    """/v1/router's two sides, prefill then decode: each the ingress's admission stage."""
+    view = httpx.get(url + "/v1/router", timeout=30).json()
+    return [view, view["decode"]]
+
+
+def _reserves_nothing(url: str) -> bool:
+    return all(r["kv_tokens_committed"] == 0 and r["state_slots_reserved"] == 0
+               and r["replica_kv_tokens_committed"] in (0, None)
+               and r["replica_state_slots_reserved"] in (0, None)
+               for side in router_view(url) for r in side["replicas"].values())
+
+
+def router_holds_nothing(url: str) -> bool:
+    """Whether the router comes to reserve nothing on either side (within 30 s: the
+    replicas' own ledgers arrive with their next report, every second): neither the
+    ingress's admission stages nor any replica's authoritative ledger."""
+    return bool(wait_for(lambda: _reserves_nothing(url), timeout=30, interval=0.2))
 
 
 def replica(deployment: str) -> Any:
@@ -153,15 +177,29 @@ def test_the_prefill_sides_prefix_cache_serves_a_repeated_prompt(server: Any) ->
     assert holds_nothing("DecodeDeployment")
 
 
-def test_a_dropped_stream_leaves_nothing_held(server: Any) -> None:
-    with stream(server[0], 400) as resp:
+def test_a_pair_holds_the_decode_side_for_the_answer(server: Any) -> None:
+    """The router places a request on a (decode, prefill) pair, both on this one node: while
+    it decodes, the decode side holds its prompt + max_tokens and a state slot (in the
+    ingress's stage and in the replica's own ledger), the prefill side nothing once the
+    hand-over is made; a dropped stream then leaves nothing reserved or held anywhere."""
+    url = server[0]
+    with stream(url, 400) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
         assert held("DecodeDeployment")[0][1] >= 1  # decoding there
         assert holds_nothing("TargetDeployment")  # handed over: nothing on the prefill side
+        prefill, decode = router_view(url)
+        [(_, p)] = prefill["replicas"].items()
+        [(decode_id, d)] = decode["replicas"].items()
+        assert p["node"] == d["node"] is not None
+        assert (d["kv_tokens_committed"], d["state_slots_reserved"]) == (4 + 400, 1)
+        assert (p["kv_tokens_committed"], p["state_slots_reserved"]) == (0, 0)
+        assert wait_for(lambda: router_view(url)[1]["replicas"][decode_id][
+            "replica_kv_tokens_committed"] == 4 + 400, timeout=10, interval=0.2)
     assert holds_nothing("DecodeDeployment")
+    assert router_holds_nothing(url)
 
 
 def test_a_prefill_replica_that_dies_mid_answer_does_not_touch_the_answer(server: Any
@@ -184,6 +222,7 @@ def test_a_prefill_replica_that_dies_mid_answer_does_not_touch_the_answer(server
     assert holds_nothing("DecodeDeployment")
     recovered(server[0])
     assert holds_nothing("TargetDeployment")
+    assert router_holds_nothing(server[0])
 
 
 def test_a_prefill_replica_that_dies_mid_transfer_leaves_nothing_held(server: Any) -> None:
@@ -209,6 +248,7 @@ def test_a_prefill_replica_that_dies_mid_transfer_leaves_nothing_held(server: An
     assert holds_nothing("DecodeDeployment")
     recovered(url)
     assert holds_nothing("TargetDeployment") and holds_nothing("DecodeDeployment")
+    assert router_holds_nothing(url)
 
 
 def test_a_client_gone_mid_transfer_leaves_nothing_held(server: Any) -> None:
@@ -222,6 +262,7 @@ def test_a_client_gone_mid_transfer_leaves_nothing_held(server: Any) -> None:
         assert holds_nothing("TargetDeployment")
         time.sleep(0.5)  # the ingress sees the disconnect
     assert holds_nothing("DecodeDeployment") and holds_nothing("TargetDeployment")
+    assert router_holds_nothing(url)
     recovered(url)
 
 
@@ -260,3 +301,4 @@ def test_a_decode_replica_that_dies_mid_answer_fails_the_stream(server: Any) -> 
     assert holds_nothing("TargetDeployment")
     recovered(server[0])
     assert holds_nothing("DecodeDeployment")
+    assert router_holds_nothing(server[0])

@@ -717,3 +717,71 @@ def test_two_admission_stages_over_authoritative_replicas_never_overcommit_or_id
 
     waited = asyncio.run(run())
     assert waited < 0.05 + 0.25, waited  # one waiting-refresh period, plus this loop's slack
+
+
+# --- disaggregated pairs: the hand-over's transfer cost ------------------------------------------
+
+
+def test_a_prefill_replica_on_the_decode_replicas_node_wins_at_equal_work() -> None:
+    """At equal work the prefill replica on the decode replica's node is chosen (its hand-over
+    goes through that node's object store); a request with no decode replica (`near` None)
+    is placed as before, and so is a replica whose node is unknown."""
+    for near, expected in (("node-a", "pa"), ("node-b", "pb")):
+        p = policy({"pa": 10_000, "pb": 10_000})
+        p.nodes.update({"pa": "node-a", "pb": "node-b"})
+        r = req("q", 800)
+        r.near = near
+        p.submit(r, 0.0)
+        assert p.dispatch(0.0) == [(r, expected)]
+        assert r.reason == "least_work"
+
+
+def test_the_transfer_costs_handoff_cost_per_prompt_token_against_prefill_work() -> None:
+    """A remote prefill replica costs `handoff_cost` x prompt tokens of prefill work more: the
+    local one wins while its pending prefill is below that, the remote one once it is above."""
+    def choice(pending_on_local: int) -> str:
+        p = policy({"local": 100_000, "remote": 100_000}, handoff_cost=0.05)
+        p.nodes.update({"local": "n1", "remote": "n2"})
+        p.load["local"].pending_prefill = pending_on_local
+        r = req("q", 2000)  # the transfer: 0.05 x 2000 = 100 tokens of prefill
+        r.near = "n1"
+        p.submit(r, 0.0)
+        return p.dispatch(0.0)[0][1]
+
+    assert choice(99) == "local"
+    assert choice(101) == "remote"
+
+
+def test_affinity_is_not_traded_for_a_shorter_transfer() -> None:
+    """A cached prefix on a remote prefill replica saves more prefill than the transfer costs:
+    affinity still wins there."""
+    p = policy({"local": 10_000, "remote": 10_000})
+    p.nodes.update({"local": "n1", "remote": "n2"})
+    d = doc("manual", 1600)
+    p.index.insert(d, "remote")
+    r = req("q", 1600, blocks=d)
+    r.near = "n1"
+    p.submit(r, 0.0)
+    assert p.dispatch(0.0) == [(r, "remote")] and r.reason == "affinity"
+
+
+def test_admission_stage_learns_each_replicas_node_and_prices_by_it() -> None:
+    """The stage takes each replica's node from its report (shown in /v1/router) and places a
+    request `near` a node on that node's replica."""
+    import asyncio
+
+    from serve_app.routing import admission
+
+    async def listed() -> admission.ReplicaList:
+        return {"a": {"kv_tokens_total": 10_000, "node": "n1"},
+                "b": {"kv_tokens_total": 10_000, "node": "n2"}}, True
+
+    stage = admission.AdmissionStage(settings(), ask_from(listed), refresh_s=3600)
+
+    async def run() -> None:
+        assert await stage.admit("q0", list(range(500)), 10, near="n2") == "b"  # not the first
+        assert stage.node_of("a") == "n1"
+        assert {r: s["node"] for r, s in stage.snapshot()["replicas"].items()} == {
+            "a": "n1", "b": "n2"}
+
+    asyncio.run(run())

@@ -252,8 +252,8 @@ def test_config_errors_name_the_field(paths: dict[str, Path], tmp_path: Path) ->
     # Disaggregation: what is not built yet is refused by name, and each side's layout is
     # checked against the models like the app's.
     pd = {"enabled": True}
-    with pytest.raises(ValueError, match=r"disaggregation\.enabled: the router's admission"):
-        AppConfig.model_validate(app_config(paths, disaggregation=pd))
+    with pytest.raises(ValueError, match=r"disaggregation\.enabled: only the reference engine"):
+        AppConfig.model_validate(app_config(paths, disaggregation=pd,
+                                            engine={"backend": "sglang"}))
     assert "disaggregation.decode: parallelism.tp=3 cannot shard" in _config_error(
-        paths, router={"policy": "ray_default"},
-        disaggregation={**pd, "decode": {"parallelism": {"tp": 3}}})
+        paths, disaggregation={**pd, "decode": {"parallelism": {"tp": 3}}})

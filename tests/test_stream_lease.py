@@ -66,7 +66,8 @@ async def client_gone_before_the_first_byte(response: StreamingResponse) -> None
 def test_the_race_a_plain_streaming_response_leaves_the_lease_held(no_gc: None) -> None:
     """The premise: the body generator never starts, so its `finally` never runs."""
     router, ran = Releases(), []
-    lease = Lease("r1", router)  # type: ignore[arg-type]
+    lease = Lease("r1")
+    lease.hold(router)  # type: ignore[arg-type]
     response = StreamingResponse(body(lease, ran), media_type="text/event-stream")
     asyncio.run(client_gone_before_the_first_byte(response))
     assert ran == [] and router.released == []
@@ -75,7 +76,8 @@ def test_the_race_a_plain_streaming_response_leaves_the_lease_held(no_gc: None) 
 def test_a_leased_stream_releases_when_the_client_left_before_the_first_byte(
         no_gc: None) -> None:
     router, ran, abandoned = Releases(), [], []
-    lease = Lease("r2", router)  # type: ignore[arg-type]
+    lease = Lease("r2")
+    lease.hold(router)  # type: ignore[arg-type]
     response = LeasedStream(body(lease, ran), lease, lambda: abandoned.append(1))
     asyncio.run(client_gone_before_the_first_byte(response))
     assert ran == []
@@ -84,7 +86,8 @@ def test_a_leased_stream_releases_when_the_client_left_before_the_first_byte(
 
 def test_a_leased_stream_that_finishes_releases_once_and_is_not_abandoned(no_gc: None) -> None:
     router, abandoned, sent = Releases(), [], []
-    lease = Lease("r3", router)  # type: ignore[arg-type]
+    lease = Lease("r3")
+    lease.hold(router)  # type: ignore[arg-type]
 
     async def sse() -> AsyncIterator[str]:
         try:

@@ -106,6 +106,8 @@ class AdmissionStage:
                 if self.capacity.get(replica) != resources:
                     self.capacity[replica] = resources
                     self.policy.add_replica(replica, *resources)
+                if isinstance(report, Mapping) and report.get("node"):
+                    self.policy.nodes[replica] = str(report["node"])
                 if isinstance(report, Mapping) and isinstance(report.get("ledger"), Mapping):
                     self._apply_ledger(replica, report["ledger"])
                 if isinstance(report, Mapping) and isinstance(report.get("prefix"), Mapping):
@@ -203,20 +205,27 @@ class AdmissionStage:
     # --- requests --------------------------------------------------------------------------
 
     async def admit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                    client: str = "") -> str:
+                    client: str = "", near: str | None = None) -> str:
         """The replica for this request, once one can hold it. Raises RequestTooLarge (400),
         QueueFull / ClientLimit (429) or QueueTimeout (503). From the moment this returns, the
-        caller owns the reservation and must `release` it exactly once, on every path."""
+        caller owns the reservation and must `release` it exactly once, on every path.
+        `near`: the node of the replica that takes the request over (a disaggregated
+        request's decode replica), which the policy prices replicas elsewhere against."""
         started = time.monotonic()
         await self._started()
         blocks = block_hashes(prompt_ids, self.settings.block_size)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         with self._lock:
             self.policy.submit(RouteRequest(request_id, len(prompt_ids), max_tokens, blocks,
-                                            client), started)
+                                            client, near=near), started)
             self._waiters[request_id] = fut
             self._pump()
         return await self._wait(request_id, fut, started)
+
+    def node_of(self, replica: str) -> str | None:
+        """The node `replica` reported (None before it has)."""
+        with self._lock:
+            return self.policy.nodes.get(replica)
 
     def reservation(self, request_id: str) -> Reservation | None:
         """What the request reserves on its replica (carried by the generate call), as this
@@ -311,7 +320,8 @@ class AdmissionStage:
         load = p.load[replica]
         ext_kv, ext_slots = p.ledger.external(replica) if known else (0, 0)
         ledger = reported.get("ledger") or {}
-        return {"kv_tokens_total": kv_total,
+        return {"node": p.nodes.get(replica),
+                "kv_tokens_total": kv_total,
                 "kv_tokens_committed": p.ledger.committed(replica) if known else 0,
                 "kv_tokens_used": reported.get("kv_tokens_used"),
                 "state_slots_total": slots_total,  # None: unbounded (no bound reported)

@@ -72,6 +72,9 @@ class RouteRequest:
     blocks: tuple[int, ...] = ()
     client: str = ""
     arrival: float = 0.0
+    # Disaggregated: the node of the replica that takes the request after this one (its decode
+    # replica), whose hand-over costs `handoff_cost` per prompt token from any other node.
+    near: str | None = None
     is_long: bool = False
     # Set by dispatch: prompt tokens the chosen replica is expected to prefill (uncached part)
     # and whether that counts as a long prefill on it.
@@ -113,6 +116,7 @@ class Policy(ABC):
         self.ledger = CapacityLedger(settings.block_size, settings.share_prefix)
         self.index = PrefixIndex(settings.index_max_entries)
         self.load: dict[str, _Load] = {}
+        self.nodes: dict[str, str] = {}  # replica -> its node, where the replicas report it
         self.queue: deque[RouteRequest] = deque()
         self._where: dict[str, str] = {}
         self._requests: dict[str, RouteRequest] = {}  # queued or in flight, by id
@@ -134,6 +138,7 @@ class Policy(ABC):
         """Forget a replica (it died or was scaled down); returns the ids routed to it."""
         self.ledger.remove_replica(replica)
         self.index.remove_replica(replica)
+        self.nodes.pop(replica, None)
         gone = list(self.load.pop(replica, _Load()).routed)
         for rid in gone:
             self._where.pop(rid, None)
@@ -393,6 +398,13 @@ class KVRouterPolicy(Policy):
       differs by more than balance_abs_tokens and balance_rel x, pick the least work
       (pending + uncached); else the longest cached prefix if it covers >= cache_threshold of the
       prompt; else the least work.
+    - Disaggregated pairs: the ingress places a request on a decode replica first (the
+      resource it holds for the whole answer; a request no decode replica can take is not
+      prefilled), then on a prefill replica with `near` = that decode replica's node; a
+      prefill replica elsewhere adds the hand-over's transfer (`handoff_cost` per prompt
+      token) to its work. Affinity is left as it is: it only wins where at least
+      cache_threshold of the prompt is cached, which saves far more prefill than the transfer
+      costs.
     """
 
     name = "kv_aware"
@@ -468,8 +480,8 @@ class KVRouterPolicy(Policy):
         if not cands:
             return None
 
-        def work(r: str) -> tuple[int, int]:
-            return (self.load[r].pending_prefill + uncached[r],
+        def work(r: str) -> tuple[float, int]:
+            return (self.load[r].pending_prefill + uncached[r] + self._handoff_cost(req, r),
                     self.ledger.committed(r) + self.ledger.external(r)[0])
 
         pending = [self.load[r].pending_prefill for r in cands]
@@ -483,6 +495,15 @@ class KVRouterPolicy(Policy):
             choice, reason = min(cands, key=work), "least_work"
         req.long_prefill = long_on[choice]
         return choice, matches.get(choice, 0), reason
+
+    def _handoff_cost(self, req: RouteRequest, replica: str) -> float:
+        """What handing `req` over from `replica` to its decode replica's node costs, in
+        prompt tokens of prefill work: nothing on the same node (the object store there), or
+        for a replica whose node is unknown (no cost can be told apart)."""
+        node = self.nodes.get(replica)
+        if req.near is None or node is None or node == req.near:
+            return 0.0
+        return self.s.handoff_cost * req.prompt_tokens
 
     def _shares_prefix(self, a: RouteRequest, b: RouteRequest) -> bool:
         if not a.blocks or not b.blocks:

@@ -1,6 +1,6 @@
 """The target deployment's Serve request router: it sends a request where the admission stage
 (serve_app.routing.admission, in the ingress) chose, which the request itself carries
-(`GenerateRequest.replica`). It keeps no state of its own: Serve cloudpickles this module by
+(`GenerateRequest.replica`, or a decode call's `replica=`). It keeps no state of its own: Serve cloudpickles this module by
 value into each handle's process, so nothing here could be shared with the ingress anyway.
 """
 
@@ -12,10 +12,14 @@ from serve_app.engines.types import GenerateRequest
 
 
 def _chosen(pending: PendingRequest | None) -> str | None:
-    if pending is None or not pending.args:
+    """The replica a call carries: a `generate` call's request, or a disaggregated `decode`
+    call's `replica=` (its first argument is the hand-over's object reference)."""
+    if pending is None:
         return None
-    first = pending.args[0]
-    return first.replica if isinstance(first, GenerateRequest) else None
+    if pending.args and isinstance(pending.args[0], GenerateRequest):
+        return pending.args[0].replica
+    chosen = pending.kwargs.get("replica")
+    return chosen if isinstance(chosen, str) else None
 
 
 class ChosenReplicaRouter(RequestRouter):

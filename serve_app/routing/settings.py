@@ -41,6 +41,15 @@ class RouterSettings(BaseModel):
     share_prefix: bool = Field(default=True, description="count prefix blocks shared by "
                                "in-flight requests once (an engine with a prefix cache)")
     retry_after_s: float = Field(default=2.0, gt=0)
+    # Disaggregated apps (docs/disaggregation.md): a prefill replica on another node than the
+    # request's decode replica must send the hand-over over the network. Priced in the unit of
+    # `least_work` (prompt tokens of prefill), per prompt token moved: the hand-over's bytes per
+    # token / the link's bandwidth x the prefill rate. K3 on 2 x 8 H200 (~35 KB/token of MLA
+    # latents in fp8, 50 GB/s, ~8,000 prefill tokens/s): 0.006; the object store on one node:
+    # free.
+    handoff_cost: float = Field(default=0.01, ge=0, description="disaggregated: a prefill "
+                                "replica on another node than the decode replica costs this "
+                                "many tokens of prefill work per prompt token handed over")
     # Per client (API key or address; "" = no client, e.g. the simulator: unlimited).
     client_max_requests: int = Field(default=256, gt=0, description="requests one client "
                                      "(API key, else address) may have queued + in flight; "

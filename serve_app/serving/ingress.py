@@ -154,20 +154,33 @@ class Answer:
 
 
 class Lease:
-    """One admitted request: its router reservation and its handle stream. `close` releases
-    both exactly once, whoever calls it first: the normal end, an error, a cancellation at any
-    await, or the end of a streaming response's send, however it ends (`LeasedStream`)."""
+    """One admitted request: its reservations on the router's admission stages (one; a
+    disaggregated request's two, decode and prefill) and its handle stream. `close` releases
+    all of them exactly once, whoever calls it first: the normal end, an error, a cancellation
+    at any await, or the end of a streaming response's send, however it ends
+    (`LeasedStream`)."""
 
-    def __init__(self, request_id: str, router: AdmissionStage | None) -> None:
+    def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.router = router
+        self.stages: list[AdmissionStage] = []
         self.stream: Any = None
         self.finished = False
         self._closed = False
 
+    def hold(self, stage: AdmissionStage) -> None:
+        """The request's reservation on `stage`, admitted: this lease releases it."""
+        self.stages.append(stage)
+
+    def release(self, stage: AdmissionStage) -> None:
+        """Release one stage's reservation before the end (a disaggregated request's prefill
+        side, once its replica has handed the request over)."""
+        if stage in self.stages:
+            self.stages.remove(stage)
+            stage.release(self.request_id)
+
     def prefill_done(self) -> None:
-        if self.router is not None:
-            self.router.prefill_done(self.request_id)
+        for stage in self.stages:
+            stage.prefill_done(self.request_id)
 
     def close(self) -> None:
         if self._closed:
@@ -176,8 +189,9 @@ class Lease:
         if self.stream is not None and not self.finished:
             # Reaches the replica, whose generator aborts the request in the engine.
             self.stream.cancel()
-        if self.router is not None:
-            self.router.release(self.request_id)
+        for stage in self.stages:
+            stage.release(self.request_id)
+        self.stages.clear()
 
 
 async def _first_output(stream: Any, lease: Lease) -> Any:
@@ -261,7 +275,7 @@ class OpenAIIngress:
         disaggregated app's decode side, which streams each answer the prefill side handed
         over."""
         self.config = AppConfig.model_validate(config)
-        self.target = target
+        self.target, self.decode = target, decode
         self._generate = target.options(stream=True).generate  # made once, not per request
         self._decode = decode.options(stream=True).decode if decode is not None else None
         self.tokenizer = load_tokenizer(self.config.models.tokenizer_path())
@@ -286,19 +300,27 @@ class OpenAIIngress:
         install_trace_ids()
         logger.info("ingress ready: %d API keys, body limit %d bytes, context %d tokens",
                     len(edge.key_digests), edge.max_body_bytes, self.max_model_len)
-        # The long-context router (docs/router.md): None = Serve's own routing.
+        # The long-context router (docs/router.md): None = Serve's own routing. A
+        # disaggregated app has one admission stage per side: the prefill side's is `router`
+        # (the target's), the decode side's `decode_router`; a request holds a pair.
         self.router: AdmissionStage | None = None
+        self.decode_router: AdmissionStage | None = None
         if self.config.router.policy != "ray_default":
+            settings = self.config.router.settings(
+                self.config.engine.backend, self.max_model_len,
+                self.config.engine.reference.prefix_cache.enabled)
             self.router = AdmissionStage(
-                self.config.router.settings(self.config.engine.backend, self.max_model_len,
-                                            self.config.engine.reference.prefix_cache.enabled),
-                self._ask_replicas, me=name or "")
+                settings, functools.partial(self._ask_replicas, target), me=name or "")
+            if decode is not None:
+                self.decode_router = AdmissionStage(
+                    settings, functools.partial(self._ask_replicas, decode), me=name or "")
 
-    async def _ask_replicas(self, since: dict[str, int]) -> list[Any]:
-        """The router's question to every running target replica (Serve's broadcast reaches
-        each replica the handle's router knows): their answers, or the exceptions."""
+    async def _ask_replicas(self, handle: DeploymentHandle, since: dict[str, int]) -> list[Any]:
+        """An admission stage's question to every running replica of `handle`'s deployment
+        (Serve's broadcast reaches each replica the handle's router knows): their answers, or
+        the exceptions."""
         try:
-            return await self.target.broadcast("routing_info", since).results_async(
+            return await handle.broadcast("routing_info", since).results_async(
                 timeout_s=self.config.ingress.health_timeout_s, return_exceptions=True)
         except DeploymentUnavailableError:
             return []
@@ -315,8 +337,14 @@ class OpenAIIngress:
     @app.get("/v1/router")
     async def router_state(self) -> dict[str, Any]:
         """Per replica: KV tokens and state slots (total, reserved by the router, used by the
-        engine); the queue length and recent routing decisions."""
-        return await self.router.view() if self.router else {"policy": "ray_default"}
+        engine); the queue length and recent routing decisions. Disaggregated: the prefill
+        side's, with the decode side's under "decode"."""
+        if self.router is None:
+            return {"policy": "ray_default"}
+        view = await self.router.view()
+        if self.decode_router is not None:
+            view["decode"] = await self.decode_router.view()
+        return view
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -426,42 +454,37 @@ class OpenAIIngress:
         telemetry.span.set_attribute("request_id", rid)
         telemetry.span.set_attribute("max_tokens", max_tokens)
         telemetry.span.set_attribute("stream", body.stream)
-        replica = None
-        if self.router is not None:
-            try:
-                replica = await self.router.admit(rid, prompt_ids, max_tokens, client)
-            except RouterError as exc:
-                raise router_error(exc, self.retry_after_s) from None
-        lease: Lease | None = Lease(rid, self.router)
+        lease: Lease | None = Lease(rid)
         try:
             assert lease is not None
-            # The reservation rides on the generate call (no extra round trip): the replica
+            # The reservation rides on the target call (no extra round trip): the replica
             # reserves it on its own, authoritative ledger before any engine work.
-            reservation = self.router.reservation(rid) if self.router is not None else None
-            while True:
+            decode_replica = prefill_max_tokens = near = None
+            if self.decode_router is not None:
+                # The pair, decode side first: it holds the request for the whole answer, and
+                # a request no decode replica can take must not be prefilled. The prefill
+                # replica then samples only the first token.
+                decode_replica = await self._admit(self.decode_router, lease, prompt_ids,
+                                                   max_tokens, client)
+                near, prefill_max_tokens = self.decode_router.node_of(decode_replica), 1
+            replica = None
+            if self.router is not None:
+                replica = await self._admit(self.router, lease, prompt_ids,
+                                            prefill_max_tokens or max_tokens, client, near)
+
+            def generate(chosen: str | None) -> Any:
                 request = GenerateRequest(rid, prompt_ids, params, caller=self.caller,
-                                          replica=replica)
-                stream = (self._generate.remote(request) if reservation is None
-                          else self._generate.remote(request, reservation))
-                # Wait for the first event before answering, so a refused request gets its 4xx.
-                try:
-                    first = await _first_output(stream, lease)
-                except Exception as exc:
-                    full = unwrap(exc)
-                    if not (isinstance(full, ReplicaFull) and self.router is not None
-                            and replica is not None):
-                        raise error_for(exc, self.retry_after_s, rid) from None
-                    # Another ingress took the room: back to the front of the queue, with
-                    # the replica's numbers, until a replica has room.
-                    try:
-                        replica = await self.router.requeue(
-                            rid, str(full.info.get("replica") or replica), full.info)
-                    except RouterError as err:
-                        raise router_error(err, self.retry_after_s) from None
-                    continue
-                break
+                                          replica=chosen)
+                reservation = self.router.reservation(rid) if self.router is not None else None
+                return (self._generate.remote(request) if reservation is None
+                        else self._generate.remote(request, reservation))
+
+            # Wait for the first event before answering, so a refused request gets its 4xx.
+            first = await self._first(self.router, replica, generate, lease)
             if isinstance(first, Prefilled):
-                first = await self._decoded(first, lease, rid)
+                if self.router is not None:
+                    lease.release(self.router)  # its replica has let the request go
+                first = await self._decoded(first, decode_replica, lease)
             lease.finished = first.finished
             lease.prefill_done()
             telemetry.first_token()
@@ -486,19 +509,54 @@ class OpenAIIngress:
             if lease is not None:
                 lease.close()
 
-    async def _decoded(self, prefilled: Prefilled, lease: Lease, rid: str) -> RequestOutput:
+    async def _admit(self, stage: AdmissionStage, lease: Lease, prompt_ids: list[int],
+                     max_tokens: int, client: str, near: str | None = None) -> str:
+        """The replica `stage` admits the request to, its reservation then held by `lease`."""
+        try:
+            replica = await stage.admit(lease.request_id, prompt_ids, max_tokens, client, near)
+        except RouterError as exc:
+            raise router_error(exc, self.retry_after_s) from None
+        lease.hold(stage)
+        return replica
+
+    async def _first(self, stage: AdmissionStage | None, replica: str | None,
+                     call: Callable[[str | None], Any], lease: Lease) -> Any:
+        """The first output of `call(replica)` (a target call's stream, which `lease` then
+        owns). A replica that refuses the request (ReplicaFull: another ingress took the room)
+        sends it back to the front of `stage`'s queue, with the replica's numbers, until a
+        replica has room; any other failure is the client's error."""
+        while True:
+            try:
+                return await _first_output(call(replica), lease)
+            except Exception as exc:
+                full = unwrap(exc)
+                if not (isinstance(full, ReplicaFull) and stage is not None
+                        and replica is not None):
+                    raise error_for(exc, self.retry_after_s, lease.request_id) from None
+                try:
+                    replica = await stage.requeue(
+                        lease.request_id, str(full.info.get("replica") or replica), full.info)
+                except RouterError as err:
+                    raise router_error(err, self.retry_after_s) from None
+
+    async def _decoded(self, prefilled: Prefilled, replica: str | None,
+                       lease: Lease) -> RequestOutput:
         """A disaggregated request's first output, from the decode replica that adopts its
-        hand-over: Ray gives that replica the reference, and it fetches the hand-over from the
+        hand-over (`replica`, the decode side's admission stage's choice; None: Serve's
+        routing): Ray gives that replica the reference, and it fetches the hand-over from the
         prefill replica's object store (the ingress never holds the caches). The answer
         streams from there; a lost hand-over (the prefill replica died) is a 503."""
         if self._decode is None:
             raise OpenAIError(500, "the engine handed over a request but there is no decode "
                               "side", "server_error")
-        try:
-            return await _first_output(self._decode.remote(prefilled.handoff, self.caller),
-                                       lease)
-        except Exception as exc:
-            raise error_for(exc, self.retry_after_s, rid) from None
+        stage, decode = self.decode_router, self._decode
+
+        def call(chosen: str | None) -> Any:
+            reservation = stage.reservation(lease.request_id) if stage is not None else None
+            return decode.remote(prefilled.handoff, self.caller, replica=chosen,
+                                 reservation=reservation)
+
+        return await self._first(stage, replica, call, lease)
 
     async def _collect(self, rid: str, answer: Answer, first: RequestOutput,
                        lease: Lease) -> dict[str, Any]:

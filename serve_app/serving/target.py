@@ -220,15 +220,8 @@ class TargetReplica:
         ReplicaFull, which carries this ledger's numbers. A prefill replica answers with one
         `Prefilled` (or the final output of a request that ended on its first token)."""
         caller = request.caller
-        ledger = self.ledger
-        if ledger is not None:
-            r = reservation or ledger.reservation_for(request.prompt_ids,
-                                                      request.params.max_tokens)
-            try:
-                ledger.reserve(request.request_id, caller[1] if caller else "", r)
-            except ReplicaFull as exc:
-                exc.info["replica"] = self._replica_id()
-                raise
+        self._reserve(request.request_id, caller, reservation or self._reservation_for(
+            request.prompt_ids, request.params.max_tokens))
         self._track(caller, request.request_id)
         try:
             if self.role != "prefill":
@@ -244,9 +237,33 @@ class TargetReplica:
             # from there to the ingress, past this replica (busy prefilling other prompts).
             yield Prefilled(request.request_id, ray.put(result))
         finally:
-            if ledger is not None:
-                ledger.release(request.request_id)
-            self._untrack(caller, request.request_id)
+            self._release(caller, request.request_id)
+
+    def _reservation_for(self, prompt_ids: list[int], max_tokens: int) -> Reservation | None:
+        """The reservation of a call that carries none (sent by Serve's own routing): the same
+        facts computed here."""
+        if self.ledger is None:
+            return None
+        return self.ledger.reservation_for(prompt_ids, max_tokens)
+
+    def _reserve(self, request_id: str, caller: tuple[str, str] | None,
+                 reservation: Reservation | None) -> None:
+        """Reserve a request on this replica's ledger; refused before any engine work with
+        ReplicaFull, which carries this ledger's numbers and this replica's id."""
+        if self.ledger is None or reservation is None:
+            return
+        try:
+            self.ledger.reserve(request_id, caller[1] if caller else "", reservation)
+        except ReplicaFull as exc:
+            exc.info["replica"] = self._replica_id()
+            raise
+
+    def _release(self, caller: tuple[str, str] | None, request_id: str) -> None:
+        """The request has ended here, however it ended: its reservation and its caller's
+        watch go, once."""
+        if self.ledger is not None:
+            self.ledger.release(request_id)
+        self._untrack(caller, request_id)
 
     def _track(self, caller: tuple[str, str] | None, request_id: str) -> None:
         """Serve `request_id` for `caller` (an actor): its task is cancelled if that actor
@@ -264,19 +281,25 @@ class TargetReplica:
             if not mine:
                 self._by_caller.pop(caller, None)
 
-    async def decode(self, handoff: RequestHandoff, caller: tuple[str, str] | None = None
+    async def decode(self, handoff: RequestHandoff, caller: tuple[str, str] | None = None,
+                     replica: str | None = None, reservation: Reservation | None = None
                      ) -> AsyncIterator[RequestOutput]:
         """A request a prefill replica handed over (Ray fetched `handoff` from there):
-        decoded here, streamed to `caller` (its ingress) from the first token; aborted when
-        the ingress stops reading or dies."""
+        reserved on this replica's ledger like a `generate` call (the decode side's admission
+        stage chose `replica`, which the request router reads), decoded here, streamed to
+        `caller` (its ingress) from the first token; aborted when the ingress stops reading or
+        dies."""
         if self.role != "decode":
             raise ValueError(f"this replica is a {self.role!r} replica, not a decode one")
-        self._track(caller, handoff.request_id)
+        rid = handoff.request_id
+        self._reserve(rid, caller, reservation or self._reservation_for(
+            handoff.prompt_ids, handoff.params.max_tokens))
+        self._track(caller, rid)
         try:
             async for out in self.engine.adopt(handoff):  # type: ignore[attr-defined]
                 yield out
         finally:
-            self._untrack(caller, handoff.request_id)
+            self._release(caller, rid)
 
     async def _watch_callers(self) -> None:
         """Once a second, while requests are in flight: is each sending ingress still alive?
@@ -353,7 +376,9 @@ class TargetReplica:
         `prefix_since[this replica]` (the caller's read position; one dict for a broadcast)."""
         cap = self.engine.capacity()
         me = self._replica_id()
-        info: dict[str, Any] = {"replica": me, **cap}
+        # Its node: a disaggregated pair on one node hands over through that node's object
+        # store (the router prices a pair across nodes: RouterSettings.handoff_cost).
+        info: dict[str, Any] = {"replica": me, "node": self.info[0]["node_id"], **cap}
         events = getattr(self.engine, "prefix_events", None)
         if events is not None:
             prefix = events((prefix_since or {}).get(me, 0))
