@@ -679,6 +679,11 @@ def emit_cmd(
     auth_mode: Annotated[str, typer.Option(help="RAY_AUTH_MODE for the cluster: token|disabled")
                          ] = "token",
     out_dir: Annotated[Path, typer.Option(help="folder for the two YAML files")] = Path("."),
+    pd: Annotated[str | None, typer.Option(
+        "--pd", help="prefill/decode disaggregated: PREFILL:DECODE replicas of this layout "
+        "(SGLang's --disaggregation-mode per side; instead of --replicas)")] = None,
+    transfer_backend: Annotated[str, typer.Option(
+        help="--pd: SGLang's KV transfer backend, mooncake or nixl")] = "mooncake",
     acceptance: AcceptOpt = 3.45,
     gamma: GammaOpt = None,
     kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
@@ -689,6 +694,7 @@ def emit_cmd(
 
     if replicas <= 0:
         raise CapacityError(f"--replicas must be positive, got {replicas}")
+    sides = _pd_sides(pd, transfer_backend)
     target = describe_model(model)
     draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
     gpu_specs = load_gpus()
@@ -705,11 +711,23 @@ def emit_cmd(
     result = emit(out_dir, target, model_ref or target.name, layout, tokens, spec_gpu, replicas,
                   draft_model, draft_ref or (draft_model.name if draft_model else None), spec,
                   auth_mode, planner_refs=(model, draft), kda_rollback=kda_rollback,
-                  ring_len=replay_ring_len)
+                  ring_len=replay_ring_len, pd=sides, transfer_backend=transfer_backend)
     running = result.serve_config["applications"][0]["args"]["engine"]["sglang"][
         "max_running_requests"]
     out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "
               f"(cluster launcher schema: valid); max_running_requests {running}")
+
+
+def _pd_sides(pd: str | None, transfer_backend: str) -> tuple[int, int] | None:
+    """`--pd PREFILL:DECODE` -> (prefill, decode) replicas, each at least 1."""
+    if transfer_backend not in ("mooncake", "nixl"):
+        raise CapacityError(f"--transfer-backend {transfer_backend!r}: mooncake or nixl")
+    if pd is None:
+        return None
+    parts = pd.split(":")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise CapacityError(f"--pd {pd!r}: PREFILL:DECODE replicas, each >= 1 (e.g. 1:2)")
+    return int(parts[0]), int(parts[1])
 
 
 def main() -> None:

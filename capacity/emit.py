@@ -94,6 +94,10 @@ class ServeDescription:
     attention_dp: int = 1
     pp: int = 1
     replicas: int = 1
+    # Prefill/decode disaggregated (SGLang's --disaggregation-mode per side): (prefill
+    # replicas, decode replicas), each of this layout; `replicas` is then unused.
+    pd: tuple[int, int] | None = None
+    transfer_backend: str = "mooncake"
     tokenizer: str | None = None  # default: the target
     served_model_name: str = "kimi-k3"
     # Loading 1.5 TB of weights and capturing CUDA graphs takes a while.
@@ -110,7 +114,13 @@ class ServeDescription:
 
     @property
     def stem(self) -> str:
-        return f"{self.gpu.lower()}-{self.nodes}x{self.gpus_per_node}"
+        base = f"{self.gpu.lower()}-{self.nodes}x{self.gpus_per_node}"
+        return base if self.pd is None else f"{base}-pd{self.pd[0]}p{self.pd[1]}d"
+
+    @property
+    def total_replicas(self) -> int:
+        """Replicas of this layout the cluster holds (both sides when disaggregated)."""
+        return self.replicas if self.pd is None else sum(self.pd)
 
 
 def app_args(desc: ServeDescription) -> dict[str, Any]:
@@ -127,7 +137,7 @@ def app_args(desc: ServeDescription) -> dict[str, Any]:
         parallelism["pp"] = desc.pp
     # The app derives the GPUs used per node from tp x pp / nodes.
     parallelism["nodes"] = desc.nodes
-    return {
+    config: dict[str, Any] = {
         "models": models,
         "engine": {
             "backend": "sglang",
@@ -142,6 +152,12 @@ def app_args(desc: ServeDescription) -> dict[str, Any]:
         # Kimi K3's sampling contract, as Moonshot verifies vendors (serve_app/chat/parameters.py).
         "api": {"parameter_policy": "k3"},
     }
+    if desc.pd is not None:
+        # Both sides run this layout; the bootstrap port is picked free per prefill replica.
+        config["disaggregation"] = {"enabled": True, "prefill": {"replicas": desc.pd[0]},
+                                    "decode": {"replicas": desc.pd[1]},
+                                    "transfer_backend": desc.transfer_backend}
+    return config
 
 
 def serve_file_config(desc: ServeDescription) -> dict[str, Any]:
@@ -609,8 +625,18 @@ def emit(
     planner_refs: tuple[str, str | None] | None = None,
     kda_rollback: str = DEFAULT_KDA_ROLLBACK,
     ring_len: int = DEFAULT_REPLAY_RING_LEN,
+    pd: tuple[int, int] | None = None,
+    transfer_backend: str = "mooncake",
 ) -> EmitResult:
+    """Write one layout's Serve and cluster files; `pd`: (prefill, decode) replicas of a
+    disaggregated app instead of `replicas` aggregated ones."""
     desc = describe_layout(model, model_ref, layout, context_length, gpu, replicas, draft,
                            draft_ref, speculation, planner_refs, kda_rollback, ring_len)
-    cluster = cluster_config(layout, replicas, auth_mode=auth_mode)
+    if pd is not None:
+        flags = f" --pd {pd[0]}:{pd[1]}" + (
+            f" --transfer-backend {transfer_backend}" if transfer_backend != "mooncake" else "")
+        desc = dataclasses.replace(
+            desc, pd=pd, transfer_backend=transfer_backend, command=desc.command + flags,
+            what=f"{desc.what}, disaggregated: {pd[0]} prefill + {pd[1]} decode replicas")
+    cluster = cluster_config(layout, desc.total_replicas, auth_mode=auth_mode)
     return write(out_dir, desc, cluster, layout.label())

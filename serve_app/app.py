@@ -17,6 +17,7 @@ from ray.serve import Application
 
 from serve_app.chat.formats import chat_format_for
 from serve_app.config import AppConfig, ConfigError, model_configs
+from serve_app.engines.types import Role
 from serve_app.models.dspark_config import check_pair
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.target import TargetReplica
@@ -34,20 +35,20 @@ def validate(config: AppConfig) -> None:
     disaggregated app's: each side's layout, prefixed by its side)."""
     if config.disaggregation.enabled:
         problems = [f"disaggregation.{role}: {p}" for role in ("prefill", "decode")
-                    for p in _problems(config.side(role))]
+                    for p in _problems(config.side(role), role)]
     else:
         problems = _problems(config)
     if problems:
         raise ConfigError("invalid deployment config:\n  - " + "\n  - ".join(problems))
 
 
-def _problems(config: AppConfig) -> list[str]:
+def _problems(config: AppConfig, role: Role = "both") -> list[str]:
     if config.engine.backend == "sglang":
         # The checkpoints may live only on the GPU nodes: these checks read them when present
         # and the capacity planner's packaged descriptors otherwise (serve_app.engines.sglang).
         from serve_app.engines.sglang.checks import sglang_problems
 
-        return sglang_problems(config)
+        return sglang_problems(config, role)
     target, draft = model_configs(config)
     problems = []
     if draft is not None:

@@ -254,8 +254,6 @@ class SGLangSettings(_Strict):
         if extra.get("enable_linear_replayssm"):
             raise ValueError(f"{flag} and extra_server_args.enable_linear_replayssm are mutually "
                              "exclusive (SGLang: they drive one ring two ways)")
-        if extra.get("disaggregation_mode") == "prefill":
-            raise ValueError(f"{flag} does not apply to a PD prefill server (it never verifies)")
         return self
 
     @model_serializer(mode="wrap")
@@ -426,6 +424,19 @@ class DisaggregationConfig(_Strict):
     enabled: bool = False
     prefill: DisaggregationSide = DisaggregationSide()
     decode: DisaggregationSide = DisaggregationSide()
+    # SGLang's own disaggregation (engine.backend sglang: --disaggregation-mode per side); the
+    # reference engine hands over through Ray's object store and uses none of these.
+    transfer_backend: Literal["mooncake", "nixl"] = Field(
+        default="mooncake", description="SGLang: the KV transfer backend "
+        "(--disaggregation-transfer-backend; 0.5.23's default mooncake, or nixl). Both move "
+        "K3's KDA states between different attention-TP sizes")
+    bootstrap_port: int = Field(
+        default=0, ge=0, le=65535, description="SGLang: the port of each prefill replica's "
+        "bootstrap server (--disaggregation-bootstrap-port), which decode servers ask for "
+        "the room's KV addresses; 0: a free port picked by each replica")
+    ib_device: str | None = Field(
+        default=None, description="SGLang: --disaggregation-ib-device (the RDMA devices, "
+        "e.g. mlx5_0,mlx5_1); None: the transfer backend's own choice")
 
 
 class AppConfig(_Strict):
@@ -444,10 +455,7 @@ class AppConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:
         p = self.parallelism
-        if self.disaggregation.enabled:
-            if self.engine.backend != "reference":
-                raise ValueError("disaggregation.enabled: only the reference engine hands "
-                                 "requests over yet (engine.backend='reference')")
+        if self.disaggregation.enabled and self.engine.backend == "reference":
             for name in ("prefill", "decode"):
                 side = getattr(self.disaggregation, name).parallelism
                 if side is not None and (side.pp != 1 or side.attention_dp != 1):

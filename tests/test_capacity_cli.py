@@ -370,3 +370,48 @@ def test_every_emitted_fleet_passes_the_apps_startup_checks(
     monkeypatch.delenv(NOSET_CUDA_ENV)
     with pytest.raises(EngineUnavailable, match="start-up checks failed"):
         SGLangEngine.start(config)
+
+
+def test_an_emitted_disaggregated_fleet_passes_each_sides_startup_checks(tmp_path: Path) -> None:
+    """`emit --pd 1:2` writes one app whose prefill and decode sides run the 2 x 8 H200
+    layout as SGLang PD servers: the app's config checks pass on both sides, each side's
+    server arguments carry its --disaggregation-mode and the transfer backend (the
+    bootstrap port on the prefill side only; the KDA replay rollback only where SGLang
+    verifies, on the decode side), every argument is in SGLang 0.5.23's flag table, and the
+    cluster holds both sides' nodes. The one start-up problem left on a machine without the
+    transfer backend installed is that one, by name."""
+    from serve_app.app import validate
+    from serve_app.config import AppConfig
+    from serve_app.engines.sglang.args import server_args_cli, sglang_server_args
+    from serve_app.engines.sglang.checks import startup_problems, transfer_backend_problems
+
+    result = invoke("emit", "--gpu", "H200", "--nodes", "2", "--kv", "fp8", "--context", "1M",
+                    "--draft", "kimi-k3-dspark", "--kda-rollback", "replay", "--pd", "1:2",
+                    "--out-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    serve_file = tmp_path / "serve-h200-2x8-pd1p2d.yaml"
+    assert "--pd 1:2" in serve_file.read_text().splitlines()[1]  # the command that writes it
+    app_cfg = yaml.safe_load(serve_file.read_text())["applications"][0]
+    config = AppConfig.model_validate(app_cfg["args"])
+    validate(config)  # both sides, each named by its role on failure
+    for role, replicas in (("prefill", 1), ("decode", 2)):
+        side = config.side(role)
+        assert side.placement.replicas == replicas
+        args = sglang_server_args(side, role=role)
+        assert args["disaggregation_mode"] == role
+        assert args["disaggregation_transfer_backend"] == "mooncake"
+        assert ("disaggregation_bootstrap_port" in args) == (role == "prefill")
+        assert bool(args.get("enable_linear_replayssm_spec")) == (role == "decode")
+        assert f"--disaggregation-mode {role}" in " ".join(server_args_cli(args))
+        # Nothing else: what is left is whether mooncake is installed here (not in CI).
+        assert startup_problems(side, app_cfg["runtime_env"]["env_vars"], role) == \
+            transfer_backend_problems("mooncake")
+    assert transfer_backend_problems("mooncake", lambda _: object()) == []
+    assert transfer_backend_problems("nixl", lambda _: None) == [
+        "disaggregation.transfer_backend='nixl': the 'nixl' module is not installed on this "
+        "node (pip install nixl)"]
+    cluster = yaml.safe_load((tmp_path / "cluster-h200-2x8-pd1p2d.yaml").read_text())
+    assert cluster["max_workers"] == 3 * 2  # three replicas of two nodes
+    bad = invoke("emit", "--gpu", "H200", "--nodes", "2", "--kv", "fp8", "--context", "1M",
+                 "--pd", "0:2", "--out-dir", str(tmp_path / "bad"))
+    assert bad.exit_code == 2 and "--pd '0:2'" in bad.output

@@ -430,3 +430,28 @@ def test_kv_events_config_is_one_sglang_parses() -> None:
                       "medium", "cache_salt", "session_id", "lora_name"]
     assert "tag=True" in text.split("class KVCacheEvent(")[1].split("\nclass ")[0]
     assert "array_like=True" in text.split("class EventBatch(")[1].split("\nclass ")[0]
+
+
+def test_the_pd_request_fields_are_sglangs_own() -> None:
+    """What the PD path sends SGLang, against 0.5.23's source: the bootstrap fields are
+    parameters of `Engine.async_generate`, the health probe's fake host is SGLang's
+    FAKE_BOOTSTRAP_HOST, and each transfer backend's package is the module SGLang imports."""
+    if not (SGLANG_SRC / "srt" / "entrypoints" / "engine.py").exists():
+        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    import ast
+
+    from serve_app.engines.sglang.checks import TRANSFER_BACKEND_MODULES
+    from serve_app.engines.sglang.engine import FAKE_BOOTSTRAP_HOST, SGLangHandoff, _bootstrap
+
+    tree = ast.parse((SGLANG_SRC / "srt" / "entrypoints" / "engine.py").read_text())
+    [generate] = [f for f in ast.walk(tree) if isinstance(f, ast.AsyncFunctionDef)
+                  and f.name == "async_generate"]
+    params = {a.arg for a in generate.args.args + generate.args.kwonlyargs}
+    handoff = SGLangHandoff("r", [1], SamplingParams(), "10.0.0.1", 8998, 7)
+    assert set(_bootstrap(handoff)) <= params
+    utils = (SGLANG_SRC / "srt" / "disaggregation" / "utils.py").read_text()
+    assert f'FAKE_BOOTSTRAP_HOST = "{FAKE_BOOTSTRAP_HOST}"' in utils
+    for backend, (module, _) in TRANSFER_BACKEND_MODULES.items():
+        sources = " ".join(p.read_text() for p in
+                           (SGLANG_SRC / "srt" / "disaggregation" / backend).glob("*.py"))
+        assert f"from {module}" in sources or f"import {module}" in sources, backend

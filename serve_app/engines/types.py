@@ -8,9 +8,12 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from serve_app.grammar.spec import GrammarSpec
+
+# Which side of a disaggregated app an engine serves ("both": an aggregated one).
+Role = Literal["both", "prefill", "decode"]
 
 # What a torch.Generator accepts as a seed (manual_seed takes [-2^63, 2^64 - 1]).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -93,10 +96,12 @@ class RequestOutput:
 
 @dataclass
 class Prefilled:
-    """A prefill replica's answer to `generate` in a disaggregated app: the request is
-    prefilled and exported, and `handoff` is a Ray object reference to its RequestHandoff
-    (owned by the prefill replica's process). The ingress passes the reference to a decode
-    replica, which fetches the hand-over itself and streams the answer from its first token."""
+    """A prefill replica's answer to `generate` in a disaggregated app: `handoff` is a Ray
+    object reference (owned by the prefill replica's process) to what the decode side needs:
+    the reference engine's RequestHandoff (the request prefilled and exported), or SGLang's
+    bootstrap address and room (SGLangHandoff: its prefill server prefills and sends the
+    caches itself once the decode server joins the room). The ingress passes the reference to
+    a decode replica, which fetches it itself and streams the answer from its first token."""
 
     request_id: str
     handoff: Any  # ray.ObjectRef[RequestHandoff]

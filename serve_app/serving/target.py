@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
@@ -27,6 +27,7 @@ from serve_app.engines.types import (
     GenerateRequest,
     Prefilled,
     RequestOutput,
+    Role,
 )
 from serve_app.netutil import free_port
 from serve_app.observability.logs import get_logger, install_trace_ids
@@ -35,10 +36,9 @@ from serve_app.routing.reservation import ReplicaFull, ReplicaLedger, Reservatio
 
 if TYPE_CHECKING:  # torch stays out of the ingress's process
     from serve_app.engines.reference.handoff import RequestHandoff
+    from serve_app.engines.sglang.engine import SGLangHandoff
 
 logger = get_logger("target")
-
-Role = Literal["both", "prefill", "decode"]
 
 
 def _placement_info(rank: int, devices_per_node: int) -> dict[str, Any]:
@@ -160,12 +160,14 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
     return engine, workers, info
 
 
-def _start_sglang(config: AppConfig) -> tuple[Engine, list[Any], list[dict[str, Any]]]:
+def _start_sglang(config: AppConfig, role: Role
+                  ) -> tuple[Engine, list[Any], list[dict[str, Any]]]:
     """SGLang's RayEngine in this replica's placement group: rank 0 on this node, one
-    scheduler actor per GPU of the bundles. It owns its actors (no RankWorkers here)."""
+    scheduler actor per GPU of the bundles. It owns its actors (no RankWorkers here).
+    `role`: a disaggregated app's side (SGLang's --disaggregation-mode)."""
     from serve_app.engines.sglang.engine import SGLangEngine
 
-    engine = SGLangEngine.start(config)
+    engine = SGLangEngine.start(config, role)
     info = [_placement_info(0, config.parallelism.devices_per_node)]
     return engine, [], info
 
@@ -184,7 +186,7 @@ class TargetReplica:
         started = time.perf_counter()
         self.engine: Engine
         if self.config.engine.backend == "sglang":
-            self.engine, self.workers, self.info = _start_sglang(self.config)
+            self.engine, self.workers, self.info = _start_sglang(self.config, role)
         else:
             self.engine, self.workers, self.info = _start_reference(self.config, config)
         self.replica = replica_name()
@@ -281,7 +283,7 @@ class TargetReplica:
             if not mine:
                 self._by_caller.pop(caller, None)
 
-    async def decode(self, handoff: RequestHandoff, caller: tuple[str, str] | None = None,
+    async def decode(self, handoff: RequestHandoff | SGLangHandoff, caller: tuple[str, str] | None = None,
                      replica: str | None = None, reservation: Reservation | None = None
                      ) -> AsyncIterator[RequestOutput]:
         """A request a prefill replica handed over (Ray fetched `handoff` from there):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from capacity.ray_env import sglang_ray_env
 from capacity.sglang_flags import sglang_fields
 from serve_app.engines.sglang.grammar import sglang_constraint
-from serve_app.engines.types import SamplingParams
+from serve_app.engines.types import Role, SamplingParams
 
 if TYPE_CHECKING:
     from serve_app.config import AppConfig
@@ -29,7 +29,12 @@ _MANAGED = frozenset({
     "speculative_draft_attention_backend", "enable_linear_replayssm_spec",
     "linear_replayssm_cache_len", "moe_runner_backend", "decode_attention_backend",
     "enable_metrics", "incremental_streaming_output", "enable_dp_lm_head", "kv_events_config",
+    "disaggregation_mode", "disaggregation_transfer_backend", "disaggregation_bootstrap_port",
+    "disaggregation_ib_device",
 })
+# A PD prefill server's bootstrap port when disaggregation.bootstrap_port is 0 and no port was
+# picked yet (each prefill replica picks a free one at start); SGLang's own default.
+BOOTSTRAP_DEFAULT_PORT = 8998
 # The publisher's port when engine.sglang.kv_events_port is 0 and no port was picked yet (the
 # replica picks free ones at start: SGLangEngine.start); SGLang's own default.
 KV_EVENTS_DEFAULT_PORT = 5557
@@ -54,11 +59,15 @@ def _path_arg(value: str) -> str:
     return value
 
 
-def sglang_server_args(config: AppConfig, kv_events_port: int | None = None) -> dict[str, Any]:
+def sglang_server_args(config: AppConfig, kv_events_port: int | None = None,
+                       role: Role = "both", bootstrap_port: int | None = None
+                       ) -> dict[str, Any]:
     """The keyword arguments of `sglang.srt.ray.engine.RayEngine(**args)` (= ServerArgs fields),
-    built from the config tree. The single source of SGLang server arguments.
+    built from the config tree (a disaggregated app's side: that side's config, and its
+    `role`). The single source of SGLang server arguments.
     `kv_events_port`: the KV event publisher's port the replica picked (engine.sglang.
-    kv_events_port when set, else a placeholder: `KV_EVENTS_DEFAULT_PORT`)."""
+    kv_events_port when set, else a placeholder: `KV_EVENTS_DEFAULT_PORT`); `bootstrap_port`:
+    a prefill replica's bootstrap port, likewise (`BOOTSTRAP_DEFAULT_PORT`)."""
     s, p, m = config.engine.sglang, config.parallelism, config.models
     args: dict[str, Any] = {
         "model_path": _path_arg(m.target),
@@ -93,9 +102,10 @@ def sglang_server_args(config: AppConfig, kv_events_port: int | None = None) -> 
         args["speculative_dspark_block_size"] = s.speculative_dspark_block_size
         if s.speculative_draft_attention_backend is not None:
             args["speculative_draft_attention_backend"] = s.speculative_draft_attention_backend
-    if s.enable_linear_replayssm_spec:
+    if s.enable_linear_replayssm_spec and role != "prefill":
         # The KDA verify's rollback by replay (SGLangSettings checks SGLang's rules on it);
         # off, SGLang's default per-position state scratch, and neither argument is passed.
+        # A PD prefill server never verifies: only its decode servers get it.
         args["enable_linear_replayssm_spec"] = True
         args["linear_replayssm_cache_len"] = s.linear_replayssm_cache_len
     if s.moe_runner_backend is not None:
@@ -108,11 +118,32 @@ def sglang_server_args(config: AppConfig, kv_events_port: int | None = None) -> 
     if s.kv_events:
         args["kv_events_config"] = kv_events_config(
             s.kv_events_port or kv_events_port or KV_EVENTS_DEFAULT_PORT)
+    if role != "both":
+        args |= disaggregation_args(config, role, bootstrap_port)
     clash = sorted(set(s.extra_server_args) & _MANAGED)
     if clash:
         raise ValueError(f"engine.sglang.extra_server_args may not set {', '.join(clash)}: "
                          "they come from models/parallelism/engine.sglang fields")
     args.update(s.extra_server_args)
+    return args
+
+
+def disaggregation_args(config: AppConfig, role: Role, bootstrap_port: int | None
+                        ) -> dict[str, Any]:
+    """A PD side's SGLang 0.5.23 arguments (srt/arg_groups/fields/disagg.py,
+    pd_disaggregation_hook.py): its mode and the KV transfer backend on both sides; the
+    bootstrap server's port on the prefill side, where it runs (in the tokenizer manager's
+    process: this replica's). A decode server learns each request's prefill server from the
+    request (bootstrap_host / port / room, SGLangEngine.adopt), so it takes no address here.
+    The decode server keeps SGLang's PD default of no radix cache (the prefill side caches)."""
+    pd = config.disaggregation
+    args: dict[str, Any] = {"disaggregation_mode": role,
+                            "disaggregation_transfer_backend": pd.transfer_backend}
+    if role == "prefill":
+        args["disaggregation_bootstrap_port"] = (pd.bootstrap_port or bootstrap_port
+                                                 or BOOTSTRAP_DEFAULT_PORT)
+    if pd.ib_device is not None:
+        args["disaggregation_ib_device"] = pd.ib_device
     return args
 
 

@@ -5,14 +5,16 @@ importable without SGLang."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from capacity.sglang_flags import SGLANG_VERSION, draft_attention_backends, sglang_fields
 from serve_app.engines.sglang.args import runtime_env_vars, sglang_server_args
+from serve_app.engines.types import Role
 
 if TYPE_CHECKING:
     from serve_app.config import AppConfig
@@ -133,10 +135,11 @@ def _full_context_problems(model: Any, layout: Any, gpu: Any, draft: Any, s: Any
     return problems
 
 
-def sglang_problems(config: AppConfig) -> list[str]:
+def sglang_problems(config: AppConfig, role: Role = "both") -> list[str]:
     """Cross-checks for backend 'sglang', each naming the field; empty when the deployment is
-    valid. Model facts come from the checkpoints' config.json when they are on this machine,
-    otherwise from the capacity planner's packaged descriptors (logged)."""
+    valid (a disaggregated app's side: that side's config and `role`). Model facts come from
+    the checkpoints' config.json when they are on this machine, otherwise from the capacity
+    planner's packaged descriptors (logged)."""
     from pydantic import ValidationError
 
     import capacity
@@ -210,20 +213,41 @@ def sglang_problems(config: AppConfig) -> list[str]:
         except (CapacityError, ValidationError) as exc:
             problems.append(f"layout: {exc}")
     try:
-        problems += [f"engine.sglang: {x}" for x in check_server_args(sglang_server_args(config))]
+        problems += [f"engine.sglang: {x}"
+                     for x in check_server_args(sglang_server_args(config, role=role))]
     except ValueError as exc:
         problems.append(str(exc))
     return problems
 
 
-def startup_problems(config: AppConfig, environ: Mapping[str, str] | None = None) -> list[str]:
+# The package each SGLang 0.5.23 KV transfer backend imports (srt/disaggregation/mooncake,
+# .../nixl), as pip installs it on the GPU nodes: it is not part of the `sglang` extra.
+TRANSFER_BACKEND_MODULES = {"mooncake": ("mooncake", "mooncake-transfer-engine"),
+                            "nixl": ("nixl", "nixl")}
+
+
+def transfer_backend_problems(backend: str,
+                              find_spec: Callable[[str], Any] | None = None) -> list[str]:
+    """A PD server's transfer backend must be importable where SGLang runs (SGLang fails
+    only when the first request is handed over otherwise). `find_spec`: importlib's."""
+    module, package = TRANSFER_BACKEND_MODULES[backend]
+    if (find_spec or importlib.util.find_spec)(module) is None:
+        return [f"disaggregation.transfer_backend={backend!r}: the {module!r} module is not "
+                f"installed on this node (pip install {package})"]
+    return []
+
+
+def startup_problems(config: AppConfig, environ: Mapping[str, str] | None = None,
+                     role: Role = "both") -> list[str]:
     """Everything `SGLangEngine.start` checks before it launches SGLang, in one list: the
     deployment against the model, the GPUs and the advertised context (`sglang_problems`,
     which includes the server arguments against SGLang 0.5.23's flag table), and the
     replica's environment (`environ`, default os.environ) against the runtime_env SGLang's Ray
     backend needs on this GPU vendor."""
     env = os.environ if environ is None else environ
-    problems = sglang_problems(config)
+    problems = sglang_problems(config, role)
+    if role != "both":
+        problems += transfer_backend_problems(config.disaggregation.transfer_backend)
     missing = [k for k, v in runtime_env_vars(config).items() if env.get(k) != v]
     if missing:
         problems.append(f"{', '.join(f'{k}=1' for k in missing)} must be set in the "

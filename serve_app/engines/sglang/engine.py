@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import ray
 
 from serve_app.engines.sglang.args import sampling_params, server_args_cli, sglang_server_args
 from serve_app.engines.sglang.checks import startup_problems
@@ -22,7 +26,14 @@ from serve_app.engines.sglang.kv_events import (
 )
 from serve_app.engines.sglang.output import OutputTracker
 from serve_app.engines.spec_stats import EngineTotals, SpecStats
-from serve_app.engines.types import EngineUnavailable, GenerateRequest, RequestOutput
+from serve_app.engines.types import (
+    EngineUnavailable,
+    GenerateRequest,
+    RequestOutput,
+    Role,
+    SamplingParams,
+)
+from serve_app.netutil import free_port
 from serve_app.observability.metrics import (
     app_metrics,
     record_finished_request,
@@ -34,6 +45,16 @@ if TYPE_CHECKING:
     from serve_app.config import AppConfig
 
 logger = logging.getLogger("serve_app.sglang")
+
+# SGLang 0.5.23's srt/disaggregation/utils.py: a request with this bootstrap host is moved by
+# the fake transfer backend (no peer), as its /health_generate does on PD servers.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+def _bootstrap(handoff: SGLangHandoff) -> dict[str, Any]:
+    """The request fields that put a request in its prefill server's room, on both sides."""
+    return {"bootstrap_host": handoff.bootstrap_host, "bootstrap_port": handoff.bootstrap_port,
+            "bootstrap_room": handoff.bootstrap_room}
 
 
 def slot_bound(info: dict[str, Any], server_args: dict[str, Any],
@@ -79,12 +100,31 @@ def capacity_report(kv_tokens_total: int, kv_tokens_used: int, state_slots_total
     return report
 
 
+@dataclass(frozen=True)
+class SGLangHandoff:
+    """What a PD prefill replica hands the decode side for one request: the request, and
+    where its prefill server waits for the decode server (SGLang's bootstrap: this replica's
+    node, its bootstrap port, and a room number for this request). The caches move from
+    server to server (the transfer backend), never through Ray."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    bootstrap_host: str
+    bootstrap_port: int
+    bootstrap_room: int
+
+
 class SGLangEngine:
-    """One SGLang RayEngine (one target replica) behind the engine interface."""
+    """One SGLang RayEngine (one target replica) behind the engine interface; in a
+    disaggregated app, one side's server (`role`: SGLang's --disaggregation-mode)."""
 
     def __init__(self, engine: Any, config: AppConfig, server_args: dict[str, Any],
                  kv_events: KVEventSubscriber | None = None) -> None:
         self.engine = engine
+        self.role = server_args.get("disaggregation_mode", "both")
+        # Prefill side: requests whose prefill server waits for (or sends to) a decode server.
+        self._prefills: dict[str, asyncio.Task[None]] = {}
         # SGLang's KV events, translated onto the router's block hashes (prefix_events).
         self.kv_events = kv_events
         self.config = config
@@ -135,10 +175,11 @@ class SGLangEngine:
         self._export_slots()
 
     @classmethod
-    def start(cls, config: AppConfig) -> SGLangEngine:
+    def start(cls, config: AppConfig, role: Role = "both") -> SGLangEngine:
         """Start SGLang's Ray engine in the current placement group (the replica's). Blocks
-        until every scheduler actor has loaded its shards."""
-        problems = startup_problems(config)
+        until every scheduler actor has loaded its shards. `role`: a disaggregated app's
+        side."""
+        problems = startup_problems(config, role=role)
         if problems:
             raise EngineUnavailable("SGLang start-up checks failed:\n  - "
                                     + "\n  - ".join(problems))
@@ -150,7 +191,12 @@ class SGLangEngine:
         from sglang.srt.ray.engine import RayEngine  # GPU nodes only: the `sglang` extra
 
         subscriber, port = cls._kv_events(config)
-        args = sglang_server_args(config, kv_events_port=port)
+        # A prefill server's bootstrap server runs in this process (SGLang's tokenizer
+        # manager): a free port here unless the config fixes one.
+        bootstrap = (config.disaggregation.bootstrap_port or free_port("")
+                     if role == "prefill" else None)
+        args = sglang_server_args(config, kv_events_port=port, role=role,
+                                  bootstrap_port=bootstrap)
         if subscriber is None:
             args.pop("kv_events_config", None)  # nobody would read them
         logger.info("starting SGLang RayEngine: %s", " ".join(server_args_cli(args)))
@@ -196,6 +242,44 @@ class SGLangEngine:
             logger.exception("abort of %s failed", request_id)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        async for out in self._stream(request):
+            yield out
+
+    async def prefill(self, request: GenerateRequest) -> SGLangHandoff:
+        """A PD prefill server's part of `request`, answered at once: the hand-over names this
+        server's bootstrap and a new room. SGLang's prefill keeps the request in its bootstrap
+        queue until the decode server that `adopt`s the hand-over joins the room, then
+        prefills and sends the caches, KDA states and the draft's KV to it (its transfer
+        backend). So the request runs here in the background until that transfer ends; it
+        counts in capacity() meanwhile. A decode server that never comes: SGLang's bootstrap
+        timeout aborts it."""
+        self._check_alive()
+        handoff = SGLangHandoff(request.request_id, list(request.prompt_ids), request.params,
+                                ray.util.get_node_ip_address(),
+                                int(self.server_args["disaggregation_bootstrap_port"]),
+                                secrets.randbits(63))
+        task = asyncio.get_running_loop().create_task(self._prefill(request, handoff))
+        self._prefills[request.request_id] = task
+        task.add_done_callback(lambda _: self._prefills.pop(request.request_id, None))
+        return handoff
+
+    async def _prefill(self, request: GenerateRequest, handoff: SGLangHandoff) -> None:
+        try:
+            async for _ in self._stream(request, **_bootstrap(handoff)):
+                pass
+        except Exception:  # the decode side reports the request's failure to its client
+            logger.exception("PD prefill of %s failed", request.request_id)
+
+    async def adopt(self, handoff: SGLangHandoff) -> AsyncIterator[RequestOutput]:
+        """A PD decode server's part: the request joins its prefill server's room, SGLang
+        receives the caches into pages it pre-allocated and decodes; the stream carries the
+        whole answer from the first token (sampled on the prefill side)."""
+        request = GenerateRequest(handoff.request_id, handoff.prompt_ids, handoff.params)
+        async for out in self._stream(request, **_bootstrap(handoff)):
+            yield out
+
+    async def _stream(self, request: GenerateRequest, **bootstrap: Any
+                      ) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         rid = request.request_id
         if rid in self._active:
@@ -209,7 +293,7 @@ class SGLangEngine:
             # The ingress tokenized already: pass ids, SGLang detokenizes the output.
             stream = await self.engine.async_generate(
                 input_ids=list(request.prompt_ids), sampling_params=sampling_params(
-                    request.params), stream=True, rid=rid)
+                    request.params), stream=True, rid=rid, **bootstrap)
             async for chunk in stream:
                 out = tracker.update(chunk)
                 finished = out.finished
@@ -229,6 +313,9 @@ class SGLangEngine:
                 self._abort(rid)
 
     async def abort(self, request_id: str) -> None:
+        task = self._prefills.pop(request_id, None)
+        if task is not None:
+            task.cancel()
         self._abort(request_id)
 
     async def health(self, timeout_s: float) -> None:
@@ -238,9 +325,14 @@ class SGLangEngine:
         rid = f"health-{uuid.uuid4().hex[:12]}"
 
         async def one_token() -> None:
+            # A PD server is asked as SGLang's own /health_generate asks it: through its
+            # fake transfer (FAKE_BOOTSTRAP_HOST), which needs no server on the other side.
+            pd = {} if self.role == "both" else {"bootstrap_host": FAKE_BOOTSTRAP_HOST,
+                                                 "bootstrap_room": 0}
             out = await self.engine.async_generate(
                 input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0,
-                                                "ignore_eos": True}, stream=False, rid=rid)
+                                                "ignore_eos": True}, stream=False, rid=rid,
+                **pd)
             meta = out.get("meta_info", {})
             if meta.get("completion_tokens") != 1:
                 raise EngineUnavailable(f"health generation returned {meta}")
@@ -273,6 +365,8 @@ class SGLangEngine:
 
     async def shutdown(self) -> None:
         self._stopped = True
+        for task in list(self._prefills.values()):
+            task.cancel()
         if self.kv_events is not None:
             self.kv_events.stop()
         for rid in list(self._active):
