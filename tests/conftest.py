@@ -32,6 +32,7 @@ SHARED_CLUSTER = {"test_fuzz_api.py", "test_fuzz_k3.py", "test_grammar_serve.py"
                   "test_hybrid_serve.py", "test_k3_chat_serve.py", "test_multi_ingress.py",
                   "test_prefix_serve.py", "test_router_serve.py", "test_serve_app.py"}
 OWN_CLUSTER = {"test_local_deployment.py", "test_multinode_placement.py", "test_observability.py",
+               "test_disaggregated_tracing.py",
                "test_sglang_placement.py", "test_sglang_gpu.py"}
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import re
 import time
 import urllib.request
@@ -16,12 +15,11 @@ import openai
 import pytest
 import ray
 from ray import serve
-from tiny_models import own_cluster, write_tiny_serving_pair
+from tiny_models import trace_spans, traced_cluster, write_tiny_serving_pair
 
 from serve_app.app import build_app
 from serve_app.config import AppConfig
 from serve_app.netutil import free_port
-from serve_app.observability.tracing import TracingConfig, collector_actor, tracing_env
 
 pytestmark = pytest.mark.slow
 MODEL = "obs"
@@ -39,11 +37,12 @@ def _complete(base: str, body: dict[str, Any], **headers: str) -> httpx.Response
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    paths = write_tiny_serving_pair(tmp_path_factory.mktemp("obs"))
-    env = tracing_env(TracingConfig(exporter="collector", sampling_ratio=1.0))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # before ray.init: every Ray process (the proxy too) inherits it
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return write_tiny_serving_pair(tmp_path_factory.mktemp("obs"))
+
+
+@pytest.fixture(scope="module")
+def server(paths: dict[str, Any]) -> Any:
     metrics_port = free_port()
     config = AppConfig.model_validate({
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
@@ -51,43 +50,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "engine": {"reference": {"kv_capacity_tokens": 4096, "prefix_cache": {"enabled": True}}},
         "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
     })
-    try:
-        with own_cluster(metrics_port) as http_port:
-            serve.run(build_app(config), name="kimi", route_prefix="/")
-            yield f"http://127.0.0.1:{http_port}", metrics_port
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _reaches(spans: list[dict[str, Any]], name: str, ancestor: str) -> bool:
-    """Does the chain of parents from the span called `name` reach span id `ancestor`?"""
-    by_id = {s["span_id"]: s for s in spans}
-    span = next((s for s in spans if s["name"] == name), None)
-    while span is not None:
-        if span["parent_span_id"] == ancestor:
-            return True
-        span = by_id.get(span["parent_span_id"])
-    return False
-
-
-def _spans_of(trace_id: str, names: set[str], timeout: float = 30.0,
-              chain: tuple[str, str] | None = None) -> list[dict[str, Any]]:
-    """The trace's spans once `names` are all in and, with `chain` = (span name, ancestor span
-    id), once that span's parents reach the ancestor: each process (the proxy, the replicas)
-    exports its spans in its own batches, so the links can arrive after the rest."""
-    collector = collector_actor()
-    deadline = time.time() + timeout
-    spans: list[dict[str, Any]] = []
-    while time.time() < deadline:
-        spans = [s for s in ray.get(collector.get.remote()) if s["trace_id"] == trace_id]
-        if names <= {s["name"] for s in spans} and (chain is None or _reaches(spans, *chain)):
-            return spans
-        time.sleep(0.5)
-    return spans
+    with traced_cluster(metrics_port) as http_port:
+        serve.run(build_app(config), name="kimi", route_prefix="/")
+        yield f"http://127.0.0.1:{http_port}", metrics_port
 
 
 def test_one_request_makes_the_expected_span_tree(server: Any) -> None:
@@ -99,7 +64,7 @@ def test_one_request_makes_the_expected_span_tree(server: Any) -> None:
     usage = resp.json()["usage"]
     wanted = {"ingress.request", "engine.request", "engine.queue", "engine.prefill_chunk",
               "engine.decode", "engine.verify"}
-    spans = _spans_of(trace_id, wanted, chain=("ingress.request", client_span))
+    spans = trace_spans(trace_id, wanted, chain=("ingress.request", client_span))
     names = {s["name"] for s in spans}
     assert wanted <= names, f"missing spans: {wanted - names}"
     by_id = {s["span_id"]: s for s in spans}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -230,6 +231,57 @@ def own_cluster(metrics_port: int | None = None) -> Iterator[int]:
         yield _start_local_serve(**extra)
     finally:
         stop_ray()
+
+
+@contextmanager
+def traced_cluster(metrics_port: int | None = None) -> Iterator[int]:
+    """`own_cluster` whose every process (the proxy too: set before Ray starts) exports every
+    span to the in-cluster collector (serve_app.observability.tracing.collector_actor)."""
+    from serve_app.observability.tracing import TracingConfig, tracing_env
+
+    env = tracing_env(TracingConfig(exporter="collector", sampling_ratio=1.0))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with own_cluster(metrics_port) as http_port:
+            yield http_port
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def reaches(spans: list[dict[str, Any]], name: str, ancestor: str) -> bool:
+    """Does the chain of parents from the span called `name` reach span id `ancestor`?"""
+    by_id = {s["span_id"]: s for s in spans}
+    span = next((s for s in spans if s["name"] == name), None)
+    while span is not None:
+        if span["parent_span_id"] == ancestor:
+            return True
+        span = by_id.get(span["parent_span_id"])
+    return False
+
+
+def trace_spans(trace_id: str, names: set[str], timeout: float = 30.0,
+              chain: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """The trace's spans once `names` are all in and, with `chain` = (span name, ancestor span
+    id), once that span's parents reach the ancestor: each process (the proxy, the replicas)
+    exports its spans in its own batches, so the links can arrive after the rest."""
+    import ray
+
+    from serve_app.observability.tracing import collector_actor
+
+    collector = collector_actor()
+    deadline = time.time() + timeout
+    spans: list[dict[str, Any]] = []
+    while time.time() < deadline:
+        spans = [s for s in ray.get(collector.get.remote()) if s["trace_id"] == trace_id]
+        if names <= {s["name"] for s in spans} and (chain is None or reaches(spans, *chain)):
+            return spans
+        time.sleep(0.5)
+    return spans
 
 
 @contextmanager

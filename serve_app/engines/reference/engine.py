@@ -257,7 +257,11 @@ class EngineCore:
             self.grammars.add(rid, matcher, len(seq.prompt_ids))
             self.grammars.consume(rid, seq.output_ids)
         self.sequences[rid] = seq
-        self._notify("on_admitted", seq, time.time_ns())
+        # Queued and admitted at once: observers see it begin like any request (the trace's
+        # engine.request span on this side, under its caller's).
+        now = time.time_ns()
+        self._notify("on_queued", seq, now)
+        self._notify("on_admitted", seq, now)
         return rid
 
     @property
