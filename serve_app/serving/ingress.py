@@ -275,7 +275,7 @@ class OpenAIIngress:
         disaggregated app's decode side, which streams each answer the prefill side handed
         over."""
         self.config = AppConfig.model_validate(config)
-        self.target, self.decode = target, decode
+        self.target = target
         self._generate = target.options(stream=True).generate  # made once, not per request
         self._decode = decode.options(stream=True).decode if decode is not None else None
         self.tokenizer = load_tokenizer(self.config.models.tokenizer_path())
