@@ -8,8 +8,9 @@ long prompt arrives) and "during" (from its arrival to its first token). Per var
 p99 of each, during p99 / quiet p99, and the long prompt's time to first token. Medians over
 --rounds probes.
 
-Variants (the embedded pair, deployments/local.yaml's engine, Serve's own routing, one local
-cluster, the same --cores torch threads in all):
+Variants (the embedded pair, deployments/local.yaml's engine and router: kv_aware, which places
+a disaggregated request on a (decode, prefill) pair; one local cluster, the same --cores torch
+threads in all):
   aggregated:    one replica at TP 1 with --cores threads; the long prompt is prefilled in
                  chunks between the streams' decode steps.
   disaggregated: one prefill replica and one decode replica at TP 1, --cores / 2 threads each;
@@ -46,7 +47,6 @@ def _config(variant: str, cores: int) -> Any:
 
     raw = yaml.safe_load((ROOT / "deployments/local.yaml").read_text())["applications"][0]["args"]
     raw["parallelism"] = {"tp": 1}
-    raw["router"] = {"policy": "ray_default"}  # what disaggregation runs with today, for both
     raw["ingress"] = {**raw.get("ingress", {}), "max_tokens_limit": 4096}
     raw["api"] = {}  # the OpenAI contract: the probe's completions set their own temperature
     if variant == "aggregated":
