@@ -41,6 +41,7 @@ from capacity.memory import (
 )
 from capacity.model import ModelDescriptor
 from capacity.planner import DEFAULT_MAX_NODES, _candidate_layouts
+from capacity.sglang_recipe import pipeline_problem
 from capacity.tables import GpuSpec, PriceRow, cheapest_prices, gpu_spec
 from capacity.timing import DEFAULT_CONSTANTS, TimeConstants, decode_rate, prefill_seconds
 
@@ -264,11 +265,13 @@ def compare(
                                          tuple(kv_dtypes), None):
             one = _Layout(model, draft, speculation, constants, kda_rollback, spec, layout,
                           targets, running_cap)
-            agg = one.aggregated(ttft_max, itl_max)
+            # DSpark: pipeline stages only where SGLang allows them, on a PD prefill server.
+            pp_ok = pipeline_problem(layout.pp, draft is not None) is None
+            agg = one.aggregated(ttft_max, itl_max) if pp_ok else None
             if agg is not None:
                 rows.append(ModeRow("agg", layout, layout, 0, 1, 1, agg.batch, agg.seconds,
                                     agg.itl_s, agg.requests_s, 0, 0.0, price, osl))
-            decode = one.decode_side(itl_max)
+            decode = one.decode_side(itl_max) if pp_ok else None
             if decode is not None:
                 decodes.append(decode)
             prefill = one.prefill_side(ttft_max)

@@ -22,6 +22,7 @@ from capacity.memory import (
     memory_per_gpu,
 )
 from capacity.model import ModelDescriptor
+from capacity.sglang_recipe import pipeline_problem
 from capacity.tables import GpuSpec, PriceRow, cheapest_prices, gpu_spec
 from capacity.timing import (
     DEFAULT_CONSTANTS,
@@ -265,6 +266,11 @@ def plan(
         for layout in _candidate_layouts(model, spec, max_nodes, tuple(weight_formats),
                                          tuple(kv_dtypes), mem_fraction):
             evaluated += 1
+            refused = pipeline_problem(layout.pp, draft is not None)
+            if refused is not None:
+                if spec.gpu not in rejected:
+                    rejected[spec.gpu] = (-(10**18), f"{refused} (best try: {layout.label()})")
+                continue
             report = memory_per_gpu(model, layout, workload, spec, draft, speculation,
                                     kda_rollback, ring_len)
             if not report.fits:

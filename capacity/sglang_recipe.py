@@ -68,3 +68,16 @@ SGLANG_GRAMMAR_ARGS: dict[str, Any] = {
     "grammar_backend": "xgrammar",
     "constrained_json_disable_any_whitespace": True,
 }
+
+
+def pipeline_problem(pp: int, speculative: bool, role: str = "both") -> str | None:
+    """Why SGLang 0.5.23 refuses `pp` pipeline stages for a server of `role` ("both": an
+    aggregated server; "prefill" / "decode": a PD side), or None. DSpark runs pipeline
+    parallelism only on a PD prefill server (srt/arg_groups/speculative_hook.py: "DSpark
+    pipeline parallelism requires PD prefill; decode and non-disaggregated serving require
+    pp_size == 1"). The planner, the disaggregated planner and the app's start-up checks ask
+    this one rule."""
+    if pp == 1 or not speculative or role == "prefill":
+        return None
+    return (f"pp={pp}: SGLang 0.5.23 runs DSpark with pipeline parallelism only on a PD "
+            "prefill server (decode and aggregated servers need pp 1)")

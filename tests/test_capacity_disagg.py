@@ -124,3 +124,24 @@ def test_plan_disagg_shows_both_modes() -> None:
     bad = CliRunner().invoke(app, ["plan", "--context", "4K", "--disagg",
                                    "--output-tokens", "8192"])
     assert bad.exit_code != 0 and "leaves no prompt" in bad.output
+
+
+def test_dspark_pipeline_stages_only_on_a_pd_prefill_side(env) -> None:
+    """SGLang 0.5.23 runs DSpark with pipeline stages only on a PD prefill server: with the
+    draft, no aggregated or decode layout has PP, while prefill sides may (the 1M flagship's
+    comparison offers one); without a draft, PP is offered everywhere. The app's start-up
+    check asks the same rule."""
+    from capacity.sglang_recipe import pipeline_problem
+
+    k3, draft, gpus, prices = env
+    targets = Targets(1_040_384, 8192, ttft_s=300.0, itl_s=0.05)
+    with_draft = compare(k3, gpus, prices, targets, draft, allowed_gpus=["H200"], max_nodes=2,
+                         kv_dtypes=(KvDtype.FP8,))
+    assert with_draft and all(r.decode.pp == 1 for r in with_draft)
+    assert any(r.mode == "disagg" and r.prefill.pp > 1 for r in with_draft)
+    plain = compare(k3, gpus, prices, targets, None, allowed_gpus=["H200"], max_nodes=2,
+                    kv_dtypes=(KvDtype.FP8,))
+    assert any(r.decode.pp > 1 for r in plain)
+    assert pipeline_problem(2, True, "prefill") is None
+    assert "PD prefill" in pipeline_problem(2, True, "decode")
+    assert pipeline_problem(2, False, "both") is None and pipeline_problem(1, True) is None

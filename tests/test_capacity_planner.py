@@ -49,6 +49,12 @@ def test_plan_ranks_by_cost_per_token(env):
     assert top.memory.fits and top.memory.max_concurrent >= top.concurrency_per_replica
     assert top.price is not None and top.price.usd_per_gpu_hour > 0
     assert {r.layout.gpu for r in result.rows} <= {"MI300X", "H100", "H200"}
+    # DSpark runs pipeline stages only on a PD prefill server: an aggregated plan has none,
+    # where the same plan without the draft offers them.
+    assert all(r.layout.pp == 1 for r in result.rows)
+    plain = plan(k3, gpus, prices, 131_072, None, allowed_gpus=["MI300X", "H100", "H200"],
+                 max_nodes=4)
+    assert any(r.layout.pp > 1 for r in plain.rows)
 
 
 def test_pareto_frontier_is_not_dominated(env):

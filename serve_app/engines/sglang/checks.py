@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from capacity.sglang_flags import SGLANG_VERSION, draft_attention_backends, sglang_fields
+from capacity.sglang_recipe import pipeline_problem
 from serve_app.engines.sglang.args import runtime_env_vars, sglang_server_args
 from serve_app.engines.types import Role
 
@@ -154,8 +155,9 @@ def sglang_problems(config: AppConfig, role: Role = "both") -> list[str]:
             f"placement.accelerator={pl.accelerator!r}: the SGLang backend needs CUDA-class GPUs"
             + (" (SGLang 0.5.23 refuses DSPARK off CUDA/NPU/XPU: 'DSpark speculative decoding "
                "only supports CUDA, NPU or XPU device')" if dspark else ""))
-    if p.pp != 1:
-        problems.append(f"parallelism.pp={p.pp}: DSPARK needs pp_size 1 outside PD prefill")
+    pipeline = pipeline_problem(p.pp, dspark, role)
+    if pipeline is not None:
+        problems.append(f"parallelism.{pipeline}")
     if dspark and config.models.draft is None:
         problems.append("engine.sglang.speculative_algorithm=DSPARK needs models.draft")
 
