@@ -1,7 +1,8 @@
-"""The target deployment's Serve request router: it sends a request where the admission stage
+"""The target deployments' Serve request router: it sends a request where the admission stage
 (serve_app.routing.admission, in the ingress) chose, which the request itself carries
-(`GenerateRequest.replica`, or a decode call's `replica=`). It keeps no state of its own: Serve cloudpickles this module by
-value into each handle's process, so nothing here could be shared with the ingress anyway.
+(`GenerateRequest.replica`, or a decode call's `replica=`). It keeps no state of its own:
+Serve cloudpickles this module by value into each handle's process, so nothing here could be
+shared with the ingress anyway.
 """
 
 from __future__ import annotations

@@ -283,9 +283,9 @@ class TargetReplica:
             if not mine:
                 self._by_caller.pop(caller, None)
 
-    async def decode(self, handoff: RequestHandoff | SGLangHandoff, caller: tuple[str, str] | None = None,
-                     replica: str | None = None, reservation: Reservation | None = None
-                     ) -> AsyncIterator[RequestOutput]:
+    async def decode(self, handoff: RequestHandoff | SGLangHandoff,
+                     caller: tuple[str, str] | None = None, replica: str | None = None,
+                     reservation: Reservation | None = None) -> AsyncIterator[RequestOutput]:
         """A request a prefill replica handed over (Ray fetched `handoff` from there):
         reserved on this replica's ledger like a `generate` call (the decode side's admission
         stage chose `replica`, which the request router reads), decoded here, streamed to
