@@ -34,6 +34,7 @@ from capacity.memory import (
 )
 from capacity.model import Component, ModelDescriptor
 from capacity.planner import DEFAULT_MAX_NODES, explain_infeasible, plan
+from capacity.sglang_recipe import TRANSFER_BACKENDS
 from capacity.tables import (
     GpuSpec,
     PriceRow,
@@ -720,8 +721,9 @@ def emit_cmd(
 
 def _pd_sides(pd: str | None, transfer_backend: str) -> tuple[int, int] | None:
     """`--pd PREFILL:DECODE` -> (prefill, decode) replicas, each at least 1."""
-    if transfer_backend not in ("mooncake", "nixl"):
-        raise CapacityError(f"--transfer-backend {transfer_backend!r}: mooncake or nixl")
+    if transfer_backend not in TRANSFER_BACKENDS:
+        raise CapacityError(f"--transfer-backend {transfer_backend!r}: one of "
+                            f"{', '.join(TRANSFER_BACKENDS)}")
     if pd is None:
         return None
     parts = pd.split(":")

@@ -268,6 +268,8 @@ def plan(
             evaluated += 1
             refused = pipeline_problem(layout.pp, draft is not None)
             if refused is not None:
+                # The reason shown only if no layout of this GPU gets as far as its memory
+                # (`rejected` keeps the reason with the most free memory).
                 if spec.gpu not in rejected:
                     rejected[spec.gpu] = (-(10**18), f"{refused} (best try: {layout.label()})")
                 continue

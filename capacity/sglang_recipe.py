@@ -69,6 +69,14 @@ SGLANG_GRAMMAR_ARGS: dict[str, Any] = {
     "constrained_json_disable_any_whitespace": True,
 }
 
+# SGLang 0.5.23's KV transfer backends this project deploys (--disaggregation-transfer-backend),
+# each with the module SGLang imports for it (srt/disaggregation/mooncake, .../nixl) and the pip
+# package that installs it on the GPU nodes (not part of the `sglang` extra).
+TRANSFER_BACKENDS: dict[str, tuple[str, str]] = {
+    "mooncake": ("mooncake", "mooncake-transfer-engine"),
+    "nixl": ("nixl", "nixl"),
+}
+
 
 def pipeline_problem(pp: int, speculative: bool, role: str = "both") -> str | None:
     """Why SGLang 0.5.23 refuses `pp` pipeline stages for a server of `role` ("both": an

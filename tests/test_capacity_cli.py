@@ -407,6 +407,14 @@ def test_an_emitted_disaggregated_fleet_passes_each_sides_startup_checks(tmp_pat
         assert startup_problems(side, app_cfg["runtime_env"]["env_vars"], role) == \
             transfer_backend_problems("mooncake")
     assert transfer_backend_problems("mooncake", lambda _: object()) == []
+    # The app's config accepts exactly the backends the planner's table knows.
+    from typing import get_args
+
+    from capacity.sglang_recipe import TRANSFER_BACKENDS
+    from serve_app.config import DisaggregationConfig
+
+    field = DisaggregationConfig.model_fields["transfer_backend"].annotation
+    assert set(get_args(field)) == set(TRANSFER_BACKENDS)
     assert transfer_backend_problems("nixl", lambda _: None) == [
         "disaggregation.transfer_backend='nixl': the 'nixl' module is not installed on this "
         "node (pip install nixl)"]

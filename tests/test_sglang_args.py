@@ -440,7 +440,7 @@ def test_the_pd_request_fields_are_sglangs_own() -> None:
         pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
     import ast
 
-    from serve_app.engines.sglang.checks import TRANSFER_BACKEND_MODULES
+    from capacity.sglang_recipe import TRANSFER_BACKENDS
     from serve_app.engines.sglang.engine import FAKE_BOOTSTRAP_HOST, SGLangHandoff, _bootstrap
 
     tree = ast.parse((SGLANG_SRC / "srt" / "entrypoints" / "engine.py").read_text())
@@ -451,7 +451,7 @@ def test_the_pd_request_fields_are_sglangs_own() -> None:
     assert set(_bootstrap(handoff)) <= params
     utils = (SGLANG_SRC / "srt" / "disaggregation" / "utils.py").read_text()
     assert f'FAKE_BOOTSTRAP_HOST = "{FAKE_BOOTSTRAP_HOST}"' in utils
-    for backend, (module, _) in TRANSFER_BACKEND_MODULES.items():
+    for backend, (module, _) in TRANSFER_BACKENDS.items():
         sources = " ".join(p.read_text() for p in
                            (SGLANG_SRC / "srt" / "disaggregation" / backend).glob("*.py"))
         assert f"from {module}" in sources or f"import {module}" in sources, backend

@@ -459,18 +459,19 @@ class OpenAIIngress:
             assert lease is not None
             # The reservation rides on the target call (no extra round trip): the replica
             # reserves it on its own, authoritative ledger before any engine work.
-            decode_replica = prefill_max_tokens = near = None
+            decode_replica = near = None
+            target_max_tokens = max_tokens
             if self.decode_router is not None:
                 # The pair, decode side first: it holds the request for the whole answer, and
                 # a request no decode replica can take must not be prefilled. The prefill
                 # replica then samples only the first token.
                 decode_replica = await self._admit(self.decode_router, lease, prompt_ids,
                                                    max_tokens, client)
-                near, prefill_max_tokens = self.decode_router.node_of(decode_replica), 1
+                near, target_max_tokens = self.decode_router.node_of(decode_replica), 1
             replica = None
             if self.router is not None:
-                replica = await self._admit(self.router, lease, prompt_ids,
-                                            prefill_max_tokens or max_tokens, client, near)
+                replica = await self._admit(self.router, lease, prompt_ids, target_max_tokens,
+                                            client, near)
 
             def generate(chosen: str | None) -> Any:
                 request = GenerateRequest(rid, prompt_ids, params, caller=self.caller,

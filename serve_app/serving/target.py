@@ -222,8 +222,8 @@ class TargetReplica:
         ReplicaFull, which carries this ledger's numbers. A prefill replica answers with one
         `Prefilled` (or the final output of a request that ended on its first token)."""
         caller = request.caller
-        self._reserve(request.request_id, caller, reservation or self._reservation_for(
-            request.prompt_ids, request.params.max_tokens))
+        self._reserve(request.request_id, caller, reservation, request.prompt_ids,
+                      request.params.max_tokens)
         self._track(caller, request.request_id)
         try:
             if self.role != "prefill":
@@ -241,21 +241,18 @@ class TargetReplica:
         finally:
             self._release(caller, request.request_id)
 
-    def _reservation_for(self, prompt_ids: list[int], max_tokens: int) -> Reservation | None:
-        """The reservation of a call that carries none (sent by Serve's own routing): the same
-        facts computed here."""
-        if self.ledger is None:
-            return None
-        return self.ledger.reservation_for(prompt_ids, max_tokens)
-
     def _reserve(self, request_id: str, caller: tuple[str, str] | None,
-                 reservation: Reservation | None) -> None:
-        """Reserve a request on this replica's ledger; refused before any engine work with
-        ReplicaFull, which carries this ledger's numbers and this replica's id."""
-        if self.ledger is None or reservation is None:
+                 reservation: Reservation | None, prompt_ids: list[int], max_tokens: int
+                 ) -> None:
+        """Reserve a request on this replica's ledger: the facts its ingress computed, or for
+        a call that carries none (sent by Serve's own routing) the same facts computed here.
+        Refused before any engine work with ReplicaFull, which carries this ledger's numbers
+        and this replica's id."""
+        if self.ledger is None:
             return
+        r = reservation or self.ledger.reservation_for(prompt_ids, max_tokens)
         try:
-            self.ledger.reserve(request_id, caller[1] if caller else "", reservation)
+            self.ledger.reserve(request_id, caller[1] if caller else "", r)
         except ReplicaFull as exc:
             exc.info["replica"] = self._replica_id()
             raise
@@ -294,8 +291,7 @@ class TargetReplica:
         if self.role != "decode":
             raise ValueError(f"this replica is a {self.role!r} replica, not a decode one")
         rid = handoff.request_id
-        self._reserve(rid, caller, reservation or self._reservation_for(
-            handoff.prompt_ids, handoff.params.max_tokens))
+        self._reserve(rid, caller, reservation, handoff.prompt_ids, handoff.params.max_tokens)
         self._track(caller, rid)
         try:
             async for out in self.engine.adopt(handoff):  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from capacity.sglang_flags import SGLANG_VERSION, draft_attention_backends, sglang_fields
-from capacity.sglang_recipe import pipeline_problem
+from capacity.sglang_recipe import TRANSFER_BACKENDS, pipeline_problem
 from serve_app.engines.sglang.args import runtime_env_vars, sglang_server_args
 from serve_app.engines.types import Role
 
@@ -222,17 +222,11 @@ def sglang_problems(config: AppConfig, role: Role = "both") -> list[str]:
     return problems
 
 
-# The package each SGLang 0.5.23 KV transfer backend imports (srt/disaggregation/mooncake,
-# .../nixl), as pip installs it on the GPU nodes: it is not part of the `sglang` extra.
-TRANSFER_BACKEND_MODULES = {"mooncake": ("mooncake", "mooncake-transfer-engine"),
-                            "nixl": ("nixl", "nixl")}
-
-
 def transfer_backend_problems(backend: str,
                               find_spec: Callable[[str], Any] | None = None) -> list[str]:
     """A PD server's transfer backend must be importable where SGLang runs (SGLang fails
     only when the first request is handed over otherwise). `find_spec`: importlib's."""
-    module, package = TRANSFER_BACKEND_MODULES[backend]
+    module, package = TRANSFER_BACKENDS[backend]
     if (find_spec or importlib.util.find_spec)(module) is None:
         return [f"disaggregation.transfer_backend={backend!r}: the {module!r} module is not "
                 f"installed on this node (pip install {package})"]
