@@ -37,12 +37,8 @@ def _complete(base: str, body: dict[str, Any], **headers: str) -> httpx.Response
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return write_tiny_serving_pair(tmp_path_factory.mktemp("obs"))
-
-
-@pytest.fixture(scope="module")
-def server(paths: dict[str, Any]) -> Any:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    paths = write_tiny_serving_pair(tmp_path_factory.mktemp("obs"))
     metrics_port = free_port()
     config = AppConfig.model_validate({
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
