@@ -130,6 +130,7 @@ def test_loop_detection_tells_a_loop_from_code() -> None:
     assert not is_looping([1, 1, 1])  # too short to say
 
 
+@pytest.mark.slow
 def test_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
     """The committed training command, short: the same code (`all`: the K3 target, then its
     DSpark draft, then the cards) on 24 training files for 6 steps each. It must learn

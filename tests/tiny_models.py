@@ -128,6 +128,7 @@ def write_tiny_serving_pair(folder: Path, seed: int = 0) -> dict[str, Path]:
 # it pays for Ray's and Serve's start once, not once per module. Started on first use; stopped by
 # a module that needs a cluster of its own (`own_cluster`) and at the end of the session.
 _SHARED: dict[str, int] = {}
+shared_serve_calls = 0  # conftest checks which modules use the shared cluster
 # Workers export their metrics every 2 s instead of Ray's 10 s, so that a test reading the
 # metrics endpoint waits for one export, not for up to ten seconds.
 FAST_METRICS = {"metrics_report_interval_ms": 2000}
@@ -141,6 +142,8 @@ def shared_serve() -> dict[str, int]:
 
     from serve_app.netutil import free_port
 
+    global shared_serve_calls
+    shared_serve_calls += 1
     if not _SHARED:
         if ray.is_initialized():  # a module's own cluster, left behind: not ours to share
             stop_ray()
