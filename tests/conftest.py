@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # The modules on the shared Ray cluster (tests/tiny_models.py shared_serve) and those that start
 # a cluster of their own (own_cluster, fake_gpu_cluster, the demo).
-SHARED_CLUSTER = {"test_disaggregated_serve.py", "test_fuzz_api.py", "test_fuzz_k3.py", "test_grammar_serve.py", "test_hardening.py",
-                  "test_hybrid_serve.py", "test_k3_chat_serve.py", "test_multi_ingress.py",
-                  "test_prefix_serve.py", "test_router_serve.py", "test_serve_app.py"}
+SHARED_CLUSTER = {"test_disaggregated_serve.py", "test_fuzz_api.py", "test_fuzz_k3.py",
+                  "test_grammar_serve.py", "test_hardening.py", "test_hybrid_serve.py",
+                  "test_k3_chat_serve.py", "test_multi_ingress.py", "test_prefix_serve.py",
+                  "test_router_serve.py", "test_serve_app.py"}
 OWN_CLUSTER = {"test_local_deployment.py", "test_multinode_placement.py", "test_observability.py",
-               "test_disaggregated_tracing.py",
-               "test_sglang_placement.py", "test_sglang_gpu.py"}
+               "test_disaggregated_tracing.py", "test_sglang_placement.py", "test_sglang_gpu.py"}
 # Modules without Ray that assert wall-clock bounds (a watchdog of 0.5 s, a waiting request
 # placed within 0.3 s of a free slot, a 10 s subscriber deadline): never run at idle CPU
 # priority (pytest_runtest_setup), so under xdist they go with the own-cluster scope.
@@ -48,8 +48,9 @@ def _lane(node: pytest.Item | pytest.Module) -> int:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules without Ray first, those with a slow test leading (under xdist a long test
-    started last is the run's tail), then the shared-cluster ones, then those with a cluster
+    """Modules without Ray first (an idle cluster's processes take a quarter of a core from
+    them), those with a slow test leading (under xdist a long test started last is the run's
+    tail), then the shared-cluster ones, then those with a cluster
     of their own, so that the shared cluster is started once. Only for speed: `pytest
     --random-order` shuffles after this, and every order passes."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
@@ -112,19 +113,18 @@ def _no_app_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
 
     uses, was_up = tiny_models.shared_serve_calls, ray.is_initialized()
     yield
-    name = request.path.name
-    started = ray.is_initialized() and not was_up
-    if _lane(request.node) == 0 and (started or tiny_models.shared_serve_calls != uses):
-        pytest.fail(f"{name} uses Ray: add it to SHARED_CLUSTER or OWN_CLUSTER in conftest.py")
-    if not ray.is_initialized():
-        return
-    if not tiny_models._SHARED:
-        tiny_models.stop_ray()
-        return
-    try:
-        tiny_models.delete_apps()
-    except Exception:  # the shared cluster is broken: the next module starts a new one
-        tiny_models.stop_ray()
+    used = tiny_models.shared_serve_calls != uses or (ray.is_initialized() and not was_up)
+    if ray.is_initialized():
+        if not tiny_models._SHARED:
+            tiny_models.stop_ray()
+        else:
+            try:
+                tiny_models.delete_apps()
+            except Exception:  # the shared cluster is broken: the next module starts a new one
+                tiny_models.stop_ray()
+    if used and _lane(request.node) == 0:
+        pytest.fail(f"{request.path.name} uses Ray: add it to SHARED_CLUSTER or OWN_CLUSTER in "
+                    "conftest.py")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

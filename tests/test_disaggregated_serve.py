@@ -229,7 +229,10 @@ def test_a_prefill_replica_that_dies_mid_transfer_leaves_nothing_held(server: An
     """Killed while its hand-over is in transit (prefilled and exported into its object store,
     the ingress's decode call waiting on a decode replica that is stopped, so it cannot have
     fetched it yet): the hand-over is lost with its owner, the client gets an OpenAI-shaped
-    503 (no token had been sent), and the decode replica holds nothing."""
+    503 (no token had been sent), and the decode replica holds nothing. Or the client gets its
+    whole answer: the node's object store frees a dead owner's objects when its raylet gets to
+    it, and a decode replica that reads the hand-over first decodes it (seen once in a random-
+    order run beside the other xdist worker). Either way nothing stays held."""
     import ray
 
     url = server[0]
@@ -243,8 +246,11 @@ def test_a_prefill_replica_that_dies_mid_transfer_leaves_nothing_held(server: An
             ray.kill(replica("TargetDeployment"), no_restart=False)
             time.sleep(1.0)
         resp = answer.result(timeout=60)
-    assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
-    assert resp.json()["error"]["code"] == "service_unavailable"
+    if resp.status_code == 200:
+        assert '"completion_tokens": 50' in resp.text and resp.text.endswith("data: [DONE]\n\n")
+    else:
+        assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
+        assert resp.json()["error"]["code"] == "service_unavailable"
     assert holds_nothing("DecodeDeployment")
     recovered(url)
     assert holds_nothing("TargetDeployment") and holds_nothing("DecodeDeployment")
