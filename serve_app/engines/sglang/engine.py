@@ -185,7 +185,8 @@ class SGLangEngine:
                                     + "\n  - ".join(problems))
         from ray.util.placement_group import get_current_placement_group
 
-        if get_current_placement_group() is None:
+        # Outside Ray there is no placement group; asking for one would start a local cluster.
+        if not ray.is_initialized() or get_current_placement_group() is None:
             raise EngineUnavailable("the SGLang backend must run inside the replica's placement "
                                     "group (placement_group_bundles in the deployment)")
         from sglang.srt.ray.engine import RayEngine  # GPU nodes only: the `sglang` extra
