@@ -50,9 +50,9 @@ def _lane(node: pytest.Item | pytest.Module) -> int:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules without Ray first (an idle cluster's processes take a quarter of a core from
     them), those with a slow test leading (under xdist a long test started last is the run's
-    tail), then the shared-cluster ones, then those with a cluster
-    of their own, so that the shared cluster is started once. Only for speed: `pytest
-    --random-order` shuffles after this, and every order passes."""
+    tail), then the shared-cluster ones, then those with a cluster of their own, so that the
+    shared cluster is started once. Only for speed: `pytest --random-order` shuffles after
+    this, and every order passes."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: (_lane(item), item.path not in slow))  # stable: modules whole
 
