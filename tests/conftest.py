@@ -46,6 +46,14 @@ def _lane(node: pytest.Item | pytest.Module) -> int:
     return 2 if name in OWN_CLUSTER else 1 if name in SHARED_CLUSTER else 0
 
 
+def _scope(module: str) -> str | None:
+    """The xdist scope a module's tests run in whole, at normal CPU priority; None: each test
+    on its own, at idle priority."""
+    if module in SHARED_CLUSTER:
+        return "shared cluster"
+    return "normal priority" if module in OWN_CLUSTER | TIMED else None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules without Ray first (an idle cluster's processes take a quarter of a core from
@@ -69,9 +77,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class RayModulesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            name = nodeid.split("::")[0].rsplit("/", 1)[-1]
-            return ("shared cluster" if name in SHARED_CLUSTER
-                    else "normal priority" if name in OWN_CLUSTER | TIMED else nodeid)
+            return _scope(nodeid.split("::")[0].rsplit("/", 1)[-1]) or nodeid
 
     return RayModulesTogether(config, log)
 
@@ -92,8 +98,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if _yielding and item.path.name in TIMED:
         pytest.fail(f"{item.path.name} asserts wall-clock bounds but this xdist worker already "
                     "runs at idle CPU priority: keep the module in the TIMED scope")
-    if _yielding or _lane(item) or item.path.name in TIMED \
-            or "PYTEST_XDIST_WORKER" not in os.environ:
+    if _yielding or _scope(item.path.name) or "PYTEST_XDIST_WORKER" not in os.environ:
         return
     if hasattr(os, "sched_setscheduler"):  # Linux
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
