@@ -277,14 +277,15 @@ def trace_spans(trace_id: str, names: set[str], timeout: float = 30.0,
     from serve_app.observability.tracing import collector_actor
 
     collector = collector_actor()
-    deadline = time.time() + timeout
     spans: list[dict[str, Any]] = []
-    while time.time() < deadline:
+
+    def complete() -> bool:
+        nonlocal spans
         spans = [s for s in ray.get(collector.get.remote()) if s["trace_id"] == trace_id]
-        if names <= {s["name"] for s in spans} and (chain is None or reaches(spans, *chain)):
-            return spans
-        time.sleep(0.5)
-    return spans
+        return names <= {s["name"] for s in spans} and (chain is None or reaches(spans, *chain))
+
+    wait_for(complete, timeout, interval=0.5)
+    return spans  # on a timeout, what had arrived: the caller's asserts name what is missing
 
 
 @contextmanager
