@@ -685,6 +685,14 @@ def emit_cmd(
         "(SGLang's --disaggregation-mode per side; instead of --replicas)")] = None,
     transfer_backend: Annotated[str, typer.Option(
         help="--pd: SGLang's KV transfer backend, mooncake or nixl")] = "mooncake",
+    prefill_nodes: Annotated[int | None, typer.Option(
+        help="--pd: nodes per prefill replica (default: --nodes); the options without "
+        "--prefill- then describe the decode replicas")] = None,
+    prefill_dp: Annotated[int | None, typer.Option(
+        help="--pd: the prefill replicas' attention data parallel ranks (default: --dp)")] = None,
+    prefill_ep: Annotated[int | None, typer.Option(
+        help="--pd: the prefill replicas' expert parallel size (default: --ep, or the whole "
+        "stage when --prefill-nodes differs)")] = None,
     acceptance: AcceptOpt = 3.45,
     gamma: GammaOpt = None,
     kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
@@ -701,18 +709,30 @@ def emit_cmd(
     gpu_specs = load_gpus()
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
                                   mem_fraction)
+    prefill_layout = None
+    if (prefill_nodes, prefill_dp, prefill_ep) != (None, None, None):
+        if sides is None:
+            raise CapacityError("--prefill-nodes/--prefill-dp/--prefill-ep describe the prefill "
+                                "side of --pd PREFILL:DECODE")
+        same_nodes = prefill_nodes in (None, nodes)
+        prefill_layout = _layout_from_options(
+            gpu_specs, gpu, prefill_nodes or nodes, None, prefill_dp or dp,
+            prefill_ep or (ep if same_nodes else None), pp, weights, kv, mem_fraction)
     tokens = parse_tokens(context)
     spec_gpu = gpu_spec(gpu_specs, gpu)
-    report = memory_per_gpu(target, layout, validated(Workload, context_length=tokens),
-                            spec_gpu, draft_model, spec)
-    if not report.fits and not report.reasons[0].startswith("one "):
-        raise CapacityError(f"{layout.label()} does not fit: {'; '.join(report.reasons)}")
+    workload = validated(Workload, context_length=tokens)
+    for side in (layout, prefill_layout):
+        report = None if side is None else memory_per_gpu(target, side, workload, spec_gpu,
+                                                          draft_model, spec)
+        if report is not None and not report.fits and not report.reasons[0].startswith("one "):
+            raise CapacityError(f"{side.label()} does not fit: {'; '.join(report.reasons)}")
     # The planner sizes max_running_requests and the KDA state pool, and refuses a layout on
     # which one request of the advertised context does not fit (capacity.emit.describe_layout).
     result = emit(out_dir, target, model_ref or target.name, layout, tokens, spec_gpu, replicas,
                   draft_model, draft_ref or (draft_model.name if draft_model else None), spec,
                   auth_mode, planner_refs=(model, draft), kda_rollback=kda_rollback,
-                  ring_len=replay_ring_len, pd=sides, transfer_backend=transfer_backend)
+                  ring_len=replay_ring_len, pd=sides, transfer_backend=transfer_backend,
+                  prefill_layout=prefill_layout)
     running = result.serve_config["applications"][0]["args"]["engine"]["sglang"][
         "max_running_requests"]
     out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "

@@ -95,8 +95,10 @@ class ServeDescription:
     pp: int = 1
     replicas: int = 1
     # Prefill/decode disaggregated (SGLang's --disaggregation-mode per side): (prefill
-    # replicas, decode replicas), each of this layout; `replicas` is then unused.
+    # replicas, decode replicas), the decode ones of this layout, the prefill ones of
+    # `prefill`'s (None: this one too); `replicas` is then unused.
     pd: tuple[int, int] | None = None
+    prefill: ServeDescription | None = None
     transfer_backend: str = "mooncake"
     tokenizer: str | None = None  # default: the target
     served_model_name: str = "kimi-k3"
@@ -115,28 +117,40 @@ class ServeDescription:
     @property
     def stem(self) -> str:
         base = f"{self.gpu.lower()}-{self.nodes}x{self.gpus_per_node}"
-        return base if self.pd is None else f"{base}-pd{self.pd[0]}p{self.pd[1]}d"
+        if self.pd is None:
+            return base
+        base += f"-pd{self.pd[0]}p{self.pd[1]}d"
+        return base if self.prefill is None else \
+            f"{base}-prefill{self.prefill.nodes}x{self.gpus_per_node}"
 
     @property
-    def total_replicas(self) -> int:
-        """Replicas of this layout the cluster holds (both sides when disaggregated)."""
-        return self.replicas if self.pd is None else sum(self.pd)
+    def worker_nodes(self) -> int:
+        """GPU nodes the cluster holds: every replica's, both sides' when disaggregated."""
+        if self.pd is None:
+            return self.replicas * self.nodes
+        prefill_nodes = (self.prefill or self).nodes
+        return self.pd[0] * prefill_nodes + self.pd[1] * self.nodes
 
 
-def app_args(desc: ServeDescription) -> dict[str, Any]:
-    """The Serve app's config tree (serve_app/config.py: AppConfig) for a description."""
+def _parallelism(desc: ServeDescription) -> dict[str, Any]:
+    """A description's `parallelism` section of the app's config tree."""
     tp = desc.tp if desc.tp is not None else desc.nodes * desc.gpus_per_node
-    models: dict[str, Any] = {"target": desc.target}
-    if desc.draft is not None:
-        models["draft"] = desc.draft
-    models.update({"tokenizer": desc.tokenizer or desc.target,
-                   "served_model_name": desc.served_model_name})
     parallelism: dict[str, Any] = {"tp": tp, "ep": desc.ep if desc.ep is not None else tp,
                                    "attention_dp": desc.attention_dp}
     if desc.pp > 1:
         parallelism["pp"] = desc.pp
     # The app derives the GPUs used per node from tp x pp / nodes.
     parallelism["nodes"] = desc.nodes
+    return parallelism
+
+
+def app_args(desc: ServeDescription) -> dict[str, Any]:
+    """The Serve app's config tree (serve_app/config.py: AppConfig) for a description."""
+    models: dict[str, Any] = {"target": desc.target}
+    if desc.draft is not None:
+        models["draft"] = desc.draft
+    models.update({"tokenizer": desc.tokenizer or desc.target,
+                   "served_model_name": desc.served_model_name})
     config: dict[str, Any] = {
         "models": models,
         "engine": {
@@ -145,7 +159,7 @@ def app_args(desc: ServeDescription) -> dict[str, Any]:
             "health_check_timeout_s": desc.health_check_timeout_s,
             "sglang": copy.deepcopy(desc.sglang),
         },
-        "parallelism": parallelism,
+        "parallelism": _parallelism(desc),
         "placement": {"accelerator": "GPU", "gpu_type": desc.gpu,
                       "cpus_per_rank": desc.cpus_per_rank, "replicas": desc.replicas},
         "ingress": dict(desc.ingress),
@@ -153,8 +167,14 @@ def app_args(desc: ServeDescription) -> dict[str, Any]:
         "api": {"parameter_policy": "k3"},
     }
     if desc.pd is not None:
-        # Both sides run this layout; the bootstrap port is picked free per prefill replica.
-        config["disaggregation"] = {"enabled": True, "prefill": {"replicas": desc.pd[0]},
+        # The decode side runs the app's layout; the bootstrap port is picked free per
+        # prefill replica.
+        prefill: dict[str, Any] = {"replicas": desc.pd[0]}
+        if desc.prefill is not None:  # a layout of its own, and what the planner sized on it
+            prefill["parallelism"] = _parallelism(desc.prefill)
+            prefill["sglang"] = {key: value for key, value in desc.prefill.sglang.items()
+                                 if desc.sglang.get(key) != value}
+        config["disaggregation"] = {"enabled": True, "prefill": prefill,
                                     "decode": {"replicas": desc.pd[1]},
                                     "transfer_backend": desc.transfer_backend}
     return config
@@ -487,11 +507,11 @@ def onprem_config(name: str, workers: int, auth_mode: str = "token") -> dict[str
 
 
 
-def cluster_config(layout: Layout, replicas: int = 1, cluster_name: str = "kimi-k3",
-                   auth_mode: str = "token") -> dict[str, Any]:
-    """An on-premise (provider: local) cluster for a planned layout: a GPU-free head node plus
-    one worker per node of every replica. Addresses are placeholders for the rented machines."""
-    return onprem_config(cluster_name, layout.nodes * replicas, auth_mode)
+def cluster_config(desc: ServeDescription, auth_mode: str = "token") -> dict[str, Any]:
+    """An on-premise (provider: local) cluster for a described deployment: a GPU-free head node
+    plus one worker per node of every replica (both sides' when disaggregated). Addresses are
+    placeholders for the rented machines."""
+    return onprem_config("kimi-k3", desc.worker_nodes, auth_mode)
 
 
 # --- KubeRay ------------------------------------------------------------------------------------
@@ -627,16 +647,43 @@ def emit(
     ring_len: int = DEFAULT_REPLAY_RING_LEN,
     pd: tuple[int, int] | None = None,
     transfer_backend: str = "mooncake",
+    prefill_layout: Layout | None = None,
 ) -> EmitResult:
     """Write one layout's Serve and cluster files; `pd`: (prefill, decode) replicas of a
-    disaggregated app instead of `replicas` aggregated ones."""
+    disaggregated app instead of `replicas` aggregated ones, the decode replicas of `layout`
+    and the prefill ones of `prefill_layout` (None: `layout` too; same GPU type)."""
     desc = describe_layout(model, model_ref, layout, context_length, gpu, replicas, draft,
                            draft_ref, speculation, planner_refs, kda_rollback, ring_len)
     if pd is not None:
         flags = f" --pd {pd[0]}:{pd[1]}" + (
             f" --transfer-backend {transfer_backend}" if transfer_backend != "mooncake" else "")
-        desc = dataclasses.replace(
-            desc, pd=pd, transfer_backend=transfer_backend, command=desc.command + flags,
-            what=f"{desc.what}, disaggregated: {pd[0]} prefill + {pd[1]} decode replicas")
-    cluster = cluster_config(layout, desc.total_replicas, auth_mode=auth_mode)
+        what = f"{desc.what}, disaggregated: {pd[0]} prefill + {pd[1]} decode replicas"
+        prefill = None
+        if prefill_layout is not None and prefill_layout != layout:
+            if prefill_layout.gpu != layout.gpu:
+                raise CapacityError(f"the prefill side's GPU ({prefill_layout.gpu}) must be the "
+                                    f"decode side's ({layout.gpu}): one cluster, one node type")
+            # Sized on its own GPUs: the running requests and KDA state pool that fit there.
+            prefill = describe_layout(model, model_ref, prefill_layout, context_length, gpu,
+                                      pd[0], draft, draft_ref, speculation, planner_refs,
+                                      kda_rollback, ring_len)
+            flags += prefill_flags(prefill_layout, layout)
+            what = (f"{desc.what}, disaggregated: {pd[0]} prefill replicas on "
+                    f"{prefill_layout.label()} + {pd[1]} decode replicas")
+            notes = desc.notes + tuple(f"prefill side: {line}" for line in prefill.notes)
+            desc = dataclasses.replace(desc, notes=notes)
+        desc = dataclasses.replace(desc, pd=pd, prefill=prefill, what=what,
+                                   transfer_backend=transfer_backend,
+                                   command=desc.command + flags)
+    cluster = cluster_config(desc, auth_mode)
     return write(out_dir, desc, cluster, layout.label())
+
+
+def prefill_flags(prefill: Layout, decode: Layout) -> str:
+    """`kimi-capacity emit`'s --prefill-* options that give the prefill side its layout."""
+    flags = f" --prefill-nodes {prefill.nodes}"
+    if prefill.attention_dp != decode.attention_dp:
+        flags += f" --prefill-dp {prefill.attention_dp}"
+    if prefill.ep != prefill.tp:
+        flags += f" --prefill-ep {prefill.ep}"
+    return flags

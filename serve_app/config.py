@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationError,
     model_serializer,
     model_validator,
 )
@@ -408,11 +409,16 @@ class ObservabilityConfig(_Strict):
 
 
 class DisaggregationSide(_Strict):
-    """One side of a disaggregated app: its replicas and their layout (default: the app's
-    `parallelism`)."""
+    """One side of a disaggregated app: its replicas, their layout (default: the app's
+    `parallelism`) and, with SGLang, the server arguments sized for that layout in place of
+    `engine.sglang`'s (the planner writes those that differ from the other side's: the
+    running requests and the KDA state pool that fit this side's GPUs)."""
 
     replicas: int = Field(default=1, ge=1)
     parallelism: ParallelismConfig | None = None
+    sglang: dict[str, Any] = Field(default_factory=dict, description=(
+        "engine.sglang fields for this side's servers (engine.backend sglang), e.g. "
+        "max_running_requests; each checked as engine.sglang's"))
 
 
 class DisaggregationConfig(_Strict):
@@ -455,6 +461,9 @@ class AppConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:
         p = self.parallelism
+        for name in ("prefill", "decode"):
+            if getattr(self.disaggregation, name).sglang:
+                self._side_sglang(name)  # raises naming the side's field
         if self.disaggregation.enabled and self.engine.backend == "reference":
             for name in ("prefill", "decode"):
                 side = getattr(self.disaggregation, name).parallelism
@@ -483,9 +492,25 @@ class AppConfig(_Strict):
         """The config a disaggregated side's replicas run: its replicas and parallelism in
         place of the app's."""
         side = getattr(self.disaggregation, role)
-        return self.model_copy(update={
+        update: dict[str, Any] = {
             "parallelism": side.parallelism or self.parallelism,
-            "placement": self.placement.model_copy(update={"replicas": side.replicas})})
+            "placement": self.placement.model_copy(update={"replicas": side.replicas})}
+        if side.sglang:
+            update["engine"] = self.engine.model_copy(update={"sglang": self._side_sglang(role)})
+        return self.model_copy(update=update)
+
+    def _side_sglang(self, role: str) -> SGLangSettings:
+        """engine.sglang with a side's own fields over it, validated as engine.sglang is."""
+        field = f"disaggregation.{role}.sglang"
+        if self.engine.backend != "sglang":
+            raise ValueError(f"{field}: SGLang server arguments, for engine.backend sglang only")
+        try:
+            return SGLangSettings.model_validate({**self.engine.sglang.model_dump(),
+                                                  **getattr(self.disaggregation, role).sglang})
+        except ValidationError as exc:
+            raise ValueError("; ".join(
+                f"{field}.{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+                for error in exc.errors())) from None
 
     # --- placement ------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from capacity.cli import app
-from capacity.emit import cluster_config, validate_cluster_config, validate_serve_config
+from capacity.emit import onprem_config, validate_cluster_config, validate_serve_config
 
 runner = CliRunner()
 
@@ -288,8 +289,7 @@ def test_emit_replay_rollback_runs_its_own_header_command(tmp_path: Path):
 def test_emit_validation_rejects_broken_configs():
     from capacity import CapacityError
 
-    broken = cluster_config(
-        __import__("capacity").Layout(gpu="H200", tp=8, ep=8))
+    broken = onprem_config("kimi-k3", 1)
     broken["provider"]["type"] = 7
     with pytest.raises(CapacityError, match="cluster config is invalid"):
         validate_cluster_config(broken)
@@ -423,3 +423,71 @@ def test_an_emitted_disaggregated_fleet_passes_each_sides_startup_checks(tmp_pat
     bad = invoke("emit", "--gpu", "H200", "--nodes", "2", "--kv", "fp8", "--context", "1M",
                  "--pd", "0:2", "--out-dir", str(tmp_path / "bad"))
     assert bad.exit_code == 2 and "--pd '0:2'" in bad.output
+
+
+def test_each_side_of_an_emitted_disaggregated_fleet_gets_its_own_layout(tmp_path: Path) -> None:
+    """`emit --pd 1:2 --prefill-nodes 3`: the decode replicas on 2 x 8 H200, the prefill one
+    on 3 x 8 (TP24), each side's SGLang servers sized by the planner on its own GPUs (the
+    running requests and KDA state pool: more on the prefill side, whose 24 GPUs leave more
+    memory per GPU after the weights), both sides passing the app's checks, and the cluster
+    holding 1 x 3 + 2 x 2 worker nodes."""
+    from capacity.cli import describe_model
+    from capacity.config import Layout, Speculation
+    from capacity.formats import KvDtype
+    from capacity.memory import running_fit
+    from capacity.tables import gpu_spec, load_gpus
+    from serve_app.app import validate
+    from serve_app.config import AppConfig
+    from serve_app.engines.sglang.args import sglang_server_args
+    from serve_app.engines.sglang.checks import startup_problems, transfer_backend_problems
+
+    result = invoke("emit", "--gpu", "H200", "--nodes", "2", "--kv", "fp8", "--context", "1M",
+                    "--draft", "kimi-k3-dspark", "--pd", "1:2", "--prefill-nodes", "3",
+                    "--out-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    serve_file = tmp_path / "serve-h200-2x8-pd1p2d-prefill3x8.yaml"
+    assert "--pd 1:2 --prefill-nodes 3" in serve_file.read_text().splitlines()[1]
+    app_cfg = yaml.safe_load(serve_file.read_text())["applications"][0]
+    config = AppConfig.model_validate(app_cfg["args"])
+    validate(config)
+    target, draft = describe_model("kimi-k3"), describe_model("kimi-k3-dspark")
+    h200 = gpu_spec(load_gpus(), "H200")
+    running = {}
+    for role, nodes, replicas in (("prefill", 3, 1), ("decode", 2, 2)):
+        side = config.side(role)
+        assert (side.placement.replicas, side.parallelism.nodes, side.parallelism.tp) == (
+            replicas, nodes, 8 * nodes)
+        args = sglang_server_args(side, role=role)
+        assert (args["tp_size"], args["nnodes"], args["disaggregation_mode"]) == (
+            8 * nodes, nodes, role)
+        fit = running_fit(target, Layout(gpu="H200", nodes=nodes, tp=8 * nodes, ep=8 * nodes,
+                                         kv_dtype=KvDtype.FP8), h200, 1 << 20, draft,
+                          Speculation.for_draft(draft))
+        assert (args["max_running_requests"], args["max_mamba_cache_size"]) == (
+            fit.max_running_requests, fit.mamba_cache_slots)
+        running[role] = fit.max_running_requests
+        assert startup_problems(side, app_cfg["runtime_env"]["env_vars"], role) == \
+            transfer_backend_problems("mooncake")
+    assert running["prefill"] > running["decode"]
+    cluster = yaml.safe_load((tmp_path / "cluster-h200-2x8-pd1p2d-prefill3x8.yaml").read_text())
+    assert cluster["max_workers"] == 1 * 3 + 2 * 2
+    alone = invoke("emit", "--gpu", "H200", "--nodes", "2", "--prefill-nodes", "3",
+                   "--out-dir", str(tmp_path / "alone"))
+    assert alone.exit_code == 2 and "--pd PREFILL:DECODE" in alone.output
+    small = invoke("emit", "--gpu", "H200", "--nodes", "2", "--kv", "fp8", "--context", "1M",
+                   "--pd", "1:2", "--prefill-nodes", "1", "--out-dir", str(tmp_path / "small"))
+    assert small.exit_code == 2 and "1x8 H200 TP8 EP8 does not fit" in small.output
+    # A side's server arguments are engine.sglang's fields, checked as those are, by name.
+    for sglang, engine, error in (
+            ({"max_running_requests": 0}, "sglang",
+             "disaggregation.prefill.sglang.max_running_requests: Input should be greater than 0"),
+            ({"max_runing_requests": 8}, "sglang",
+             "disaggregation.prefill.sglang.max_runing_requests: Extra inputs are not permitted"),
+            ({"max_running_requests": 8}, "reference",
+             "disaggregation.prefill.sglang: SGLang server arguments, for engine.backend sglang "
+             "only")):
+        tree = copy.deepcopy(app_cfg["args"])
+        tree["engine"]["backend"] = engine
+        tree["disaggregation"]["prefill"]["sglang"] = sglang
+        with pytest.raises(ValueError, match=re.escape(error)):
+            AppConfig.model_validate(tree)
