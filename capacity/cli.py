@@ -349,7 +349,7 @@ def plan_cmd(
                     Targets(parse_tokens(context) - output_tokens, output_tokens, ttft,
                             None if itl is None else itl / 1e3),
                     _formats(weights), _kv_dtypes(kv), max_nodes, kda_rollback, top, per_gpu,
-                    as_json)
+                    as_json, (model, draft, context))
         return
     result = plan(
         target, gpu_specs, price_rows, parse_tokens(context), draft_model,
@@ -408,8 +408,21 @@ def _plan_modes(target: ModelDescriptor, draft: ModelDescriptor | None,
                 spec: Speculation | None, gpu_specs: dict[str, GpuSpec],
                 price_rows: list[PriceRow], allowed: list[str] | None, targets: Targets,
                 weights: list[WeightFormat | None], kv: list[KvDtype], max_nodes: int,
-                kda_rollback: str, top: int, per_gpu: int | None, as_json: bool) -> None:
-    """`plan --disagg`: the best aggregated and disaggregated fleets side by side."""
+                kda_rollback: str, top: int, per_gpu: int | None, as_json: bool,
+                emit_refs: tuple[str, str | None, str]) -> None:
+    """`plan --disagg`: the best aggregated and disaggregated fleets side by side, each with
+    the `kimi-capacity emit` command that writes it (`emit_refs`: the --model, --draft and
+    --context given)."""
+    from capacity.emit import fleet_command
+
+    def command(row: ModeRow) -> str:
+        model_arg, draft_arg, context = emit_refs
+        if row.mode == "agg":
+            return fleet_command(row.decode, context, model_arg, draft_arg, kda_rollback,
+                                 replicas=row.decode_replicas)
+        return fleet_command(row.decode, context, model_arg, draft_arg, kda_rollback,
+                             pd=(row.prefill_replicas, row.decode_replicas), prefill=row.prefill)
+
     if targets.input_tokens <= 0:
         raise CapacityError(f"--output-tokens {targets.output_tokens} leaves no prompt in "
                             "--context")
@@ -435,7 +448,7 @@ def _plan_modes(target: ModelDescriptor, draft: ModelDescriptor | None,
             shown.append(row)
         seen[key] = seen.get(key, 0) + 1
     shown.sort(key=rows.index)
-    dicts = [r.as_dict() for r in shown]
+    dicts = [{**r.as_dict(), "emit": command(r)} for r in shown]
     used = [r.price for r in shown if r.price]
     if as_json:
         print(json.dumps({"targets": vars(targets), "rows": dicts, "feasible": len(rows),
@@ -457,6 +470,8 @@ def _plan_modes(target: ModelDescriptor, draft: ModelDescriptor | None,
             "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}",
             "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.2f}")
     out.print(table)
+    for i, r in enumerate(dicts, start=1):
+        out.print(f"{i}: {r['emit']}", soft_wrap=True, highlight=False)
     out.print(_price_age_line(used))
     out.print("agg: prefills stall the decodes (ITL is the mean gap, stalls included; TTFT adds "
               "a decode step per 8K chunk); disagg: prefill replicas hand each request over "
@@ -693,6 +708,10 @@ def emit_cmd(
     prefill_ep: Annotated[int | None, typer.Option(
         help="--pd: the prefill replicas' expert parallel size (default: --ep, or the whole "
         "stage when --prefill-nodes differs)")] = None,
+    prefill_pp: Annotated[int | None, typer.Option(
+        help="--pd: the prefill replicas' pipeline stages (default: --pp)")] = None,
+    prefill_weights: Annotated[str | None, typer.Option(
+        help="--pd: the prefill replicas' weight format (default: --weights)")] = None,
     acceptance: AcceptOpt = 3.45,
     gamma: GammaOpt = None,
     kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
@@ -710,14 +729,16 @@ def emit_cmd(
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
                                   mem_fraction)
     prefill_layout = None
-    if (prefill_nodes, prefill_dp, prefill_ep) != (None, None, None):
+    prefill = (prefill_nodes, prefill_dp, prefill_ep, prefill_pp, prefill_weights)
+    if prefill != (None,) * len(prefill):
         if sides is None:
-            raise CapacityError("--prefill-nodes/--prefill-dp/--prefill-ep describe the prefill "
-                                "side of --pd PREFILL:DECODE")
-        same_nodes = prefill_nodes in (None, nodes)
+            raise CapacityError("the --prefill-* options describe the prefill side of --pd "
+                                "PREFILL:DECODE")
+        same_stage = prefill_nodes in (None, nodes) and prefill_pp in (None, pp)
         prefill_layout = _layout_from_options(
             gpu_specs, gpu, prefill_nodes or nodes, None, prefill_dp or dp,
-            prefill_ep or (ep if same_nodes else None), pp, weights, kv, mem_fraction)
+            prefill_ep or (ep if same_stage else None), prefill_pp or pp,
+            prefill_weights or weights, kv, mem_fraction)
     tokens = parse_tokens(context)
     spec_gpu = gpu_spec(gpu_specs, gpu)
     workload = validated(Workload, context_length=tokens)

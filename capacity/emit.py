@@ -264,15 +264,7 @@ def memory_notes(fit: RunningFit, other: RunningFit | None, gpu: str, cap: int
 def emit_command(desc: ServeDescription, layout: Layout, model_arg: str,
                  draft_arg: str | None) -> str:
     """The `kimi-capacity emit` command line that writes this Serve file."""
-    parts = [EMIT_TOOL, f"--gpu {layout.gpu}", f"--nodes {layout.nodes}",
-             f"--context {_tokens(desc.sglang['context_length'])}",
-             f"--kv {layout.kv_dtype.value}"]
-    if layout.attention_dp > 1:
-        parts.append(f"--dp {layout.attention_dp}")
-    if layout.pp > 1:
-        parts.append(f"--pp {layout.pp}")
-    if layout.weight_format is not None:
-        parts.append(f"--weights {layout.weight_format.value}")
+    parts = _layout_args(layout, _tokens(desc.sglang['context_length']))
     parts.append(f"--model {model_arg} --model-ref {desc.target}")
     if draft_arg is not None:
         parts.append(f"--draft {draft_arg} --draft-ref {desc.draft}")
@@ -282,6 +274,40 @@ def emit_command(desc: ServeDescription, layout: Layout, model_arg: str,
         parts.append(f"--kda-rollback replay --replay-ring-len "
                      f"{desc.sglang['linear_replayssm_cache_len']}")
     return " ".join(parts)
+
+
+def _layout_args(layout: Layout, context: str) -> list[str]:
+    """`kimi-capacity emit` and the options that give it `layout`."""
+    parts = [EMIT_TOOL, f"--gpu {layout.gpu}", f"--nodes {layout.nodes}", f"--context {context}",
+             f"--kv {layout.kv_dtype.value}"]
+    if layout.attention_dp > 1:
+        parts.append(f"--dp {layout.attention_dp}")
+    if layout.ep != layout.tp:
+        parts.append(f"--ep {layout.ep}")
+    if layout.pp > 1:
+        parts.append(f"--pp {layout.pp}")
+    if layout.weight_format is not None:
+        parts.append(f"--weights {layout.weight_format.value}")
+    return parts
+
+
+def fleet_command(decode: Layout, context: str, model_arg: str, draft_arg: str | None,
+                  kda_rollback: str, replicas: int = 1, pd: tuple[int, int] | None = None,
+                  prefill: Layout | None = None) -> str:
+    """The `kimi-capacity emit` command that writes a planned fleet: `replicas` of `decode`
+    aggregated, or `pd` (prefill, decode) replicas with the prefill ones on `prefill`."""
+    parts = _layout_args(decode, context)
+    parts.append(f"--model {model_arg}")
+    if draft_arg is not None:
+        parts.append(f"--draft {draft_arg}")
+    if kda_rollback == "replay":
+        parts.append("--kda-rollback replay")
+    if pd is None:
+        return " ".join(parts + ([f"--replicas {replicas}"] if replicas > 1 else []))
+    flags = f" --pd {pd[0]}:{pd[1]}"
+    if prefill is not None and prefill != decode:
+        flags += prefill_flags(prefill, decode)
+    return " ".join(parts) + flags
 
 
 def describe_layout(
@@ -682,6 +708,10 @@ def emit(
 def prefill_flags(prefill: Layout, decode: Layout) -> str:
     """`kimi-capacity emit`'s --prefill-* options that give the prefill side its layout."""
     flags = f" --prefill-nodes {prefill.nodes}"
+    if prefill.pp != decode.pp:
+        flags += f" --prefill-pp {prefill.pp}"
+    if prefill.weight_format != decode.weight_format:
+        flags += f" --prefill-weights {(prefill.weight_format or 'native')}"
     if prefill.attention_dp != decode.attention_dp:
         flags += f" --prefill-dp {prefill.attention_dp}"
     if prefill.ep != prefill.tp:

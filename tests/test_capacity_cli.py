@@ -491,3 +491,45 @@ def test_each_side_of_an_emitted_disaggregated_fleet_gets_its_own_layout(tmp_pat
         tree["disaggregation"]["prefill"]["sglang"] = sglang
         with pytest.raises(ValueError, match=re.escape(error)):
             AppConfig.model_validate(tree)
+
+
+def test_every_fleet_plan_disagg_lists_is_emitted_by_its_command(tmp_path: Path) -> None:
+    """`plan --disagg` prints, for each fleet, the `kimi-capacity emit` command that writes
+    it; run, each writes the fleet's replica counts and each side's layout (as the plan's
+    labels say), and both sides pass the start-up checks."""
+    import shlex
+
+    from capacity.config import Layout
+    from serve_app.app import validate
+    from serve_app.config import AppConfig
+    from serve_app.engines.sglang.checks import startup_problems, transfer_backend_problems
+
+    plan = invoke("plan", "--context", "1M", "--disagg", "--ttft", "300", "--itl", "50",
+                  "--draft", "kimi-k3-dspark", "--kv", "fp8", "--gpus", "H200,MI300X",
+                  "--per-gpu", "2", "--top", "5", "--json")
+    assert plan.exit_code == 0, plan.output
+    rows = json.loads(plan.output)["rows"]
+    assert {r["mode"] for r in rows} == {"agg", "disagg"}
+    for i, row in enumerate(rows):
+        argv = shlex.split(row["emit"])
+        assert argv[:2] == ["kimi-capacity", "emit"]
+        out = tmp_path / str(i)
+        result = invoke(*argv[1:], "--out-dir", str(out))
+        assert result.exit_code == 0, (row["emit"], result.output)
+        [serve_file] = out.glob("serve-*.yaml")
+        app_cfg = yaml.safe_load(serve_file.read_text())["applications"][0]
+        config = AppConfig.model_validate(app_cfg["args"])
+        validate(config)
+        sides = {"decode": (row["decode"], row["decode_replicas"])}
+        if row["mode"] == "disagg":
+            sides["prefill"] = (row["prefill"], row["prefill_replicas"])
+        for role, (label, replicas) in sides.items():
+            side = config.side(role) if row["mode"] == "disagg" else config
+            p = side.parallelism
+            layout = Layout(gpu=row["gpu"], nodes=p.nodes, tp=p.tp, ep=p.ep, pp=p.pp,
+                            attention_dp=p.attention_dp)
+            assert (layout.label(), side.placement.replicas) == (label, replicas)
+            problems = startup_problems(side, app_cfg["runtime_env"]["env_vars"],
+                                        role if row["mode"] == "disagg" else "both")
+            assert problems == (transfer_backend_problems("mooncake")
+                                if row["mode"] == "disagg" else []), (row["emit"], role)
