@@ -710,8 +710,6 @@ def emit_cmd(
         "stage when --prefill-nodes differs)")] = None,
     prefill_pp: Annotated[int | None, typer.Option(
         help="--pd: the prefill replicas' pipeline stages (default: --pp)")] = None,
-    prefill_weights: Annotated[str | None, typer.Option(
-        help="--pd: the prefill replicas' weight format (default: --weights)")] = None,
     acceptance: AcceptOpt = 3.45,
     gamma: GammaOpt = None,
     kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
@@ -729,7 +727,7 @@ def emit_cmd(
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
                                   mem_fraction)
     prefill_layout = None
-    prefill = (prefill_nodes, prefill_dp, prefill_ep, prefill_pp, prefill_weights)
+    prefill = (prefill_nodes, prefill_dp, prefill_ep, prefill_pp)
     if prefill != (None,) * len(prefill):
         if sides is None:
             raise CapacityError("the --prefill-* options describe the prefill side of --pd "
@@ -737,8 +735,8 @@ def emit_cmd(
         same_stage = prefill_nodes in (None, nodes) and prefill_pp in (None, pp)
         prefill_layout = _layout_from_options(
             gpu_specs, gpu, prefill_nodes or nodes, None, prefill_dp or dp,
-            prefill_ep or (ep if same_stage else None), prefill_pp or pp,
-            prefill_weights or weights, kv, mem_fraction)
+            prefill_ep or (ep if same_stage else None), prefill_pp or pp, weights, kv,
+            mem_fraction)
     tokens = parse_tokens(context)
     spec_gpu = gpu_spec(gpu_specs, gpu)
     workload = validated(Workload, context_length=tokens)

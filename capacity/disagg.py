@@ -38,6 +38,7 @@ from capacity.memory import (
     check_context,
     max_running_requests,
     memory_per_gpu,
+    running_fit,
 )
 from capacity.model import ModelDescriptor
 from capacity.planner import DEFAULT_MAX_NODES, _candidate_layouts
@@ -164,7 +165,11 @@ class _Layout:
     running_cap: int
 
     def fit(self, context: int) -> int:
-        """Requests the layout holds at `context` tokens each (0: not one)."""
+        """Requests the layout holds at `context` tokens each (0: not one, or not with the
+        running requests' KDA states that `emit` sizes beside it: running_fit)."""
+        if not running_fit(self.model, self.layout, self.spec, context, self.draft,
+                           self.speculation, kda_rollback=self.kda_rollback).fits:
+            return 0
         workload = Workload(context_length=context, kda_state_slots=MAMBA_SLOTS_PER_RUNNING_REQUEST)
         report = memory_per_gpu(self.model, self.layout, workload, self.spec, self.draft,
                                 self.speculation, self.kda_rollback)
@@ -216,7 +221,11 @@ class _Layout:
 
     def prefill_side(self, ttft_max: float) -> _Side | None:
         """Prefilling only: the largest batch of prompts whose prefill meets `ttft_max` (the
-        transfer is added by the caller)."""
+        transfer is added by the caller). A prefill server holds prompts only, but it runs at
+        the deployment's context length, and the app's start-up checks (as `emit`) want one
+        request of it to fit: a layout is offered only where it does."""
+        if not self.fit(self.targets.input_tokens + self.targets.output_tokens):
+            return None
         room = self.fit(self.targets.input_tokens)
         for b in reversed([b for b in PREFILL_BATCHES if b <= room]):
             seconds = self.prefill_s(b)
@@ -286,6 +295,8 @@ def compare(
             for d in decodes:
                 if d.layout.kv_dtype != p.layout.kv_dtype:
                     continue  # the latents move as they are stored
+                if d.layout.weight_format != p.layout.weight_format:
+                    continue  # one checkpoint: the decode side continues the prefill's model
                 mix = _mix(p, d)
                 if mix is None:
                     continue

@@ -120,8 +120,10 @@ class ServeDescription:
         if self.pd is None:
             return base
         base += f"-pd{self.pd[0]}p{self.pd[1]}d"
-        return base if self.prefill is None else \
-            f"{base}-prefill{self.prefill.nodes}x{self.gpus_per_node}"
+        if self.prefill is None:
+            return base
+        pp = f"pp{self.prefill.pp}" if self.prefill.pp > 1 else ""
+        return f"{base}-prefill{self.prefill.nodes}x{self.gpus_per_node}{pp}"
 
     @property
     def worker_nodes(self) -> int:
@@ -382,10 +384,7 @@ def describe_layout(
                 ordered["linear_replayssm_cache_len"] = ring_len
         sglang = ordered
     sglang.update(SGLANG_BACKENDS.get(layout.gpu.upper(), {}))
-    extra = dict(SGLANG_GRAMMAR_ARGS)
-    if layout.pp > 1:
-        extra["pp_size"] = layout.pp
-    sglang["extra_server_args"] = extra
+    sglang["extra_server_args"] = dict(SGLANG_GRAMMAR_ARGS)
     what = f"{model.name}{' + ' + draft.name if draft else ''} on {layout.label()}"
     if layout.kv_dtype is KvDtype.FP8:
         what += ", FP8 KV"
@@ -710,10 +709,10 @@ def prefill_flags(prefill: Layout, decode: Layout) -> str:
     flags = f" --prefill-nodes {prefill.nodes}"
     if prefill.pp != decode.pp:
         flags += f" --prefill-pp {prefill.pp}"
-    if prefill.weight_format != decode.weight_format:
-        flags += f" --prefill-weights {(prefill.weight_format or 'native')}"
     if prefill.attention_dp != decode.attention_dp:
         flags += f" --prefill-dp {prefill.attention_dp}"
-    if prefill.ep != prefill.tp:
+    # What emit takes without --prefill-ep: --ep on the same stage, else the whole stage.
+    same_stage = (prefill.nodes, prefill.pp) == (decode.nodes, decode.pp)
+    if prefill.ep != (decode.ep if same_stage else prefill.tp):
         flags += f" --prefill-ep {prefill.ep}"
     return flags

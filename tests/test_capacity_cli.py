@@ -496,20 +496,31 @@ def test_each_side_of_an_emitted_disaggregated_fleet_gets_its_own_layout(tmp_pat
 def test_every_fleet_plan_disagg_lists_is_emitted_by_its_command(tmp_path: Path) -> None:
     """`plan --disagg` prints, for each fleet, the `kimi-capacity emit` command that writes
     it; run, each writes the fleet's replica counts and each side's layout (as the plan's
-    labels say), and both sides pass the start-up checks."""
+    labels say: pipeline stages included, which reach SGLang as pp_size), and both sides pass
+    the start-up checks. (Before, the planner offered prefill layouts the emitted app's checks
+    refused: sized for the prompt alone, and with pp_size in extra_server_args.)"""
     import shlex
 
     from capacity.config import Layout
     from serve_app.app import validate
     from serve_app.config import AppConfig
+    from serve_app.engines.sglang.args import sglang_server_args
     from serve_app.engines.sglang.checks import startup_problems, transfer_backend_problems
 
-    plan = invoke("plan", "--context", "1M", "--disagg", "--ttft", "300", "--itl", "50",
-                  "--draft", "kimi-k3-dspark", "--kv", "fp8", "--gpus", "H200,MI300X",
-                  "--per-gpu", "2", "--top", "5", "--json")
-    assert plan.exit_code == 0, plan.output
-    rows = json.loads(plan.output)["rows"]
+    rows = []
+    for extra in (["--context", "1M", "--gpus", "H200,MI300X", "--per-gpu", "2", "--top", "5"],
+                  # the flagship: its cheapest prefill side pipelines (PP2)
+                  ["--context", "1M", "--gpus", "H200", "--max-nodes", "2",
+                   "--output-tokens", "8192"],
+                  ["--context", "34K", "--gpus", "MI325X", "--output-tokens", "2048",
+                   "--ttft", "5", "--itl", "30", "--weights", "native,int4", "--top", "4"]):
+        plan = invoke("plan", "--disagg", "--ttft", "300", "--itl", "50", "--draft",
+                      "kimi-k3-dspark", "--kv", "fp8", *extra, "--json")
+        assert plan.exit_code == 0, plan.output
+        rows += json.loads(plan.output)["rows"]
     assert {r["mode"] for r in rows} == {"agg", "disagg"}
+    assert any("--prefill-pp 2" in r["emit"] for r in rows)
+    assert any("--prefill-dp" in r["emit"] for r in rows)
     for i, row in enumerate(rows):
         argv = shlex.split(row["emit"])
         assert argv[:2] == ["kimi-capacity", "emit"]
@@ -529,6 +540,8 @@ def test_every_fleet_plan_disagg_lists_is_emitted_by_its_command(tmp_path: Path)
             layout = Layout(gpu=row["gpu"], nodes=p.nodes, tp=p.tp, ep=p.ep, pp=p.pp,
                             attention_dp=p.attention_dp)
             assert (layout.label(), side.placement.replicas) == (label, replicas)
+            assert sglang_server_args(side, role=role if row["mode"] == "disagg" else "both"
+                                      ).get("pp_size", 1) == p.pp
             problems = startup_problems(side, app_cfg["runtime_env"]["env_vars"],
                                         role if row["mode"] == "disagg" else "both")
             assert problems == (transfer_backend_problems("mooncake")

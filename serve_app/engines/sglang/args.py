@@ -89,6 +89,8 @@ def sglang_server_args(config: AppConfig, kv_events_port: int | None = None,
         # K3's KDA layers: the state pool's size and dtype and its radix-cache strategy.
         "mamba_radix_cache_strategy": s.mamba_radix_cache_strategy,
     }
+    if p.pp > 1:  # SGLang's default is 1
+        args["pp_size"] = p.pp
     if s.max_mamba_cache_size is not None:
         args["max_mamba_cache_size"] = s.max_mamba_cache_size
     if s.mamba_ssm_dtype is not None:
