@@ -198,12 +198,13 @@ def prefill_for_handoff(engine: EngineCore, prompt: list[int], params: SamplingP
 def _tensor_parallel_worker(rank: int, world: int, port: int, paths: tuple[Path, Path | None],
                             engine_cfg: ReferenceEngineConfig, tokenizer_dir: Path | None,
                             job: Callable[..., Any], job_args: tuple, results: Any,
-                            received: Any) -> None:
+                            received: Any, host_memory: bool) -> None:
     from serve_app.engines.reference.builder import init_tensor_parallel, release_tensor_parallel
     from serve_app.tokenizer import load_tokenizer, stop_token_ids
 
     torch.set_num_threads(1)
-    group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, world, "gloo")
+    group = init_tensor_parallel(f"tcp://127.0.0.1:{port}", rank, world, "gloo",
+                                 host_memory=host_memory)
     runner = build_runner(paths[0], paths[1], engine_cfg, rank, world, group)
     if rank == 0:
         if tokenizer_dir is None:
@@ -227,9 +228,11 @@ def _tensor_parallel_worker(rank: int, world: int, port: int, paths: tuple[Path,
 def run_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEngineConfig,
                         world: int, job: Callable[..., Any], job_args: tuple = (),
                         tokenizer_dir: Path | None = None,
-                        own: Callable[[Any], Any] = lambda result: result) -> Any:
-    """`job(engine, *job_args)` on rank 0 of an engine at TP `world` over gloo, in spawned
-    processes as a served replica runs it (the other ranks follow); its result, passed
+                        own: Callable[[Any], Any] = lambda result: result,
+                        host_memory: bool = True) -> Any:
+    """`job(engine, *job_args)` on rank 0 of an engine at TP `world` in spawned processes, as
+    a served replica runs it (the other ranks follow; their collectives through shared memory,
+    or gloo's with `host_memory` false: builder.init_tensor_parallel); its result, passed
     through `own` (copy any tensors in it: they live in the worker's shared memory until
     `own` returns). `job` must be importable (a module-level function): spawn pickles it."""
     import multiprocessing as mp
@@ -241,7 +244,7 @@ def run_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEn
     port = free_port()
     procs = [ctx.Process(target=_tensor_parallel_worker,
                          args=(r, world, port, paths, engine_cfg, tokenizer_dir, job, job_args,
-                               results, received)) for r in range(world)]
+                               results, received, host_memory)) for r in range(world)]
     for proc in procs:
         proc.start()
     result = own(results.get(timeout=600))
@@ -260,8 +263,8 @@ def _generate_each(engine: EngineCore, requests: list[tuple[list[int], SamplingP
 def generate_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEngineConfig,
                              tokenizer_dir: Path, requests: list[tuple[list[int], SamplingParams]],
                              world: int) -> list[RequestOutput]:
-    """Each (prompt ids, params) of `requests` in turn, by an engine at TP `world` over gloo in
-    spawned processes, as a served replica runs it. Seeded sampling is exact only at the same
+    """Each (prompt ids, params) of `requests` in turn, by an engine at TP `world` in spawned
+    processes, as a served replica runs it. Seeded sampling is exact only at the same
     TP: between TP sizes the float sums differ in their last bits, and an inverse-CDF draw
     that lands between two ids' cumulative probabilities picks the neighbour."""
     return run_tensor_parallel(paths, engine_cfg, world, _generate_each, (requests,),

@@ -1,5 +1,5 @@
 """The reference engine on the Kimi K3 hybrid (KDA + MLA): lossless speculation with KDA state
-rollback by both strategies, state slots as a resource, and TP over gloo. (Exact sampling on the
+rollback by both strategies, state slots as a resource, and TP 2. (Exact sampling on the
 hybrid: test_reference_engine.py's chi-square tests run on both families.)
 
 The pair is a random K3-layout target at test-suite widths (tiny_models.tiny_k3_config: the mini
@@ -251,7 +251,7 @@ def _tp_job(engine: EngineCore, prompts: list[list[int]]) -> tuple:
 
 
 @pytest.mark.slow
-def test_tp2_over_gloo_matches_tp1_on_the_hybrid(pair: tuple[Path, Path]) -> None:
+def test_tp2_matches_tp1_on_the_hybrid(pair: tuple[Path, Path]) -> None:
     prompts = prompts_crossing_chunks()[3:7]
     single = engine_from(pair, engine=CHUNKED, kda_rollback="replay")
     expected = [o.token_ids for o in single.generate(prompts, GREEDY)]

@@ -1,5 +1,5 @@
 """The Serve app on the random miniature K3 pair (KDA + MLA hybrid, its DSpark draft), for real:
-Ray, serve.run, TP 2 over gloo inside the replica, HTTP, the official openai client."""
+Ray, serve.run, TP 2 inside the replica, HTTP, the official openai client."""
 
 from __future__ import annotations
 

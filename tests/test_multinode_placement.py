@@ -31,7 +31,8 @@ def test_two_nodes_two_gpus_each(cluster: Any) -> None:
         "models": {"target": str(paths["target"]), "draft": str(paths["draft"])},
         "engine": {"reference": {"kv_capacity_tokens": 2048}},
         "parallelism": {"tp": 4, "nodes": 2},
-        # Fake GPUs: Ray schedules by them; the tiny model computes on CPU over gloo.
+        # Fake GPUs: Ray schedules by them; the tiny model computes on CPU (its collectives
+        # through shared memory: the fake nodes are one host).
         "placement": {"accelerator": "GPU", "cpus_per_rank": 0.25},
     })
     assert config.strategy == "STRICT_SPREAD"
@@ -53,7 +54,7 @@ def test_two_nodes_two_gpus_each(cluster: Any) -> None:
     node_of = {p["rank"]: p["node_id"] for p in placement}
     assert node_of[0] == node_of[1] != node_of[2] == node_of[3]
 
-    # TP 4 over gloo generates what a single-process engine generates (greedy).
+    # TP 4 generates what a single-process engine generates (greedy).
     prompt = [5, 17, 42, 8, 99]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

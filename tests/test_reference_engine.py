@@ -375,12 +375,15 @@ def _tp_job(engine: EngineCore, prompts: list[list[int]]) -> tuple:
 
 
 @pytest.mark.slow
-def test_tp2_over_gloo_matches_tp1(pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("transport", ["shared memory", "gloo"])
+def test_tp2_matches_tp1(pair: tuple[Path, Path], transport: str) -> None:
+    """Over the ranks' shared memory (on one host) and over gloo (across hosts)."""
     prompts = random_prompts(4, 64, seed=9)
     single = engine_from(pair)
     expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
     tokens, stats = run_tensor_parallel(pair, ReferenceEngineConfig(kv_capacity_tokens=4096), 2,
-                                        _tp_job, (prompts,))
+                                        _tp_job, (prompts,),
+                                        host_memory=transport == "shared memory")
     assert tokens == expected
     # The sharded draft proposes the same tokens, so acceptance is identical too.
     reference = single.stats()

@@ -27,7 +27,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,7 +39,7 @@ from serve_app.models.layers import (
     noaux_tc_topk,
     rope_inv_freq,
 )
-from serve_app.models.target import TargetOutput, TPContext
+from serve_app.models.target import Collectives, TargetOutput, TPContext
 
 __all__ = [
     "KimiConfig",
@@ -227,7 +226,7 @@ class KimiForCausalLM(nn.Module):
         config: KimiConfig,
         tp_rank: int = 0,
         tp_size: int = 1,
-        group: dist.ProcessGroup | None = None,
+        group: Collectives | None = None,
     ) -> None:
         super().__init__()
         config.validate_tp(tp_size)

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from serve_app.models.checkpoint import (
     FP8_SCALE_SUFFIX,
@@ -32,7 +31,7 @@ from serve_app.models.checkpoint import (
 )
 from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_config import Fp8QuantConfig, KimiConfig
-from serve_app.models.target import TPContext
+from serve_app.models.target import Collectives, TPContext
 
 __all__ = ["checkpoint_specs", "load_kimi", "save_kimi"]
 
@@ -135,7 +134,7 @@ def load_kimi(
     device: torch.device | str = "cpu",
     tp_rank: int = 0,
     tp_size: int = 1,
-    group: dist.ProcessGroup | None = None,
+    group: Collectives | None = None,
 ) -> KimiForCausalLM:
     """Load a Hugging Face DeepseekV3 / Kimi K2 checkpoint folder strictly (every problem in one
     CheckpointError), memory-mapped, keeping only this rank's shard; FP8 block-quantized weights

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -30,17 +30,42 @@ import torch.distributed as dist
 from serve_app.models.kv_cache import PagedAllocator
 
 
+class Collectives(Protocol):
+    """A tensor-parallel group's collectives (implementations: engines/reference/
+    collectives.py, torch.distributed's or shared memory between ranks on one host)."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum `x` over the group, in place."""
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` (picklable), returned on every rank."""
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` in rank order at rank 0; None elsewhere."""
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class TPContext:
-    """Where this replica of the modules sits in its tensor-parallel group."""
+    """Where this replica of the modules sits in its tensor-parallel group (`group` None:
+    torch.distributed's default group)."""
 
     rank: int = 0
     size: int = 1
-    group: dist.ProcessGroup | None = None
+    group: Collectives | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            if self.group is not None:
+                self.group.all_reduce(x)
+            else:
+                dist.all_reduce(x)
         return x
 
 

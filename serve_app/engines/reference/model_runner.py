@@ -11,7 +11,6 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from serve_app.config import PrefixCacheConfig
 from serve_app.engines.reference.handoff import RankShare, reshard
@@ -19,7 +18,7 @@ from serve_app.engines.reference.prefix_cache import PrefixCache
 from serve_app.engines.reference.proposer import Proposer
 from serve_app.models.dspark import DraftMask
 from serve_app.models.kv_cache import PagedAllocator
-from serve_app.models.target import Target, TargetCache, WindowedState
+from serve_app.models.target import Collectives, Target, TargetCache, WindowedState
 
 
 class ModelRunner:
@@ -30,7 +29,7 @@ class ModelRunner:
         allocator: PagedAllocator,
         tp_rank: int = 0,
         tp_size: int = 1,
-        group: dist.ProcessGroup | None = None,
+        group: Collectives | None = None,
         prefix_cache: PrefixCacheConfig | None = None,
     ) -> None:
         """`prefix_cache`: its settings, or None for no prefix cache."""
@@ -65,21 +64,16 @@ class ModelRunner:
 
     # --- the protocol between rank 0 and followers ------------------------------------------
 
-    @property
-    def _leader(self) -> int:
-        """Global rank of the group's rank 0 (broadcast takes global ranks)."""
-        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
-
     def _broadcast(self, op: str, *args: Any) -> None:
         if self.tp_size > 1 and self.tp_rank == 0:
-            dist.broadcast_object_list([(op, args)], src=self._leader, group=self.group)
+            assert self.group is not None
+            self.group.broadcast_object((op, args))
 
     def follow(self) -> None:
         """Followers: execute rank 0's operations until it shuts down."""
+        assert self.group is not None
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=self._leader, group=self.group)
-            op, args = box[0]
+            op, args = self.group.broadcast_object(None)
             if op == "shutdown":
                 return
             getattr(self, "_" + op)(*args)
@@ -137,9 +131,8 @@ class ModelRunner:
             share["draft"] = self.proposer.export(rid)
         if self.tp_size == 1:
             return [share]
-        gathered: list[Any] | None = [None] * self.tp_size if self.tp_rank == 0 else None
-        dist.gather_object(share, gathered, dst=self._leader, group=self.group)
-        return gathered
+        assert self.group is not None
+        return self.group.gather_object(share)
 
     def adopt(self, rid: Hashable, length: int, shares: Sequence[RankShare]) -> None:
         """`rid` arrives with `length` tokens in its caches, each rank taking its share of
