@@ -85,13 +85,11 @@ class HostGroup:
         self._round = 0
         self._inbox: dict[int, int] = {}
         self._outbox: dict[int, int] = {}
-        # /dev/shm where there is one: the file is memory either way, but a tmpfs is not written
-        # back to a disk.
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        folder = tempfile.mkdtemp(prefix="kimi-tp-", dir=root) if self.rank == 0 else None
+        nbytes = 2 * self.size * self._stride
+        folder = tempfile.mkdtemp(prefix="kimi-tp-", dir=_memory_folder(nbytes)) \
+            if self.rank == 0 else None
         path = Path(base.broadcast_object(folder))
         try:
-            nbytes = 2 * self.size * self._stride
             if self.rank == 0:
                 with open(path / "slots", "wb") as f:
                     f.truncate(nbytes)
@@ -214,6 +212,18 @@ def host_collectives(base: TorchGroup) -> Collectives:
     hosts = base.gather_object((socket.gethostname(), _boot_id()))
     one_host = base.broadcast_object(hosts is not None and len(set(hosts)) == 1)
     return HostGroup(base) if one_host else base
+
+
+def _memory_folder(nbytes: int) -> str | None:
+    """/dev/shm when it has room for the slots twice over: a tmpfs is not written back to a
+    disk, but writing past a full one kills the process (SIGBUS), and containers often mount a
+    64 MB one. Else None: the temporary folder (a file on disk, shared through the page cache
+    all the same)."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if stats.f_bavail * stats.f_frsize >= 2 * nbytes else None
 
 
 def _boot_id() -> str:
