@@ -8,10 +8,9 @@ Two implementations:
 - `HostGroup`: ranks on one host, on CPU: each round every rank writes its part into its slot of
   a shared-memory file and signals every peer with one byte through a FIFO of its own per
   (sender, receiver) pair; the sum is taken from the slots in rank order, so every rank holds
-  the same bits (gloo's for two ranks: float addition commutes). Measured on the 2-core CI
-  machine (tests/test_collectives.py's numbers come from the same scheme): a gloo all-reduce of
-  64 floats costs ~950 us of wall and ~600 us of CPU per rank, a pipe round trip ~43 us and
-  ~17 us; a TP-2 step of the mini K3 runs a few dozen collectives.
+  the same bits (gloo's for two ranks: float addition commutes). `bench/collectives.py` on the
+  2-core CI machine: an all-reduce of 64 floats 1,055 us over gloo's loopback TCP, 51 us here;
+  a TP-2 engine's decode 21.8 ms per token over gloo, 6.3 ms here (docs/hybrid-engine.md).
 
 Slots alternate between two sets by round parity: a rank writes round k + 2's slot only after
 every peer's round k + 1 signal, sent once that peer had read round k. A peer that dies closes
@@ -158,15 +157,14 @@ class HostGroup:
         if flat.data_ptr() != x.data_ptr():
             x.copy_(flat.view(x.shape))
 
-    def _put(self, slot: torch.Tensor, obj: Any) -> bool:
-        """Pickle `obj` into `slot`; False (and the header says so) when it does not fit."""
+    def _put(self, slot: torch.Tensor, obj: Any) -> None:
+        """Pickle `obj` into `slot`, or mark it (length -1) as too large for one."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         fits = len(data) <= self.slot_bytes
         slot[:8].view(torch.int64)[0] = len(data) if fits else -1
-        if fits and data:
+        if fits:
             slot[_HEADER:_HEADER + len(data)].copy_(torch.frombuffer(bytearray(data),
                                                                      dtype=torch.uint8))
-        return fits
 
     @staticmethod
     def _length(slot: torch.Tensor) -> int:
