@@ -727,8 +727,7 @@ def emit_cmd(
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
                                   mem_fraction)
     prefill_layout = None
-    prefill = (prefill_nodes, prefill_dp, prefill_ep, prefill_pp)
-    if prefill != (None,) * len(prefill):
+    if any(v is not None for v in (prefill_nodes, prefill_dp, prefill_ep, prefill_pp)):
         if sides is None:
             raise CapacityError("the --prefill-* options describe the prefill side of --pd "
                                 "PREFILL:DECODE")
@@ -741,9 +740,10 @@ def emit_cmd(
     spec_gpu = gpu_spec(gpu_specs, gpu)
     workload = validated(Workload, context_length=tokens)
     for side in (layout, prefill_layout):
-        report = None if side is None else memory_per_gpu(target, side, workload, spec_gpu,
-                                                          draft_model, spec)
-        if report is not None and not report.fits and not report.reasons[0].startswith("one "):
+        if side is None:
+            continue
+        report = memory_per_gpu(target, side, workload, spec_gpu, draft_model, spec)
+        if not report.fits and not report.reasons[0].startswith("one "):
             raise CapacityError(f"{side.label()} does not fit: {'; '.join(report.reasons)}")
     # The planner sizes max_running_requests and the KDA state pool, and refuses a layout on
     # which one request of the advertised context does not fit (capacity.emit.describe_layout).
