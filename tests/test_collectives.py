@@ -135,3 +135,40 @@ def test_a_dead_peer_is_raised_not_waited_on() -> None:
     leftovers = [p for p in os.listdir("/dev/shm") if p.startswith("kimi-tp-")] \
         if os.path.isdir("/dev/shm") else []
     assert leftovers == []  # rank 0 removed the names once both had them open
+
+
+def _apart(rank: int, port: int, out: Any) -> None:
+    """Rank 1 cannot see rank 0's folder (containers on one kernel): both stay on gloo."""
+    import pathlib
+
+    import torch.distributed as dist
+
+    from serve_app.engines.reference.collectives import TorchGroup, host_collectives
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    if rank == 1:
+        pathlib.Path.is_dir = lambda self: False  # type: ignore[method-assign]
+    group = host_collectives(TorchGroup())
+    x = torch.ones(3)
+    group.all_reduce(x)
+    out.put((rank, type(group).__name__, x.tolist()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_ranks_that_share_no_folder_stay_on_gloo() -> None:
+    from serve_app.netutil import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_apart, args=(r, port, out)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    answers = sorted(out.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert answers == [(0, "TorchGroup", [2.0] * 3), (1, "TorchGroup", [2.0] * 3)]

@@ -68,6 +68,10 @@ class PeerLost(RuntimeError):
     """A rank of the group is gone (its process exited or was killed)."""
 
 
+class NotOneHost(RuntimeError):
+    """The ranks do not share a filesystem to meet in (HostGroup cannot be set up)."""
+
+
 _HEADER = 16  # a slot's payload length (int64; -1: sent through the torch group instead)
 
 
@@ -89,6 +93,11 @@ class HostGroup:
             if self.rank == 0 else None
         path = Path(base.broadcast_object(folder))
         try:
+            # One host, but maybe not one filesystem (containers on one kernel): every rank
+            # must see the folder.
+            seen = base.gather_object(path.is_dir())
+            if not base.broadcast_object(seen is not None and all(seen)):
+                raise NotOneHost(f"{path} is not visible from every rank")
             if self.rank == 0:
                 with open(path / "slots", "wb") as f:
                     f.truncate(nbytes)
@@ -205,11 +214,15 @@ class HostGroup:
 
 
 def host_collectives(base: TorchGroup) -> Collectives:
-    """`HostGroup` over `base` when every rank runs on this host (the same kernel boot), else
-    `base`."""
+    """`HostGroup` over `base` when every rank runs on this host (the same kernel boot) and sees
+    the folder rank 0 makes for it, else `base`."""
     hosts = base.gather_object((socket.gethostname(), _boot_id()))
-    one_host = base.broadcast_object(hosts is not None and len(set(hosts)) == 1)
-    return HostGroup(base) if one_host else base
+    if not base.broadcast_object(hosts is not None and len(set(hosts)) == 1):
+        return base
+    try:
+        return HostGroup(base)
+    except NotOneHost:  # raised on every rank alike
+        return base
 
 
 def _memory_folder(nbytes: int) -> str | None:
