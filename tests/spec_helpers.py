@@ -225,6 +225,18 @@ def _tensor_parallel_worker(rank: int, world: int, port: int, paths: tuple[Path,
     release_tensor_parallel()
 
 
+def rank_processes() -> Any:
+    """Where tests start rank processes: a fork server that imports torch and the engine once
+    per test process, each rank a fork of it, instead of a fresh interpreter per rank (~3 CPU-s
+    of imports each, on a 2-core machine). Not a fork of the test process: it may hold threads
+    (Ray's, torch's)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "serve_app.engines.reference.builder", "spec_helpers"])
+    return ctx
+
+
 def run_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEngineConfig,
                         world: int, job: Callable[..., Any], job_args: tuple = (),
                         tokenizer_dir: Path | None = None,
@@ -234,12 +246,10 @@ def run_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEn
     a served replica runs it (the other ranks follow; their collectives through shared memory,
     or gloo's with `host_memory` false: builder.init_tensor_parallel); its result, passed
     through `own` (copy any tensors in it: they live in the worker's shared memory until
-    `own` returns). `job` must be importable (a module-level function): spawn pickles it."""
-    import multiprocessing as mp
-
+    `own` returns). `job` must be importable (a module-level function): it is pickled."""
     from serve_app.netutil import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     results, received = ctx.Queue(), ctx.Event()
     port = free_port()
     procs = [ctx.Process(target=_tensor_parallel_worker,

@@ -4,13 +4,13 @@ that fit a slot and objects that do not, and a dead peer raised as PeerLost, not
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 from typing import Any
 
 import pytest
 import torch
+from spec_helpers import rank_processes
 
 SLOT = 4096  # bytes: small, so that sums and objects span several rounds or fall back
 
@@ -86,7 +86,7 @@ def _agree(rank: int, world: int, port: int, out: Any) -> None:
 def test_host_collectives_agree_with_gloo(world: int) -> None:
     from serve_app.netutil import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_agree, args=(r, world, port, out)) for r in range(world)]
@@ -122,7 +122,7 @@ def _lose_a_peer(rank: int, port: int, out: Any) -> None:
 def test_a_dead_peer_is_raised_not_waited_on() -> None:
     from serve_app.netutil import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_lose_a_peer, args=(r, port, out)) for r in range(2)]
@@ -161,7 +161,7 @@ def _apart(rank: int, port: int, out: Any) -> None:
 def test_ranks_that_share_no_folder_stay_on_gloo() -> None:
     from serve_app.netutil import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_apart, args=(r, port, out)) for r in range(2)]

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from spec_helpers import rank_processes
 from tiny_models import random_k3
 
 from serve_app.engines.reference.builder import release_tensor_parallel
@@ -99,8 +100,9 @@ def test_tp2_matches_tp1(tmp_path: Path) -> None:
     model = build(config)
     save_k3(model, folders[0])
     save_k3(model, folders[1], fp8=True)
+    rank_processes()  # the fork server the ranks start from, its imports done once
     mp.spawn(_tp_worker, args=(2, free_port(), [str(f) for f in folders], str(tmp_path)),
-             nprocs=2, join=True)
+             nprocs=2, join=True, start_method="forkserver")
     for i, folder in enumerate(folders):
         single = load_k3(folder)
         expected = schedule(single)

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from spec_helpers import rank_processes
 
 from serve_app.engines.reference.builder import release_tensor_parallel
 from serve_app.models.checkpoint import (
@@ -532,8 +533,9 @@ def test_tensor_parallel_2_matches_single_rank(tmp_path: Path) -> None:
     folders = [tmp_path / "fp32", tmp_path / "fp8"]
     save_kimi(model, folders[0])
     save_kimi(model, folders[1], fp8=True)
+    rank_processes()  # the fork server the ranks start from, its imports done once
     mp.spawn(_tp_worker, args=(2, free_port(), [str(f) for f in folders], str(tmp_path)),
-             nprocs=2, join=True)
+             nprocs=2, join=True, start_method="forkserver")
     seqs = random_seqs()
     cfg = model.config
     for i, folder in enumerate(folders):
