@@ -102,6 +102,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     if hasattr(os, "sched_setscheduler"):  # Linux
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        # Rank processes fork from a server (spec_helpers.rank_processes) that an earlier test
+        # may have started: it yields too, and so do the ranks it forks from now on.
+        from multiprocessing import forkserver
+
+        server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        if server is not None:
+            os.sched_setscheduler(server, os.SCHED_IDLE, os.sched_param(0))
     else:
         os.nice(19)
     _yielding = True
