@@ -15,6 +15,23 @@ from spec_helpers import rank_processes
 SLOT = 4096  # bytes: small, so that sums and objects span several rounds or fall back
 
 
+def _ranks(target: Any, world: int, answers: int = 1) -> tuple[list[Any], list[int | None]]:
+    """`target(rank, world, port, out)` in `world` rank processes: the first `answers` things
+    they put on `out`, and their exit codes."""
+    from serve_app.netutil import free_port
+
+    ctx = rank_processes()
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    got = [out.get(timeout=120) for _ in range(answers)]
+    for proc in procs:
+        proc.join(timeout=60)
+    return got, [proc.exitcode for proc in procs]
+
+
 def _join(rank: int, world: int, port: int) -> Any:
     import torch.distributed as dist
 
@@ -84,18 +101,8 @@ def _agree(rank: int, world: int, port: int, out: Any) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_host_collectives_agree_with_gloo(world: int) -> None:
-    from serve_app.netutil import free_port
-
-    ctx = rank_processes()
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_agree, args=(r, world, port, out)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results, op, args, root, big, gathered = out.get(timeout=120)
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
+    [(results, op, args, root, big, gathered)], codes = _ranks(_agree, world)
+    assert codes == [0] * world
     same_on_every_rank, equal_to_gloo, close_to_gloo = results
     assert same_on_every_rank
     if world == 2:
@@ -105,10 +112,10 @@ def test_host_collectives_agree_with_gloo(world: int) -> None:
     assert (op, args, root, big, gathered) == ("forward", [1, 2], 0, True, list(range(world)))
 
 
-def _lose_a_peer(rank: int, port: int, out: Any) -> None:
+def _lose_a_peer(rank: int, world: int, port: int, out: Any) -> None:
     from serve_app.engines.reference.collectives import PeerLost
 
-    _, host = _join(rank, 2, port)
+    _, host = _join(rank, world, port)
     host.all_reduce(torch.ones(4))
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -120,24 +127,15 @@ def _lose_a_peer(rank: int, port: int, out: Any) -> None:
 
 
 def test_a_dead_peer_is_raised_not_waited_on() -> None:
-    from serve_app.netutil import free_port
-
-    ctx = rank_processes()
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_lose_a_peer, args=(r, port, out)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    assert out.get(timeout=120) == "tensor-parallel rank 1 is gone"
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0, -signal.SIGKILL]
+    answers, codes = _ranks(_lose_a_peer, 2)
+    assert answers == ["tensor-parallel rank 1 is gone"]
+    assert codes == [0, -signal.SIGKILL]
     leftovers = [p for p in os.listdir("/dev/shm") if p.startswith("kimi-tp-")] \
         if os.path.isdir("/dev/shm") else []
     assert leftovers == []  # rank 0 removed the names once both had them open
 
 
-def _apart(rank: int, port: int, out: Any) -> None:
+def _apart(rank: int, world: int, port: int, out: Any) -> None:
     """Rank 1 cannot see rank 0's folder (containers on one kernel): both stay on gloo."""
     import pathlib
 
@@ -147,7 +145,7 @@ def _apart(rank: int, port: int, out: Any) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+                            world_size=world)
     if rank == 1:
         pathlib.Path.is_dir = lambda self: False  # type: ignore[method-assign]
     group = host_collectives(TorchGroup())
@@ -159,16 +157,6 @@ def _apart(rank: int, port: int, out: Any) -> None:
 
 
 def test_ranks_that_share_no_folder_stay_on_gloo() -> None:
-    from serve_app.netutil import free_port
-
-    ctx = rank_processes()
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_apart, args=(r, port, out)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    answers = sorted(out.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    assert answers == [(0, "TorchGroup", [2.0] * 3), (1, "TorchGroup", [2.0] * 3)]
+    answers, codes = _ranks(_apart, 2, answers=2)
+    assert codes == [0, 0]
+    assert sorted(answers) == [(0, "TorchGroup", [2.0] * 3), (1, "TorchGroup", [2.0] * 3)]
