@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from capacity.config import Layout, Speculation, Workload
@@ -164,6 +165,12 @@ class _Layout:
     targets: Targets
     running_cap: int
 
+    @cached_property
+    def full_context_fit(self) -> int:
+        """`fit` at a whole request's context (prompt + answer): what the aggregated layout,
+        the decode side and the prefill side's start-up check each ask."""
+        return self.fit(self.targets.input_tokens + self.targets.output_tokens)
+
     def fit(self, context: int) -> int:
         """Requests the layout holds at `context` tokens each (0: not one, or not with the
         running requests' KDA states that `emit` sizes beside it: running_fit)."""
@@ -197,7 +204,7 @@ class _Layout:
             step_s, per_step = self.step(c)
             return osl / (per_step / c) * step_s + self.prefill_s(c)
 
-        c = _largest(self.fit(self.targets.input_tokens + osl),
+        c = _largest(self.full_context_fit,
                      lambda c: cycle(c) / osl <= itl_max)
         if c is None:
             return None
@@ -213,7 +220,7 @@ class _Layout:
             step_s, per_step = self.step(c)
             return step_s * c / per_step
 
-        c = _largest(self.fit(self.targets.input_tokens + self.targets.output_tokens),
+        c = _largest(self.full_context_fit,
                      lambda c: itl(c) <= itl_max)
         if c is None:
             return None
@@ -224,7 +231,7 @@ class _Layout:
         transfer is added by the caller). A prefill server holds prompts only, but it runs at
         the deployment's context length, and the app's start-up checks (as `emit`) want one
         request of it to fit: a layout is offered only where it does."""
-        if not self.fit(self.targets.input_tokens + self.targets.output_tokens):
+        if not self.full_context_fit:
             return None
         room = self.fit(self.targets.input_tokens)
         for b in reversed([b for b in PREFILL_BATCHES if b <= room]):
