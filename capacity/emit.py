@@ -306,10 +306,7 @@ def fleet_command(decode: Layout, context: str, model_arg: str, draft_arg: str |
         parts.append("--kda-rollback replay")
     if pd is None:
         return " ".join(parts + ([f"--replicas {replicas}"] if replicas > 1 else []))
-    flags = f" --pd {pd[0]}:{pd[1]}"
-    if prefill is not None and prefill != decode:
-        flags += prefill_flags(prefill, decode)
-    return " ".join(parts) + flags
+    return " ".join(parts) + pd_flags(pd, decode, prefill)
 
 
 def describe_layout(
@@ -680,8 +677,6 @@ def emit(
     desc = describe_layout(model, model_ref, layout, context_length, gpu, replicas, draft,
                            draft_ref, speculation, planner_refs, kda_rollback, ring_len)
     if pd is not None:
-        flags = f" --pd {pd[0]}:{pd[1]}" + (
-            f" --transfer-backend {transfer_backend}" if transfer_backend != "mooncake" else "")
         what = f"{desc.what}, disaggregated: {pd[0]} prefill + {pd[1]} decode replicas"
         prefill = None
         if prefill_layout is not None and prefill_layout != layout:
@@ -692,21 +687,29 @@ def emit(
             prefill = describe_layout(model, model_ref, prefill_layout, context_length, gpu,
                                       pd[0], draft, draft_ref, speculation, planner_refs,
                                       kda_rollback, ring_len)
-            flags += prefill_flags(prefill_layout, layout)
             what = (f"{desc.what}, disaggregated: {pd[0]} prefill replicas on "
                     f"{prefill_layout.label()} + {pd[1]} decode replicas")
             notes = desc.notes + tuple(f"prefill side: {line}" for line in prefill.notes)
             desc = dataclasses.replace(desc, notes=notes)
         desc = dataclasses.replace(desc, pd=pd, prefill=prefill, what=what,
                                    transfer_backend=transfer_backend,
-                                   command=desc.command + flags)
+                                   command=desc.command + pd_flags(pd, layout, prefill_layout,
+                                                                   transfer_backend))
     cluster = cluster_config(desc, auth_mode)
     return write(out_dir, desc, cluster, layout.label())
 
 
-def prefill_flags(prefill: Layout, decode: Layout) -> str:
-    """`kimi-capacity emit`'s --prefill-* options that give the prefill side its layout."""
-    flags = f" --prefill-nodes {prefill.nodes}"
+def pd_flags(pd: tuple[int, int], decode: Layout, prefill: Layout | None = None,
+             transfer_backend: str = "mooncake") -> str:
+    """`kimi-capacity emit`'s --pd, --transfer-backend and --prefill-* options for `pd`
+    (prefill, decode) replicas, the decode ones on `decode`, the prefill ones on `prefill`
+    (None: `decode` too)."""
+    flags = f" --pd {pd[0]}:{pd[1]}"
+    if transfer_backend != "mooncake":
+        flags += f" --transfer-backend {transfer_backend}"
+    if prefill is None or prefill == decode:
+        return flags
+    flags += f" --prefill-nodes {prefill.nodes}"
     if prefill.pp != decode.pp:
         flags += f" --prefill-pp {prefill.pp}"
     if prefill.attention_dp != decode.attention_dp:
