@@ -242,8 +242,8 @@ def run_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEn
                         tokenizer_dir: Path | None = None,
                         own: Callable[[Any], Any] = lambda result: result,
                         host_memory: bool = True) -> Any:
-    """`job(engine, *job_args)` on rank 0 of an engine at TP `world` in spawned processes, as
-    a served replica runs it (the other ranks follow; their collectives through shared memory,
+    """`job(engine, *job_args)` on rank 0 of an engine at TP `world` in rank processes, as a
+    served replica runs it (the other ranks follow; their collectives through shared memory,
     or gloo's with `host_memory` false: builder.init_tensor_parallel); its result, passed
     through `own` (copy any tensors in it: they live in the worker's shared memory until
     `own` returns). `job` must be importable (a module-level function): it is pickled."""
@@ -273,7 +273,7 @@ def _generate_each(engine: EngineCore, requests: list[tuple[list[int], SamplingP
 def generate_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEngineConfig,
                              tokenizer_dir: Path, requests: list[tuple[list[int], SamplingParams]],
                              world: int) -> list[RequestOutput]:
-    """Each (prompt ids, params) of `requests` in turn, by an engine at TP `world` in spawned
+    """Each (prompt ids, params) of `requests` in turn, by an engine at TP `world` in rank
     processes, as a served replica runs it. Seeded sampling is exact only at the same
     TP: between TP sizes the float sums differ in their last bits, and an inverse-CDF draw
     that lands between two ids' cumulative probabilities picks the neighbour."""
