@@ -121,8 +121,11 @@ def random_windows(stream: torch.Tensor, batch: int, length: int,
 
 
 def fixed_windows(stream: torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """[count, length] evenly spaced windows: a deterministic evaluation set."""
-    step = max(1, (len(stream) - length) // count)
+    """Up to `count` evenly spaced windows of `length` that do not overlap ([n, length]): a
+    deterministic evaluation set. A stream too short for `count` gives fewer windows, each
+    token counted once, instead of the same tokens evaluated several times over."""
+    count = max(1, min(count, len(stream) // length))
+    step = max(length, (len(stream) - length) // count)
     return torch.stack([stream[i * step:i * step + length] for i in range(count)]).long()
 
 
