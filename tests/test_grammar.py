@@ -16,6 +16,7 @@ import torch
 from fuzz_strategies import HOSTILE_SCHEMAS
 from spec_helpers import (
     SAMPLED,
+    WRONG_RULE_SAMPLES,
     SkewedProposer,
     chi2_pvalue,
     engine_with,
@@ -403,7 +404,7 @@ def test_a_wrong_rejection_rule_is_caught_under_a_grammar(
     engine = engine_with(small_k3, SkewedProposer(16, gamma=3), max_batch_size=500,
                          grammar=small_compiler, residual_rule=lambda p, q: p)
     outs = sample_many(engine, prompt, SamplingParams(**{**SAMPLED.__dict__, "grammar": ARRAY}),
-                       3000)
+                       WRONG_RULE_SAMPLES)
     assert chi2_pvalue([o[1] for o in outs], p2.float()) < 1e-6
 
 

@@ -12,6 +12,7 @@ import torch
 from spec_helpers import (
     GREEDY,
     SAMPLED,
+    WRONG_RULE_SAMPLES,
     OracleProposer,
     SkewedProposer,
     chi2_pvalue,
@@ -125,7 +126,7 @@ def test_a_wrong_rejection_rule_is_caught(small_vocab: Any) -> None:
     # Wrong: at a rejection, resample from p instead of normalize(max(p - q, 0)).
     engine = engine_with(small_vocab, SkewedProposer(16, gamma=3), max_batch_size=500,
                          residual_rule=lambda p, q: p)
-    outs = sample_many(engine, prompt, SAMPLED, 3000)
+    outs = sample_many(engine, prompt, SAMPLED, WRONG_RULE_SAMPLES)
     assert chi2_pvalue([o[1] for o in outs], p2) < 1e-6
 
 
