@@ -101,8 +101,9 @@ def test_tp2_matches_tp1(tmp_path: Path) -> None:
     save_k3(model, folders[0])
     save_k3(model, folders[1], fp8=True)
     rank_processes()  # the fork server the ranks start from, its imports done once
-    mp.spawn(_tp_worker, args=(2, free_port(), [str(f) for f in folders], str(tmp_path)),
-             nprocs=2, join=True, start_method="forkserver")
+    # torch's mp.spawn always spawns, whatever its start_method says: start_processes forks.
+    mp.start_processes(_tp_worker, nprocs=2, join=True, start_method="forkserver",
+                       args=(2, free_port(), [str(f) for f in folders], str(tmp_path)))
     for i, folder in enumerate(folders):
         single = load_k3(folder)
         expected = schedule(single)

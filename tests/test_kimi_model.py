@@ -534,8 +534,9 @@ def test_tensor_parallel_2_matches_single_rank(tmp_path: Path) -> None:
     save_kimi(model, folders[0])
     save_kimi(model, folders[1], fp8=True)
     rank_processes()  # the fork server the ranks start from, its imports done once
-    mp.spawn(_tp_worker, args=(2, free_port(), [str(f) for f in folders], str(tmp_path)),
-             nprocs=2, join=True, start_method="forkserver")
+    # torch's mp.spawn always spawns, whatever its start_method says: start_processes forks.
+    mp.start_processes(_tp_worker, nprocs=2, join=True, start_method="forkserver",
+                       args=(2, free_port(), [str(f) for f in folders], str(tmp_path)))
     seqs = random_seqs()
     cfg = model.config
     for i, folder in enumerate(folders):
