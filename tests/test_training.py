@@ -151,7 +151,7 @@ def test_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
     # machine's speed: 6 steps measured held-out perplexity 2,957 (seed 3, 30% of the tokens
     # K3 conversations; the held-out file's 2,966 tokens in 5 windows), against ~4,200 at
     # initialisation.
-    # One thread: beside the other xdist worker a second one mostly spins (measured alone:
+    # One thread: beside the other xdist workers a second one mostly spins (measured alone:
     # 41 s wall / 66 CPU-s at 2 threads, 55 s / 55 CPU-s at 1; the same perplexity).
     argv = ["all", "--budget-minutes", "20", "--max-steps", "6", "--max-files", "24",
             "--eval-prompts", "2", "--seed", "3", "--threads", "1", "--out", str(tmp_path)]
