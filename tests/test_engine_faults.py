@@ -565,11 +565,11 @@ async def test_the_watchdog_fails_a_stuck_step(
     real = core.runner.forward
     stuck, release = threading.Event(), threading.Event()
 
-    def forward(rows: Any, rids: list[str], capture: bool) -> torch.Tensor:
+    def forward(rows: Any, rids: list[str], capture: bool, **options: Any) -> torch.Tensor:
         if "stuck" in rids:
             stuck.set()
             release.wait()
-        return real(rows, rids, capture)
+        return real(rows, rids, capture, **options)
 
     core.runner.forward = forward  # type: ignore[method-assign]
     engine = async_engine(core, watchdog_s=watchdog_s)

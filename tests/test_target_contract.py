@@ -59,6 +59,27 @@ def test_both_targets_and_their_caches_implement_the_contract(runners: dict,
     assert out.logits.shape == (1, 3, config.vocab_size) and out.logits.dtype == torch.float32
 
 
+@pytest.mark.parametrize("family", ["k2", "k3"])
+def test_last_only_gives_each_rows_last_new_token_logits(runners: dict, family: str) -> None:
+    """Rows of 3, 5 and 0 new tokens (right-padded): `last_only` returns [B, 1, vocab], each
+    row's logits at its last new token, as the whole forward computes them (the same dot
+    products in a smaller matrix product: fp32's rounding apart, torch's default tolerance)."""
+    runner = runners[family]
+    target, cache = runner.target, runner.cache
+    ids = torch.tensor([[5, 6, 7, 0, 0], [1, 2, 3, 4, 9], [0, 0, 0, 0, 0]])
+    num_new = torch.tensor([3, 5, 0])
+    outs = []
+    for last_only in (False, True):
+        for r in ("a", "b", "c"):
+            runner.add(r)
+        outs.append(target(ids, cache, ["a", "b", "c"], num_new, last_only=last_only).logits)
+        for r in ("a", "b", "c"):
+            runner.free(r)
+    full, last = outs
+    assert last.shape == (3, 1, target.config.vocab_size)
+    torch.testing.assert_close(last[:2, 0], full[[0, 1], [2, 4]])
+
+
 def test_only_a_target_with_per_request_state_offers_checkpoints(runners: dict) -> None:
     k2, k3 = runners["k2"].cache, runners["k3"].cache
     assert k2.state_slots is None and k2.checkpoints is None

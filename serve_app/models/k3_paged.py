@@ -40,7 +40,7 @@ from serve_app.models.k3_blocks import K3MLA
 from serve_app.models.kda import KDAState, KDAWindowLog, KDAWindowStates, KimiDeltaAttention
 from serve_app.models.kv_cache import PagedAllocator, PagedBatch, PagedKVCache
 from serve_app.models.kv_capacity import KVCapacityError
-from serve_app.models.target import TargetOutput
+from serve_app.models.target import TargetOutput, last_new
 
 Rollback = Literal["scratch", "replay"]
 
@@ -392,6 +392,7 @@ class PagedK3:
         num_new: torch.Tensor,
         capture_layers: Sequence[int] = (),
         verify: bool = False,
+        last_only: bool = False,
     ) -> TargetOutput:
         """Append num_new[b] tokens (row b of input_ids [B, T], right-padded) to each request;
         with `verify`, keep the KDA window for `cache.truncate` to commit from."""
@@ -410,4 +411,6 @@ class PagedK3:
         layers = list(capture_layers)
         h, taps = self.model.model.run(ids, states, layers)
         cat = torch.cat([taps[i] for i in layers], dim=-1) if layers else None
+        if last_only:
+            h = last_new(h, num_new)
         return TargetOutput(logits=self.model.logits(h), taps=cat)

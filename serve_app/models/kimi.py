@@ -39,7 +39,7 @@ from serve_app.models.layers import (
     noaux_tc_topk,
     rope_inv_freq,
 )
-from serve_app.models.target import Collectives, TargetOutput, TPContext
+from serve_app.models.target import Collectives, TargetOutput, TPContext, last_new
 
 __all__ = [
     "KimiConfig",
@@ -276,6 +276,7 @@ class KimiForCausalLM(nn.Module):
         num_new: torch.Tensor,
         capture_layers: Sequence[int] = (),
         verify: bool = False,
+        last_only: bool = False,
     ) -> TargetOutput:
         """Append num_new[b] tokens (row b of input_ids, right-padded) to each request at
         positions cache.length(rids[b]) + arange(num_new[b]); attend causally over the cached
@@ -309,8 +310,10 @@ class KimiForCausalLM(nn.Module):
             x = layer(x, batch, pool[i])
             if i in layers:
                 captured[i] = x
-        logits = self.lm_head(self.model.norm(x)).float()
         taps = torch.cat([captured[i] for i in layers], dim=-1) if layers else None
+        if last_only:
+            x = last_new(x, num_new)
+        logits = self.lm_head(self.model.norm(x)).float()
         return TargetOutput(logits=logits, taps=taps)
 
     def _attention_batch(

@@ -71,8 +71,15 @@ class TPContext:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [B, T, vocab] float32
+    logits: torch.Tensor  # [B, T, vocab] float32 ([B, 1, vocab] with last_only)
     taps: torch.Tensor | None  # [B, T, len(capture_layers) * hidden], or None if none requested
+
+
+def last_new(h: torch.Tensor, num_new: torch.Tensor) -> torch.Tensor:
+    """Each row's last new position of h [B, T, ...] -> [B, 1, ...] (a row with no new token
+    gives its position 0, whose logits nobody reads)."""
+    rows = torch.arange(h.shape[0], device=h.device)
+    return h[rows, (num_new.to(h.device) - 1).clamp(min=0)].unsqueeze(1)
 
 
 class TargetConfig(Protocol):
@@ -164,7 +171,10 @@ class Target(Protocol):
 
     def __call__(self, input_ids: torch.Tensor, cache: TargetCache, rids: Sequence[Hashable],
                  num_new: torch.Tensor, capture_layers: Sequence[int] = (),
-                 verify: bool = False) -> TargetOutput:
+                 verify: bool = False, last_only: bool = False) -> TargetOutput:
         """Append num_new[b] tokens (row b of input_ids [B, T], right-padded) to each request
         in `cache` and return their logits; `verify` marks a speculative window, of which the
-        next `cache.commit` keeps a prefix. A KVCapacityError leaves the cache untouched."""
+        next `cache.commit` keeps a prefix. With `last_only`, the logits of each row's last new
+        token alone (`last_new`): a prefill chunk samples from nothing else, and every
+        position's would cost [T, vocab] (an 8,192-token chunk of a 163,840-token vocabulary:
+        5 GiB in fp32). A KVCapacityError leaves the cache untouched."""

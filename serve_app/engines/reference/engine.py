@@ -366,7 +366,7 @@ class EngineCore:
         start_ns = time.time_ns()
         rows = [c.seq.prompt_ids[c.start:c.end] for c in chunks]
         rids = [c.seq.request_id for c in chunks]
-        logits = self.runner.forward(rows, rids, capture=self.speculative)
+        logits = self.runner.forward(rows, rids, capture=self.speculative, last_only=True)
         lengths = [c.end for c in chunks]
         cache_at = self._cache_at([(c.seq, c.start, c.end) for c in chunks])
         self.runner.commit(rids, lengths, [c.end - c.start for c in chunks], cache_at)
@@ -379,7 +379,7 @@ class EngineCore:
                 seq = c.seq
                 stage = "sampling"
                 try:
-                    first = self._sample(seq, logits[b, c.end - c.start - 1])
+                    first = self._sample(seq, logits[b, 0])
                     seq.status = Status.DECODING
                     stage = "checking stop conditions"
                     seq.append([first])

@@ -168,18 +168,20 @@ class ModelRunner:
 
     def forward(
         self, rows: Sequence[Sequence[int]], rids: Sequence[Hashable], capture: bool,
-        verify: bool = False,
+        verify: bool = False, last_only: bool = False,
     ) -> torch.Tensor:
         """Append `rows[i]` to request rids[i] in the target cache and return logits
-        [B, T, V] (float32). With `capture`, the proposer's tap rows are kept for `commit`;
-        `verify` marks a speculative window, of which `commit` keeps a prefix."""
-        self._broadcast("forward", [list(r) for r in rows], list(rids), capture, verify)
-        return self._forward(rows, rids, capture, verify)
+        [B, T, V] (float32; [B, 1, V] of each row's last token with `last_only`). With
+        `capture`, the proposer's tap rows are kept for `commit`; `verify` marks a speculative
+        window, of which `commit` keeps a prefix."""
+        self._broadcast("forward", [list(r) for r in rows], list(rids), capture, verify,
+                        last_only)
+        return self._forward(rows, rids, capture, verify, last_only)
 
     @torch.no_grad()
     def _forward(
         self, rows: Sequence[Sequence[int]], rids: Sequence[Hashable], capture: bool,
-        verify: bool = False,
+        verify: bool = False, last_only: bool = False,
     ) -> torch.Tensor:
         width = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -194,7 +196,7 @@ class ModelRunner:
                 self.prefix.evict(short)
         layers = self.proposer.tap_layers if capture and self.proposer is not None else ()
         out = self.target(ids.to(self.device), self.cache, list(rids), num_new.to(self.device),
-                          capture_layers=layers, verify=verify)
+                          capture_layers=layers, verify=verify, last_only=last_only)
         self._taps = out.taps
         self._tap_rids = list(rids)
         return out.logits
