@@ -316,14 +316,15 @@ def test_unknown_model_names_make_no_metric_series(server: Any) -> None:
     def scrape() -> str:
         text = urllib.request.urlopen(
             f"http://127.0.0.1:{server['metrics_port']}/metrics", timeout=5).read().decode()
+        # This app's 404s (the shared cluster's registry may hold an earlier app's): counted
+        # under the served model's name, whatever name the request gave.
         hit = [ln for ln in text.splitlines() if ln.startswith("ray_kimi_num_requests_total")
-               and 'status="404"' in ln]
+               and 'status="404"' in ln and f'model="{MODEL}"' in ln]
         return text if hit else ""
 
     text = wait_for(scrape, timeout=60, interval=1.0)
-    assert text, "the 404s never reached the metrics endpoint"
+    assert text, "the 404s never reached the metrics endpoint under the served model's name"
     assert not any(name in text for name in names)
-    assert f'model="{MODEL}"' in text
 
 
 # --- 3. the ledger never leaks ----------------------------------------------------------------
