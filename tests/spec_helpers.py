@@ -245,6 +245,16 @@ def rank_processes() -> Any:
     return ctx
 
 
+def run_ranks(fn: Callable[..., None], args: tuple, nprocs: int = 2) -> None:
+    """`fn(rank, *args)` in `nprocs` rank processes forked from `rank_processes`' server, until
+    all return (torch.multiprocessing's start_processes: its mp.spawn always spawns, whatever
+    its start_method says)."""
+    import torch.multiprocessing as mp
+
+    rank_processes()  # the server's preloaded imports
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def run_tensor_parallel(paths: tuple[Path, Path | None], engine_cfg: ReferenceEngineConfig,
                         world: int, job: Callable[..., Any], job_args: tuple = (),
                         tokenizer_dir: Path | None = None,

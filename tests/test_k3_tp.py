@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from spec_helpers import rank_processes
+from spec_helpers import run_ranks
 from tiny_models import random_k3
 
 from serve_app.engines.reference.builder import release_tensor_parallel
@@ -100,10 +99,7 @@ def test_tp2_matches_tp1(tmp_path: Path) -> None:
     model = build(config)
     save_k3(model, folders[0])
     save_k3(model, folders[1], fp8=True)
-    rank_processes()  # the fork server the ranks start from, its imports done once
-    # torch's mp.spawn always spawns, whatever its start_method says: start_processes forks.
-    mp.start_processes(_tp_worker, nprocs=2, join=True, start_method="forkserver",
-                       args=(2, free_port(), [str(f) for f in folders], str(tmp_path)))
+    run_ranks(_tp_worker, (2, free_port(), [str(f) for f in folders], str(tmp_path)))
     for i, folder in enumerate(folders):
         single = load_k3(folder)
         expected = schedule(single)

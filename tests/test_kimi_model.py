@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from spec_helpers import rank_processes
+from spec_helpers import run_ranks
 
 from serve_app.engines.reference.builder import release_tensor_parallel
 from serve_app.models.checkpoint import (
@@ -533,10 +532,7 @@ def test_tensor_parallel_2_matches_single_rank(tmp_path: Path) -> None:
     folders = [tmp_path / "fp32", tmp_path / "fp8"]
     save_kimi(model, folders[0])
     save_kimi(model, folders[1], fp8=True)
-    rank_processes()  # the fork server the ranks start from, its imports done once
-    # torch's mp.spawn always spawns, whatever its start_method says: start_processes forks.
-    mp.start_processes(_tp_worker, nprocs=2, join=True, start_method="forkserver",
-                       args=(2, free_port(), [str(f) for f in folders], str(tmp_path)))
+    run_ranks(_tp_worker, (2, free_port(), [str(f) for f in folders], str(tmp_path)))
     seqs = random_seqs()
     cfg = model.config
     for i, folder in enumerate(folders):
