@@ -25,7 +25,9 @@
    the free step, masks per step and their time (the mask alone: the matcher's consume,
    roll-back and the masking itself are in the step ratio, not here). With speculation:
    spec_accept_length (token-weighted, as engine.stats() reports it) per grammar beside the
-   free run, and whether greedy spec-on outputs equal spec-off outputs (lossless).
+   free run, and whether greedy spec-on outputs equal spec-off outputs (lossless). The same
+   again with `grammar_budget: close` (close_off / close_on), and per grammar the share of
+   answers that parse as JSON (what closing changes at this max_tokens).
 
    The embedded vocabulary is 40x smaller than K3's, and llguidance's mask work grows with
    it: the greedy answers are replayed through GrammarStates with both tokenizers to give
@@ -88,6 +90,10 @@ GRAMMARS = {
     "json_object": GrammarSpec("json_object", "response_format"),
 }
 FREE = "free"
+# (label, speculation, engine.reference.grammar_budget): the default engine, and one that
+# closes constrained answers before max_tokens (serve_app/grammar/closing.py).
+MODES = (("spec_off", False, "cut"), ("spec_on", True, "cut"),
+         ("close_off", False, "close"), ("close_on", True, "close"))
 
 
 # --- statistics ------------------------------------------------------------------------------
@@ -192,17 +198,17 @@ class StepLog:
         engine._decode = logged  # type: ignore[method-assign]
 
 
-def make_engine(tok: Tokenizer, speculative: bool) -> EngineCore:
-    cfg = ReferenceEngineConfig(kv_capacity_tokens=8192,
+def make_engine(tok: Tokenizer, speculative: bool, budget: str) -> EngineCore:
+    cfg = ReferenceEngineConfig(kv_capacity_tokens=8192, grammar_budget=budget,
                                 speculation=SpeculationConfig(enabled=speculative))
     runner = build_runner(TARGET, DRAFT if speculative else None, cfg)
     return build_engine(runner, cfg, eos_token_ids=stop_token_ids(tok), tokenizer=tok)
 
 
-def run_mode(tok: Tokenizer, speculative: bool, prompts: list[list[int]],
+def run_mode(tok: Tokenizer, speculative: bool, budget: str, prompts: list[list[int]],
              args: argparse.Namespace) -> tuple[StepLog, dict[str, list[RequestOutput]]]:
     """Every variant on the same prompts, `args.repeats` times, order alternating."""
-    engine = make_engine(tok, speculative)
+    engine = make_engine(tok, speculative, budget)
     engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     for spec in GRAMMARS.values():
         engine.grammar.prepare(spec)  # as the ingress does, off the step loop
@@ -225,8 +231,20 @@ def accept_length(outs: list[RequestOutput]) -> float | None:
     return sum(o.completion_tokens for o in outs if o.spec) / verify if verify else None
 
 
+def valid_json(tok: Tokenizer, outs: list[RequestOutput]) -> float:
+    """The share of answers that parse as JSON (complete: not cut inside a value)."""
+    def parses(out: RequestOutput) -> bool:
+        try:
+            json.loads(tok.decode(out.token_ids))
+        except ValueError:
+            return False
+        return True
+
+    return sum(map(parses, outs)) / len(outs)
+
+
 def summarize_mode(log: StepLog, outputs: dict[str, list[RequestOutput]],
-                   batch: int) -> dict[str, Any]:
+                   batch: int, tok: Tokenizer) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for variant, steps in log.steps.items():
         full = [s for s in steps if s["rows"] == batch]
@@ -241,6 +259,7 @@ def summarize_mode(log: StepLog, outputs: dict[str, list[RequestOutput]],
             "tokens_per_request": statistics.fmean(o.completion_tokens
                                                    for o in outputs[variant]),
             "spec_accept_length": accept_length(outputs[variant]),
+            "valid_json": None if variant == FREE else valid_json(tok, outputs[variant]),
         }
     free_ms = rows[FREE]["step_ms"]
     for r in rows.values():
@@ -261,7 +280,7 @@ def mask_ms_by_vocab(texts: dict[str, list[str]], vocabs: dict[str, tuple[Any, T
             compiler = GrammarCompiler(vocab)
             states = GrammarStates(vocab.vocab_size, stop_token_ids(tok))
             for i, text in enumerate(texts[name]):
-                states.add(i, compiler.matcher(spec), 0)
+                states.add(i, compiler.matcher(spec), 0, 4096)
                 # A tokenization the grammar refuses midway: the masks so far count.
                 with contextlib.suppress(GrammarFault):
                     states.consume(i, tok.encode_text(text))
@@ -287,11 +306,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     prompts = heldout_prompt_ids(tok, args.prompts - args.chat_prompts, args.chat_prompts)
     modes, outputs = {}, {}
-    for label, speculative in (("spec_off", False), ("spec_on", True)):
-        log, outputs[label] = run_mode(tok, speculative, prompts, args)
-        modes[label] = summarize_mode(log, outputs[label], args.batch)
-    lossless = {v: [o.token_ids for o in outputs["spec_on"][v]]
-                == [o.token_ids for o in outputs["spec_off"][v]] for v in (FREE, *GRAMMARS)}
+    for label, speculative, budget in MODES:
+        log, outputs[label] = run_mode(tok, speculative, budget, prompts, args)
+        modes[label] = summarize_mode(log, outputs[label], args.batch, tok)
+    lossless = {f"{on}/{v}": [o.token_ids for o in outputs[on][v]]
+                == [o.token_ids for o in outputs[off][v]]
+                for on, off in (("spec_on", "spec_off"), ("close_on", "close_off"))
+                for v in (FREE, *GRAMMARS)}
     texts = {v: [tok.decode(o.token_ids) for o in outputs["spec_off"][v][: len(prompts)]]
              for v in GRAMMARS}
     report["mask"] = {
@@ -338,23 +359,26 @@ def print_table(report: dict[str, Any]) -> None:
           "per request)")
     head = (f"{'mode':<8} {'grammar':<12} {'steps':>5} {'step ms':>8} {'x free':>7} "
             f"{'masks/st':>8} {'mask ms/st':>10} {'mask %':>6} {'ms/mask':>7} {'tok/req':>7} "
-            f"{'acc.len':>7} {'lossless':>8}")
+            f"{'acc.len':>7} {'json ok':>7} {'lossless':>8}")
     print(head)
     print("-" * len(head))
     for mode, rows in m["modes"].items():
         for v, r in rows.items():
-            lossless = ("yes" if m["lossless"][v] else "NO") if mode == "spec_on" else ""
+            same = m["lossless"].get(f"{mode}/{v}")
+            lossless = "" if same is None else "yes" if same else "NO"
             share = r["mask_share_of_step"]
             print(f"{mode:<8} {v:<12} {r['full_batch_steps']:>5} {_f(r['step_ms']):>8} "
                   f"{_f(r['step_over_free'], '.3f', 'x'):>7} {_f(r['masks_per_step'], '.1f'):>8} "
                   f"{_f(r['mask_ms_per_step'], '.3f'):>10} "
                   f"{_f(None if share is None else 100 * share, '.1f'):>6} "
                   f"{_f(r['mask_ms_per_mask'], '.3f'):>7} {r['tokens_per_request']:>7.1f} "
-                  f"{_f(r['spec_accept_length']):>7} {lossless:>8}")
+                  f"{_f(r['spec_accept_length']):>7} {_f(r['valid_json']):>7} {lossless:>8}")
     print("medians over full-batch steps; x free: step time over the free step's (same mode); "
-          "mask %: mask time alone / step; acc.len: token-weighted spec_accept_length")
+          "mask %: mask time alone / step; acc.len: token-weighted spec_accept_length; json "
+          "ok: share of answers that parse (not cut inside a value); close_*: grammar_budget "
+          "close")
     print(f"lossless: {'yes' if m['lossless_all'] else 'no'} (greedy spec-on == spec-off, "
-          "every grammar and free)")
+          "every grammar and free, either budget)")
     by_vocab = m["mask_ms_per_mask_by_vocab"]
     labels = list(next(iter(by_vocab.values())))
     print("\nms per mask, the greedy answers replayed through GrammarStates: "

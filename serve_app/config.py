@@ -374,6 +374,13 @@ class ReferenceEngineConfig(BaseModel):
         "queued behind a long one; default a quarter of prefill_chunk_tokens (at least 1)"))
     speculation: SpeculationConfig = SpeculationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+    grammar_budget: Literal["cut", "close"] = Field(default="cut", description=(
+        "a constrained answer (json_schema, json_object, a forced or strict call) that "
+        "reaches max_tokens: cut: it ends where the budget does, possibly unterminated "
+        "(OpenAI's behaviour); close: the end of the budget is kept for finishing it, its "
+        "shortest completion forced once the tokens left come within twice its length, and "
+        "finish_reason is \"length\" when that forced a token (docs/constrained-decoding.md). "
+        "For small or untrained models, which may never end a string"))
 
     @model_validator(mode="after")
     def _prefill_cap_fits_the_step(self) -> ReferenceEngineConfig:

@@ -9,8 +9,10 @@ What it writes under OUT:
     special ids) with a K3-style tokenizer: the public Kimi BPE (tests/data/kimi-k25-tokenizer/
     tiktoken.model) and K3's control tokens (tests/data/kimi-k3-style/tokenizer_config.json);
   - `draft/`: a random DSpark draft for it;
-  - `k3_format.yaml`: deployments/local.yaml with these folders, TP 1, and K3's parameter
-    policy (the server's tool strictness off, as in production).
+  - `k3_format.yaml`: deployments/local.yaml with these folders, TP 1, K3's parameter policy
+    (the server's tool strictness off, as in production), speculation at every batch size
+    (the verifier's requests arrive together), and local.yaml's `grammar_budget: close` (a
+    random model ends no free string: docs/constrained-decoding.md).
 
 The embedded pair speaks XTML too (`serve run deployments/local.yaml`), but on a 4,096-id
 vocabulary; this deployment checks the API's contracts at K3's own vocabulary and control ids
@@ -44,6 +46,7 @@ def main() -> None:
     app["models"] = {"target": str(paths["target"].resolve()),
                      "draft": str(paths["draft"].resolve()), "served_model_name": args.name}
     app["parallelism"]["tp"] = 1
+    app["engine"]["reference"]["speculation"]["max_batch_size"] = None
     app["api"] = {"parameter_policy": "k3"}
     app["ingress"]["default_max_tokens"] = 64
     out = args.out / "k3_format.yaml"

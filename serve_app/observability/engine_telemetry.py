@@ -156,3 +156,4 @@ class EngineTelemetry:
             m.grammar_compile_seconds.set(grammar["grammar_compile_seconds"], tags=t)
             m.grammar_mask_seconds.set(grammar["grammar_mask_seconds"], tags=t)
             m.grammar_masks.set(grammar["grammar_masks"], tags=t)
+            m.grammar_closed.set(grammar["grammar_closed"], tags=t)

@@ -100,6 +100,9 @@ class AppMetrics:
                                           "constrained request).", tag_keys=replica)
         self.grammar_masks = Gauge("kimi_grammar_masks_total", "Token masks computed so far.",
                                    tag_keys=replica)
+        self.grammar_closed = Gauge("kimi_grammar_closed_total", "Constrained answers closed "
+                                    "before max_tokens so far (grammar_budget: close).",
+                                    tag_keys=replica)
         # Router.
         self.router_decisions = Counter("kimi_router_decisions_total", "Routing decisions by "
                                         "reason.", tag_keys=("reason",))

@@ -17,6 +17,7 @@ from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.proposer import DSparkProposer
 from serve_app.engines.reference.sequence import Detokenize
 from serve_app.engines.reference.tensor_parallel import shard_dspark
+from serve_app.grammar.closing import ClosingPaths
 from serve_app.grammar.compiler import GrammarCompiler, ll_tokenizer
 from serve_app.models.dspark import load_dspark
 from serve_app.models.dspark_config import check_pair
@@ -139,4 +140,6 @@ def build_engine(
         max_model_len=target_cfg.max_position_embeddings,
         grammar=GrammarCompiler(ll_tokenizer(tokenizer, target_cfg.vocab_size, eos))
         if tokenizer is not None else None,
+        grammar_closing=ClosingPaths.for_tokenizer(tokenizer, target_cfg.vocab_size, eos)
+        if tokenizer is not None and config.grammar_budget == "close" else None,
     )

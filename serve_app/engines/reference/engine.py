@@ -37,6 +37,7 @@ from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, Status
 from serve_app.engines.spec_stats import EngineTotals
 from serve_app.engines.types import RequestOutput, is_int
+from serve_app.grammar.closing import ClosingPaths
 from serve_app.grammar.compiler import GrammarCompiler
 from serve_app.grammar.matchers import DraftMasks, GrammarStates
 from serve_app.models.dspark import survival_draft_count
@@ -94,11 +95,14 @@ class EngineCore:
         residual_rule: ResidualRule = residual_distribution,
         observer: EngineObserver | None = None,
         grammar: GrammarCompiler | None = None,
+        grammar_closing: ClosingPaths | None = None,
     ) -> None:
         """`residual_rule` is the rejection sampler's correction distribution; only tests
         replace it (to show that a wrong rule is detected). `max_prefill_tokens_per_request`:
         see Scheduler (None: a quarter of prefill_chunk_tokens). `grammar`: compiles the
-        requests' output constraints (None: this engine refuses constrained requests)."""
+        requests' output constraints (None: this engine refuses constrained requests).
+        `grammar_closing`: constrained answers are closed before max_tokens would cut them
+        (serve_app/grammar/closing.py; None: they are cut, as OpenAI's API does)."""
         self.runner = runner
         self.grammar = grammar
         self.residual_rule = residual_rule
@@ -130,7 +134,7 @@ class EngineCore:
         )
         self.sequences: dict[str, Sequence] = {}
         # Constrained requests' matchers: rank 0's own windowed state (followers never sample).
-        self.grammars = GrammarStates(self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarStates(self.vocab_size, self.eos_token_ids, grammar_closing)
         self.totals = EngineTotals()
         self._ids = itertools.count()
         # Sequences that failed during the current step: (sequence, what it was doing).
@@ -163,7 +167,7 @@ class EngineCore:
         matcher = self._matcher(params)
         self.scheduler.add(seq)
         if matcher is not None:
-            self.grammars.add(rid, matcher, len(prompt_ids))
+            self.grammars.add(rid, matcher, len(prompt_ids), params.max_tokens)
         self.sequences[rid] = seq
         self._notify("on_queued", seq, time.time_ns())
         return rid
@@ -254,7 +258,7 @@ class EngineCore:
             raise
         if matcher is not None:
             # The matcher of a fresh request, walked over what the prefill side sampled.
-            self.grammars.add(rid, matcher, len(seq.prompt_ids))
+            self.grammars.add(rid, matcher, len(seq.prompt_ids), params.max_tokens)
             self.grammars.consume(rid, seq.output_ids)
         self.sequences[rid] = seq
         # Queued and admitted at once: observers see it begin like any request (the trace's
@@ -477,6 +481,9 @@ class EngineCore:
 
     def _output(self, seq: Sequence, text: str) -> RequestOutput:
         """`text`: the sequence's text_delta(), taken by step() where a failure is isolated."""
+        if seq.finished and seq.finish_reason == "stop" \
+                and self.grammars.closed(seq.request_id):
+            seq.finish_reason = "length"  # the budget closed the answer, not the model
         new_ids = seq.output_ids[seq.reported_tokens :]
         seq.reported_tokens = len(seq.output_ids)
         out = RequestOutput(
@@ -549,7 +556,8 @@ class EngineCore:
         return {"grammar_compiled": c.compiled, "grammar_compile_seconds": c.compile_seconds,
                 "grammar_cache_hits": c.cache_hits, "grammar_failed": c.failed,
                 "grammar_masks": self.grammars.masks_computed,
-                "grammar_mask_seconds": self.grammars.mask_seconds}
+                "grammar_mask_seconds": self.grammars.mask_seconds,
+                "grammar_closed": self.grammars.requests_closed}
 
     def prefix_cache_stats(self) -> dict[str, Any]:
         """SGLang-named where SGLang has the number (cache_hit_rate)."""
