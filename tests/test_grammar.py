@@ -409,6 +409,33 @@ def test_closing_paths_finish_the_walle_schemas_wherever_a_model_stops(
     assert found >= 50
 
 
+def test_a_closing_path_ends_a_number_where_the_object_cannot_end_yet(
+        compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    """Inside a number of an object whose required keys are still missing, the path goes on
+    with `,` to the next key, not with digits (found live: a `0` first made the path an
+    endless number, so no path was found and the answer ran to max_tokens)."""
+    pair = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    spec, params = walle_tool(pair)
+    closing = ClosingPaths.for_tokenizer(tokenizer, 163_840, stop_token_ids(tokenizer))
+    m = compiler.matcher(spec)
+    walked: list[int] = []
+    # What the grammar forces, then the model's choices: the call's index, then `a`'s digits.
+    for piece in ("1", '"', '":', "12345"):
+        while ff := m.compute_ff_tokens():
+            assert m.consume_tokens(ff)
+            walked += ff
+        for t in tokenizer.encode_text(piece):
+            assert m.consume_token(t)
+            walked.append(t)
+    assert tokenizer.decode(walked).endswith('{"a":12345')
+    path = closing.path(m)
+    assert path is not None and len(path) < 32
+    calls = parse(tokenizer, walked + path).tool_calls
+    assert json.loads(calls[0].arguments)["value"]["a"] == 12345
+    jsonschema.validate(json.loads(calls[0].arguments), params)
+
+
 # --- exact sampling under a grammar ----------------------------------------------------------
 # A 16-token vocabulary that spells JSON arrays of integers: the grammar allows a different
 # subset at every position, and the constrained marginals are computed exactly.

@@ -27,13 +27,15 @@ from serve_app.tokenizer import Tokenizer
 
 LIMIT = 256
 # Tried in this order where nothing is forced and no string or element can be closed: the
-# ends of containers, a key's colon, the shortest values, the openers a required object or
-# array needs, a required next element, one character of a string with a minimum length.
-_JSON_STEPS = ("}", "]", ":", "0", "null", "false", "true", "{", "[", ",", "a")
+# ends of containers, a key's colon, the next element or key where the container may not end
+# yet (before any digit: after a number's digits a `0` would only lengthen it), the shortest
+# values, the openers a required object or array needs, one character of a string with a
+# minimum length.
+_JSON_STEPS = ("}", "]", ":", ",", "0", "null", "false", "true", "{", "[", "a")
 _CLOSE_CONTROL, _OPEN_CONTROL = "<|close|>", "<|open|>"  # K3's XTML (docs/chat-format.md)
 # Where a few tokens are allowed (a tool's name, a key, an enum), each is tried and the one
 # whose path is shortest taken; among more, the lowest id.
-_BRANCHES = 8
+_BRANCHES = 16
 _PUNCTUATION = frozenset(b'"{}[],:')
 
 
