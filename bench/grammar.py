@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the K3-style tokenizer fixture the tests use
 
-from tiny_models import DATA, write_k3_style_tokenizer  # noqa: E402
+from tiny_models import WALLE_CASES, kvv_walle_tool, write_k3_style_tokenizer  # noqa: E402
 
 from serve_app.config import ReferenceEngineConfig, SpeculationConfig  # noqa: E402
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, heldout_prompt_ids  # noqa: E402
@@ -66,10 +66,9 @@ from serve_app.engines.reference.engine import EngineCore  # noqa: E402
 from serve_app.engines.types import RequestOutput, SamplingParams  # noqa: E402
 from serve_app.grammar.compiler import GrammarCompiler, GrammarError, ll_tokenizer  # noqa: E402
 from serve_app.grammar.matchers import GrammarFault, GrammarStates  # noqa: E402
-from serve_app.grammar.spec import GrammarSpec, ToolSpec  # noqa: E402
+from serve_app.grammar.spec import GrammarSpec  # noqa: E402
 from serve_app.tokenizer import Tokenizer, load_tokenizer, stop_token_ids  # noqa: E402
 
-WALLE = DATA / "kvv" / "walle_validator_cases" / "validator_cases"
 K3_VOCAB = 163_840
 RESPONSE = "response_format.json_schema.schema"
 
@@ -118,18 +117,15 @@ def timed(fn: Callable[[], Any]) -> float:
 # --- 1. compile time -------------------------------------------------------------------------
 
 def walle_schemas() -> list[Any]:
-    lines = [json.loads(line) for f in sorted(WALLE.glob("*/valid.jsonl"))
+    lines = [json.loads(line) for f in sorted(WALLE_CASES.glob("*/valid.jsonl"))
              for line in f.read_text().splitlines() if line.strip()]
     return [case.get("schema", case) if isinstance(case, dict) else case for case in lines]
 
 
 def tool_spec(schema: Any) -> GrammarSpec:
-    """KVV's tool_call_json_schema: the schema as a strict tool's only (required) argument."""
-    params = {"type": "object", "required": ["value"], "additionalProperties": False,
-              "properties": {"value": schema}}
-    tool = ToolSpec("kvv_walle_case", params, strict=True)
-    return GrammarSpec("tool_call", "tool_choice", tools=(tool,), chat_format="k3",
-                       thinking=True)
+    """KVV's tool_call_json_schema: the schema as a strict tool's only (required) argument,
+    wrapped as KVV wraps it, thinking on."""
+    return kvv_walle_tool(schema, thinking=True)[0]
 
 
 def plain_spec(schema: Any) -> GrammarSpec:
@@ -157,8 +153,10 @@ def compile_set(schemas: list[Any], make: Callable[[Any], GrammarSpec],
             compile_s.append(time.perf_counter() - start)
         hit_s.append(timed(lambda c=compiler, s=spec: c.prepare(s)))
         copy_s.append(timed(lambda c=compiler, s=spec: c.matcher(s)))
-        # The compiler's own rule for a strict tool it cannot enforce (compiler.py).
-        relaxed += sum(not compiler._compiles(spec, t) for t in spec.tools if t.strict)
+        # The compiler's own rule for a strict tool it cannot enforce (compiler.py), on the
+        # schemas as it enforces them.
+        resolved = compiler._resolvable(spec)
+        relaxed += sum(not compiler._compiles(resolved, t) for t in resolved.tools if t.strict)
     return {"schemas": len(specs), "distinct": len({s.key for s in specs}),
             "vocab": vocab.vocab_size, **ms_summary(compile_s), "grammar_errors": len(errors),
             "error_schemas": errors, "relaxed_tools": relaxed,

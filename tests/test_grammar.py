@@ -25,7 +25,13 @@ from spec_helpers import (
     prefill_for_handoff,
     sample_many,
 )
-from tiny_models import DATA, tiny_k3_config, write_k3_format_pair, write_random_k3_pair
+from tiny_models import (
+    WALLE_CASES,
+    kvv_walle_tool,
+    tiny_k3_config,
+    write_k3_format_pair,
+    write_random_k3_pair,
+)
 
 from serve_app.chat.xtml_output import XTMLControls, XTMLOutputParser
 from serve_app.config import ReferenceEngineConfig
@@ -97,27 +103,7 @@ def parse(tokenizer: Tokenizer, ids: list[int], thinking: bool = False) -> Any:
 # --- every grammar compiles ------------------------------------------------------------------
 
 RELAXED_WALLE = 1
-WALLE = sorted((DATA / "kvv" / "walle_validator_cases" / "validator_cases").glob("*/valid.jsonl"))
-
-
-def walle_tool(case: dict[str, Any]) -> tuple[GrammarSpec, dict[str, Any]]:
-    """A forced call of KVV's strict tool for a walle case (thinking off, as KVV sends it),
-    and the tool's parameters, wrapped as KVV's validator.py wraps them: the case schema is
-    the `value` property, its `$defs` and `$id` move to the root, and a `#` reference to the
-    case's root points at a definition of it."""
-    schema = dict(case.get("schema", case))
-    defs = dict(schema.pop("$defs", {}))
-    id_ = schema.pop("$id", None)
-    value: Any = schema
-    if '"$ref": "#"' in json.dumps(schema):
-        defs["__case_schema"] = json.loads(
-            json.dumps(schema).replace('"$ref": "#"', '"$ref": "#/$defs/__case_schema"'))
-        value = {"$ref": "#/$defs/__case_schema"}
-    params = {"type": "object", "required": ["value"], "additionalProperties": False,
-              "properties": {"value": value}, **({"$defs": defs} if defs else {}),
-              **({"$id": id_} if id_ is not None else {})}
-    tool = ToolSpec("kvv_walle_case", params, strict=True)
-    return GrammarSpec("tool_call", "tool_choice", tools=(tool,), chat_format="k3"), params
+WALLE = sorted(WALLE_CASES.glob("*/valid.jsonl"))
 
 
 def test_every_walle_schema_compiles_as_a_strict_tool(compiler: GrammarCompiler) -> None:
@@ -128,7 +114,7 @@ def test_every_walle_schema_compiles_as_a_strict_tool(compiler: GrammarCompiler)
     assert len(cases) == 212
     relaxed = 0
     for case in cases:
-        spec, _ = walle_tool(case)
+        spec, _ = kvv_walle_tool(case)
         compiler.prepare(spec)
         resolved = compiler._resolvable(spec)
         relaxed += not compiler._compiles(resolved, resolved.tools[0])
@@ -386,7 +372,7 @@ def test_closing_paths_finish_the_walle_schemas_wherever_a_model_stops(
     cases = [json.loads(line) for f in WALLE for line in f.read_text().splitlines() if line]
     found = 0
     for case in cases[::4]:
-        spec, params = walle_tool(case)
+        spec, params = kvv_walle_tool(case)
         m = compiler.matcher(spec)
         walked = []
         for _ in range(rng.choice([0, 8, 24])):
@@ -416,7 +402,7 @@ def test_a_closing_path_ends_a_number_where_the_object_cannot_end_yet(
     endless number, so no path was found and the answer ran to max_tokens)."""
     pair = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
             "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
-    spec, params = walle_tool(pair)
+    spec, params = kvv_walle_tool(pair)
     closing = ClosingPaths.for_tokenizer(tokenizer, 163_840, stop_token_ids(tokenizer))
     m = compiler.matcher(spec)
     walked: list[int] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from serve_app.grammar.spec import GrammarSpec, ToolSpec
 from serve_app.models.dspark import DSparkDraft, save_dspark
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.kimi import KimiForCausalLM
@@ -455,6 +457,31 @@ DATA = Path(__file__).parent / "data"
 K3_STYLE_TOKENIZER = (DATA / "kimi-k25-tokenizer" / "tiktoken.model",
                       DATA / "kimi-k3-style" / "tokenizer_config.json")
 K3_EOS, K3_BOS, K3_PAD, K3_MASK = 163586, 163584, 163839, 163824  # kimi-k3(-dspark) config.json
+
+
+# KVV's tool_call_json_schema cases (tests/data/kvv).
+WALLE_CASES = DATA / "kvv" / "walle_validator_cases" / "validator_cases"
+
+
+def kvv_walle_tool(case: Any, thinking: bool = False) -> tuple[GrammarSpec, dict[str, Any]]:
+    """A forced call of KVV's strict tool for a walle case (thinking off by default, as KVV
+    sends it), and the tool's parameters, wrapped as KVV's validator.py wraps them: the case
+    schema is the `value` property, its `$defs` and `$id` move to the root, and a `#`
+    reference to the case's root points at a definition of it."""
+    schema = dict(case.get("schema", case))
+    defs = dict(schema.pop("$defs", {}))
+    id_ = schema.pop("$id", None)
+    value: Any = schema
+    if '"$ref": "#"' in json.dumps(schema):
+        defs["__case_schema"] = json.loads(
+            json.dumps(schema).replace('"$ref": "#"', '"$ref": "#/$defs/__case_schema"'))
+        value = {"$ref": "#/$defs/__case_schema"}
+    params = {"type": "object", "required": ["value"], "additionalProperties": False,
+              "properties": {"value": value}, **({"$defs": defs} if defs else {}),
+              **({"$id": id_} if id_ is not None else {})}
+    tool = ToolSpec("kvv_walle_case", params, strict=True)
+    return GrammarSpec("tool_call", "tool_choice", tools=(tool,), chat_format="k3",
+                       thinking=thinking), params
 
 
 def write_k3_style_tokenizer(folder: Path) -> Path:
