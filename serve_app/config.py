@@ -377,10 +377,11 @@ class ReferenceEngineConfig(BaseModel):
     grammar_budget: Literal["cut", "close"] = Field(default="cut", description=(
         "a constrained answer (json_schema, json_object, a forced or strict call) that "
         "reaches max_tokens: cut: it ends where the budget does, possibly unterminated "
-        "(OpenAI's behaviour); close: the end of the budget is kept for finishing it, its "
-        "shortest completion forced once the tokens left come within twice its length, and "
-        "finish_reason is \"length\" when that forced a token (docs/constrained-decoding.md). "
-        "For small or untrained models, which may never end a string"))
+        "(OpenAI's behaviour); close: the end of the budget is kept for finishing it (near "
+        "the end the model may open nothing new, then its closing path is forced), and "
+        "finish_reason is \"length\" when that narrowed a token's choices "
+        "(docs/constrained-decoding.md). For small or untrained models, which may never end "
+        "a string"))
 
     @model_validator(mode="after")
     def _prefill_cap_fits_the_step(self) -> ReferenceEngineConfig:
