@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import numpy as np
 import pytest
 import torch
 from fuzz_strategies import HOSTILE_SCHEMAS
@@ -41,7 +40,7 @@ from serve_app.engines.types import SamplingParams
 from serve_app.grammar.closing import ClosingPaths
 from serve_app.grammar.compiler import MAX_REF_DEPTH, GrammarCompiler, GrammarError, ll_tokenizer
 from serve_app.grammar.lark import json_rule
-from serve_app.grammar.matchers import GrammarStates
+from serve_app.grammar.matchers import GrammarStates, allowed_bits
 from serve_app.grammar.recursion import bound_recursion
 from serve_app.grammar.spec import GrammarSpec, ToolSpec
 from serve_app.models.dspark import DraftOutput
@@ -376,8 +375,7 @@ def test_closing_paths_finish_the_walle_schemas_wherever_a_model_stops(
         m = compiler.matcher(spec)
         walked = []
         for _ in range(rng.choice([0, 8, 24])):
-            allowed = torch.from_numpy(np.unpackbits(np.frombuffer(
-                m.compute_bitmask(), dtype=np.uint8), bitorder="little")[:163_840].astype(bool))
+            allowed = torch.from_numpy(allowed_bits(m, 163_840).astype(bool))
             choices = [t for t in allowed.nonzero().flatten().tolist()
                        if t not in stop_token_ids(tokenizer)]
             walked.append(rng.choice(choices))

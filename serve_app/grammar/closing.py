@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from llguidance import LLMatcher
 
+from serve_app.grammar.compiler import vocabulary_bytes, vocabulary_special
+from serve_app.grammar.matchers import allowed_bits
 from serve_app.tokenizer import Tokenizer
 
 LIMIT = 256
@@ -63,11 +65,9 @@ class ClosingPaths:
             return ids[0] if len(ids) == 1 else None
 
         def opens_nothing(i: int) -> bool:
-            try:
-                return not tokenizer.is_special(i) \
-                    and not any(b in _PUNCTUATION for b in tokenizer.token_bytes(i))
-            except Exception:  # an id past the tokenizer's vocabulary: never allowed anyway
-                return False
+            text = vocabulary_bytes(tokenizer, i)  # b"": an id past the vocabulary
+            return bool(text) and not vocabulary_special(tokenizer, i) \
+                and not any(b in _PUNCTUATION for b in text)
 
         close = tokenizer.special_ids.get(_CLOSE_CONTROL)
         open_ = tokenizer.special_ids.get(_OPEN_CONTROL)
@@ -113,8 +113,7 @@ class ClosingPaths:
         if q is not None and m.validate_tokens([q]) == 1:
             return [q]
         # A tool's name, a key, an enum's or a pattern's next character.
-        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8),
-                             bitorder="little")[: self.vocab_size]
+        bits = allowed_bits(m, self.vocab_size)
         allowed = [int(t) for t in np.flatnonzero(bits) if int(t) not in self.eos]
         if not allowed:
             return []

@@ -69,8 +69,8 @@ class _VocabularyBytes:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos: list[int]) -> None:
         self.eos_token_id = eos[0]
         self.bos_token_id = None
-        self.special_token_ids = [i for i in range(vocab_size) if _special(tokenizer, i)]
-        self.tokens = [_bytes(tokenizer, i) for i in range(vocab_size)]
+        self.special_token_ids = [i for i in range(vocab_size) if vocabulary_special(tokenizer, i)]
+        self.tokens = [vocabulary_bytes(tokenizer, i) for i in range(vocab_size)]
         self._tokenizer = tokenizer
 
     def __call__(self, text: str | bytes) -> list[int]:
@@ -79,14 +79,14 @@ class _VocabularyBytes:
         return self._tokenizer.encode_text(text)
 
 
-def _special(tokenizer: Tokenizer, i: int) -> bool:
+def vocabulary_special(tokenizer: Tokenizer, i: int) -> bool:
     try:
         return tokenizer.is_special(i)
     except Exception:
         return False
 
 
-def _bytes(tokenizer: Tokenizer, i: int) -> bytes:
+def vocabulary_bytes(tokenizer: Tokenizer, i: int) -> bytes:
     # Ids past the tokenizer's vocabulary (a model's padded embedding) are empty: never allowed.
     try:
         return tokenizer.token_bytes(i)

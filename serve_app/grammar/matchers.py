@@ -27,13 +27,14 @@ import contextlib
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 from llguidance import LLMatcher
 
-from serve_app.grammar.closing import ClosingPaths
+if TYPE_CHECKING:
+    from serve_app.grammar.closing import ClosingPaths
 
 # The zones start this many tokens early: a path can grow by a few tokens in one step (a
 # string's escape, a number's exponent) even where nothing new may be opened.
@@ -41,6 +42,12 @@ CLOSE_MARGIN = 8
 # How often (in tokens) a request far from its budget's end looks at its closing path again:
 # a path grows by what the model opens, which a check this often sees in time.
 RECHECK_TOKENS = 32
+
+
+def allowed_bits(matcher: LLMatcher, vocab_size: int) -> np.ndarray:
+    """The matcher's allowed next ids as 0/1 bytes [vocab_size] (llguidance packs them)."""
+    return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                         bitorder="little")[:vocab_size]
 
 
 class GrammarFault(RuntimeError):
@@ -128,8 +135,7 @@ class GrammarStates:
     def _compute(self, matcher: LLMatcher) -> torch.Tensor:
         """The matcher's mask (all False once it is stopped or failed: nothing may follow)."""
         start = time.perf_counter()
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
-                             bitorder="little")[: self.vocab_size]
+        bits = allowed_bits(matcher, self.vocab_size)
         self.mask_seconds += time.perf_counter() - start
         self.masks_computed += 1
         return torch.from_numpy(bits.astype(bool))
@@ -145,7 +151,8 @@ class GrammarStates:
         budget = self._budget(state, before, token)
         if budget.mode == "free":
             mask = self._compute(state.matcher)
-            mask[list(budget.refused)] = False
+            if budget.refused:
+                mask[list(budget.refused)] = False
         else:
             assert budget.path and self.closing is not None
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
