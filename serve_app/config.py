@@ -378,8 +378,9 @@ class ReferenceEngineConfig(BaseModel):
         "a constrained answer (json_schema, json_object, a forced or strict call) that "
         "reaches max_tokens: cut: it ends where the budget does, possibly unterminated "
         "(OpenAI's behaviour); close: the end of the budget is kept for finishing it (near "
-        "the end the model may open nothing new, then its closing path is forced), and "
-        "finish_reason is \"length\" when that narrowed a token's choices "
+        "the end the model may open nothing new, then its closing path is forced): the "
+        "answer ends complete with its own finish_reason, and the choice says "
+        "grammar_closed: true when that narrowed a token's choices "
         "(docs/constrained-decoding.md). For small or untrained models, which may never end "
         "a string"))
 

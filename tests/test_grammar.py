@@ -341,18 +341,21 @@ def complete_and_valid(tokenizer: Tokenizer, ids: list[int], name: str) -> bool:
 
 def test_a_closing_budget_ends_every_answer_complete_and_lossless(
         k3_pair: dict[str, Path], tokenizer: Tokenizer, prompts: list[list[int]]) -> None:
-    """With grammar_budget close, answers the random model overruns (cut: none complete) end
-    complete and valid within the same budgets, each with finish_reason "length"; greedy
+    """With grammar_budget close, answers the random model overruns (cut: none complete,
+    each "length") end complete and valid within the same budgets, with the end of message
+    ("stop") before max_tokens and marked grammar_closed; greedy
     speculation (gamma 1, 3, 7, both KDA roll-backs) writes the target-only tokens: the
     closing masks are a function of the tokens alone."""
     names = [name for name in CLOSING for _ in prompts]
     cut = closing_outputs(k3_engine(k3_pair, tokenizer, speculative=False), prompts)
     assert not any(complete_and_valid(tokenizer, o.token_ids, n) for o, n in zip(cut, names, strict=True))
+    assert all(o.finish_reason == "length" and not o.grammar_closed for o in cut)
     alone = closing_outputs(k3_engine(k3_pair, tokenizer, speculative=False,
                                       grammar_budget="close"), prompts)
     for out, name in zip(alone, names, strict=True):
         assert complete_and_valid(tokenizer, out.token_ids, name), name
-        assert out.finish_reason == "length"
+        assert out.finish_reason == "stop" and out.grammar_closed, name
+        assert out.completion_tokens < CLOSING[name][2], name
     for gamma, rollback in [(1, "scratch"), (3, "scratch"), (7, "scratch"), (7, "replay")]:
         engine = k3_engine(k3_pair, tokenizer, speculative=True, gamma=gamma, rollback=rollback,
                            grammar_budget="close")

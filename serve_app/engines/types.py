@@ -92,6 +92,9 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's usage field)
     # A hand-off request's prefill is done: it waits for the engine's `export` (no tokens here).
     prefilled: bool = False
+    # grammar_budget close narrowed a committed token's choices so that a constrained answer
+    # ended complete before max_tokens (on the final output; the response says so).
+    grammar_closed: bool = False
 
 
 @dataclass

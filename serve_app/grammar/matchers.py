@@ -126,7 +126,7 @@ class GrammarStates:
 
     def closed(self, rid: Hashable) -> bool:
         """Whether the budget shaped the request's answer: a committed token was sampled
-        under a mask it narrowed (the engine then reports finish_reason "length")."""
+        under a mask it narrowed (the response then says `grammar_closed`)."""
         state = self._states.get(rid)
         return state is not None and state.closed
 

@@ -145,6 +145,13 @@ class Answer:
         stub = self.prompt.plan.stub_tokens if self.prompt.plan else 0
         return max(0, last.prompt_tokens - stub)
 
+    @staticmethod
+    def finish_fields(last: RequestOutput) -> dict[str, Any]:
+        """Beside the final choice's finish_reason: `grammar_closed` when the deployment's
+        grammar_budget close ended this constrained answer within max_tokens (its calls and
+        JSON are complete; the budget, not the model alone, decided where it ended)."""
+        return {"grammar_closed": True} if last.grammar_closed else {}
+
     def usage(self, last: RequestOutput) -> dict[str, Any]:
         return usage(self.prompt_tokens(last), last.completion_tokens, last.spec,
                      last.cached_tokens)
@@ -574,7 +581,8 @@ class OpenAIIngress:
         for out in outs:
             answer.feed(out)
         finish = answer.finish(last.finish_reason)[1]
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None,
+                                  **answer.finish_fields(last)}
         if answer.chat:
             choice["message"] = answer.output.message()
         else:
@@ -596,13 +604,14 @@ class OpenAIIngress:
         def event(payload: dict[str, Any]) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=True)}\n\n"
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        def chunk(delta: dict[str, Any], finish: str | None = None,
+                  **fields: Any) -> str:
             if chat:
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
-                                          "logprobs": None}
+                                          "logprobs": None, **fields}
             else:
                 choice = {"index": 0, "text": delta.get("content", ""),
-                          "finish_reason": finish, "logprobs": None}
+                          "finish_reason": finish, "logprobs": None, **fields}
             payload: dict[str, Any] = {"id": rid, "object": kind, "created": created,
                                        "model": self.model_name, "choices": [choice]}
             if include_usage:
@@ -624,7 +633,7 @@ class OpenAIIngress:
             deltas, finish = answer.finish(last.finish_reason)
             for delta in deltas:
                 yield chunk(delta)
-            yield chunk({}, finish)
+            yield chunk({}, finish, **answer.finish_fields(last))
             if include_usage:
                 yield event({"id": rid, "object": kind, "created": created,
                              "model": self.model_name, "choices": [],

@@ -481,9 +481,6 @@ class EngineCore:
 
     def _output(self, seq: Sequence, text: str) -> RequestOutput:
         """`text`: the sequence's text_delta(), taken by step() where a failure is isolated."""
-        if seq.finished and seq.finish_reason == "stop" \
-                and self.grammars.closed(seq.request_id):
-            seq.finish_reason = "length"  # the budget closed the answer, not the model
         new_ids = seq.output_ids[seq.reported_tokens :]
         seq.reported_tokens = len(seq.output_ids)
         out = RequestOutput(
@@ -499,6 +496,7 @@ class EngineCore:
         if seq.finished:
             if self.speculative:
                 out.spec = seq.stats.as_dict(len(seq.output_ids))
+            out.grammar_closed = self.grammars.closed(seq.request_id)
             self._notify("on_finished", seq, time.time_ns())
             self.totals.add_finished(len(seq.prompt_ids), len(seq.output_ids),
                                      seq.stats if self.speculative else None)
