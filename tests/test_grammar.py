@@ -178,6 +178,21 @@ def test_only_recursive_schemas_are_unfolded(compiler: GrammarCompiler) -> None:
         LINKED_LIST, MAX_REF_DEPTH)
 
 
+def test_a_non_strict_schema_holds_the_answer_to_its_root_type_only(
+        compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    """strict false: an object schema's answer is a JSON object, with any keys and values
+    (KVV's test_json_schema_non_strict: "only a valid JSON object is guaranteed"); a schema
+    that declares no type admits any JSON value."""
+    def accepts(schema: Any, text: str) -> bool:
+        m = compiler.matcher(GrammarSpec("json_schema", "response_format.json_schema.schema",
+                                         schema=schema, strict=False))
+        return m.consume_tokens(tokenizer.encode_text(text)) and m.is_accepting()
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    assert accepts(city, '{"city":3,"other":[true]}') and accepts(city, "{}")
+    assert not accepts(city, "0") and not accepts(city, '"Paris"')
+    assert accepts({"properties": {"city": {"type": "string"}}}, "0")
+
+
 def test_uncompilable_response_schemas_are_errors_naming_the_field(
         compiler: GrammarCompiler) -> None:
     spec = GrammarSpec("json_schema", "response_format.json_schema.schema", chat_format="k3",

@@ -106,9 +106,12 @@ def test_json_answers_without_reasoning_are_json_schema(chat_format: str) -> Non
         "json_schema": '{"type":"object"}'}
     assert sglang_constraint(GrammarSpec("json_schema", "response_format", **kw(
         schema=SCHEMA))) == {"json_schema": json.dumps(SCHEMA, separators=(",", ":"))}
-    # strict false: any JSON value (the schema is in the prompt only).
+    # strict false: the root's declared type (the rest of the schema is in the prompt only),
+    # else any JSON value.
     assert sglang_constraint(GrammarSpec("json_schema", "response_format", **kw(
-        schema=SCHEMA, strict=False))) == {"json_schema": "{}"}
+        schema=SCHEMA, strict=False))) == {"json_schema": '{"type":"object"}'}
+    assert sglang_constraint(GrammarSpec("json_schema", "response_format", **kw(
+        schema={"properties": {}}, strict=False))) == {"json_schema": "{}"}
 
 
 def test_k3_json_answer_with_thinking_is_the_response_channel() -> None:
@@ -121,7 +124,7 @@ def test_k3_json_answer_with_thinking_is_the_response_channel() -> None:
     def spec(kind: str, **kw: Any) -> GrammarSpec:
         return GrammarSpec(kind, "response_format", chat_format="k3", thinking=True, **kw)
     assert tag_of(spec("json_schema", schema=SCHEMA)) == answer(SCHEMA)
-    assert tag_of(spec("json_schema", schema=SCHEMA, strict=False)) == answer({})
+    assert tag_of(spec("json_schema", schema=SCHEMA, strict=False)) == answer({"type": "object"})
     assert tag_of(spec("json_object")) == answer({"type": "object"})
 
 

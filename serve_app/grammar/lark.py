@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serve_app.grammar.spec import GrammarSpec, ToolSpec
+from serve_app.grammar.spec import XTML_TYPE, GrammarSpec, ToolSpec
 
 # The JSON compiler's options: compact, and strict about keywords it cannot enforce (a schema
 # it would only half-enforce is an error for response_format; tools fall back, compiler.py).
@@ -34,8 +34,6 @@ _ANNOTATIONS = frozenset({"description", "title", "examples", "default", "$comme
                           "deprecated", "readOnly", "writeOnly", "$schema", "$id"})
 # What a parameters object may say and still be written as typed arguments.
 _TYPED_OBJECT_KEYS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties"}
-_XTML_TYPE = {"string": "string", "number": "number", "integer": "number",
-              "boolean": "boolean", "null": "null", "object": "object", "array": "array"}
 
 
 def lark_string(text: str) -> str:
@@ -87,7 +85,7 @@ def _value_variants(schema: Any) -> list[tuple[str, str]] | None:
     kinds = schema.get("type")
     if isinstance(kinds, str):
         kinds = [kinds]
-    if not isinstance(kinds, list) or not kinds or not all(k in _XTML_TYPE for k in kinds):
+    if not isinstance(kinds, list) or not kinds or not all(k in XTML_TYPE for k in kinds):
         return None
     if len(kinds) > 1 and set(schema) - _ANNOTATIONS - {"type"}:
         return None  # per-type keywords of a multi-type schema: left to the json block
@@ -99,7 +97,7 @@ def _value_variants(schema: Any) -> list[tuple[str, str]] | None:
                 return None
         else:
             rule = json_rule({**schema, "type": kind})
-        variants.append((_XTML_TYPE[kind], rule))
+        variants.append((XTML_TYPE[kind], rule))
     return variants
 
 
@@ -166,12 +164,7 @@ _K3_COMMON = [
 def lark_grammar(spec: GrammarSpec, relaxed: frozenset[str] = frozenset()) -> str:
     """The grammar text. `relaxed`: tools whose schemas are not enforced (they failed to
     compile; compiler.py) — their calls keep the structure with free arguments."""
-    if spec.kind == "json_object":
-        answer = json_rule({"type": "object"})
-    elif spec.kind == "json_schema":
-        answer = json_rule(spec.schema if spec.strict else True)
-    else:
-        answer = None
+    answer = json_rule(spec.answer_schema) if spec.answer_schema is not None else None
     if spec.chat_format == "plain":
         assert answer is not None
         return f"start: {answer}\n"

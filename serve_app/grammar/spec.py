@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
+# JSON Schema's type names, in SGLang's order (srt/function_call/kimik3_structural_tag.py:33-52),
+# and the XTML `type` attribute of a K3 argument of each.
+JSON_TYPES = ("string", "number", "integer", "boolean", "array", "object", "null")
+XTML_TYPE = {t: ("number" if t == "integer" else t) for t in JSON_TYPES}
+
 Kind = Literal["json_object", "json_schema", "tool_call"]
 
 
@@ -37,8 +42,8 @@ class GrammarSpec:
     """One request's output constraint.
 
     - kind "json_object": the answer is one JSON object; "json_schema": one JSON value valid
-      against `schema` (strict) or any JSON value (not strict: the schema is only in the
-      prompt); "tool_call": the answer carries at least one call of `tools`
+      against `schema` (strict) or of the type its root declares (not strict: the rest of
+      the schema is only in the prompt); "tool_call": the answer carries at least one call of `tools`
       (tool_choice required or named) — or, with `optional_calls`, any text and calls of
       `tools` whose arguments are constrained when the tool is strict (tool_choice auto).
     - chat_format "k3": the output is K3's XTML assistant message (think channel when
@@ -62,6 +67,23 @@ class GrammarSpec:
             raise ValueError("a tool_call grammar needs at least one tool")
         if self.kind == "tool_call" and self.chat_format != "k3":
             raise ValueError("tool calls are constrained in K3's XTML format only")
+
+    @property
+    def answer_schema(self) -> Any:
+        """The schema a JSON answer is held to (json_object, json_schema; None for calls).
+        Not strict: the type its root declares, as KVV reads strict false (a JSON object
+        for an object schema, "the internal structure is not enforced"), else any value."""
+        if self.kind == "json_object":
+            return {"type": "object"}
+        if self.kind != "json_schema":
+            return None
+        if self.strict:
+            return self.schema
+        declared = self.schema.get("type") if isinstance(self.schema, dict) else None
+        names = [declared] if isinstance(declared, str) else declared
+        if isinstance(names, list) and names and all(n in JSON_TYPES for n in names):
+            return {"type": declared}
+        return {}
 
     @cached_property
     def key(self) -> str:

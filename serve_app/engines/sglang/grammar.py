@@ -20,7 +20,7 @@ import json
 import logging
 from typing import Any
 
-from serve_app.grammar.spec import GrammarSpec, ToolSpec
+from serve_app.grammar.spec import JSON_TYPES, XTML_TYPE, GrammarSpec, ToolSpec
 
 logger = logging.getLogger("serve_app.sglang")
 
@@ -38,9 +38,6 @@ CALL_OPEN = "<|open|>call"
 CALL_CLOSE = "<|close|>call<|sep|>"
 ARGUMENT_CLOSE = "<|close|>argument<|sep|>"
 
-# st.py:33-52: JSON types in SGLang's order, and the XTML `type` attribute each is written as.
-JSON_TYPES = ("string", "number", "integer", "boolean", "array", "object", "null")
-_XTML_TYPE = {t: ("number" if t == "integer" else t) for t in JSON_TYPES}
 # st.py:53-81, 189-196: keywords that imply a type when a schema names none (checked in order).
 _IMPLIED_TYPES = (
     ("object", {"additionalProperties", "dependentRequired", "dependentSchemas",
@@ -67,7 +64,7 @@ def sglang_constraint(spec: GrammarSpec | None) -> dict[str, Any]:
         # no newlines or tabs, kimi-k3-api.md 3.4): xgrammar compiles a structural tag's JSON
         # with any whitespace (xgrammar_backend.py:451 passes no whitespace setting). This is
         # SGLang's own K3 mapping too (entrypoints/openai/protocol.py:1238-1250).
-        return {"json_schema": _dumps(_answer_schema(spec))}
+        return {"json_schema": _dumps(spec.answer_schema)}
     try:
         fmt = _tool_call_format(spec) if spec.kind == "tool_call" else _json_answer_format(spec)
     except (ValueError, RecursionError) as e:
@@ -80,14 +77,6 @@ def sglang_constraint(spec: GrammarSpec | None) -> dict[str, Any]:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
-
-
-def _answer_schema(spec: GrammarSpec) -> Any:
-    """The JSON answer's schema: protocol.py:1238-1250, except that strict false is any JSON
-    value here (GrammarSpec), where SGLang's K3 renderer drops the grammar."""
-    if spec.kind == "json_object":
-        return {"type": "object"}
-    return spec.schema if spec.strict else {}
 
 
 # --- xgrammar structural-tag formats (xgrammar/structural_tag.py), as JSON ---
@@ -133,7 +122,7 @@ def _json_answer_format(spec: GrammarSpec) -> dict:
     would start the JSON right after the reasoning (kimi-k3-api.md 5.1), text outside any
     channel that our XTML parser drops; the channel's markers keep the model on the format it
     was trained on, as TRT-LLM's K3 tag does (5.1). The JSON's whitespace is free here."""
-    return _with_reasoning(_tag(RESPONSE_OPEN, _json(_answer_schema(spec)), RESPONSE_CLOSE),
+    return _with_reasoning(_tag(RESPONSE_OPEN, _json(spec.answer_schema), RESPONSE_CLOSE),
                            spec.thinking)
 
 
@@ -198,7 +187,7 @@ def _arguments(tool: ToolSpec) -> dict:
     for key, schema in properties.items():
         if not isinstance(schema, bool | dict):
             raise ValueError(f"strict tool {tool.name!r}: property {key!r} is no schema")
-        variants = [_tag(f'<|open|>argument key="{_escape_attr(key)}" type="{_XTML_TYPE[t]}"'
+        variants = [_tag(f'<|open|>argument key="{_escape_attr(key)}" type="{XTML_TYPE[t]}"'
                          "<|sep|>", value, ARGUMENT_CLOSE)
                     for t, value in _value_variants(schema, params)]
         if not variants:
@@ -219,7 +208,7 @@ def _arguments(tool: ToolSpec) -> dict:
 def _free_argument(schema: bool | dict, root: dict, loose_strings: bool = False) -> dict:
     """st.py:350-376: one argument with a key no schema names and a value of `schema`."""
     variants = [_seq({"type": "regex", "pattern": _FREE_KEY},
-                     _const(f'" type="{_XTML_TYPE[t]}"<|sep|>'), value)
+                     _const(f'" type="{XTML_TYPE[t]}"<|sep|>'), value)
                 for t, value in _value_variants(schema, root, loose_strings)]
     if not variants:
         raise ValueError("the additional-properties schema accepts no value")
