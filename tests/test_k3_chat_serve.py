@@ -8,6 +8,7 @@ model would write. What the target receives is checked too: the renderer's ids.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Iterator
@@ -32,6 +33,7 @@ from serve_app.serving.protocol import ChatCompletionRequest
 from serve_app.tokenizer import load_tokenizer
 
 MODEL = "k3-format"
+KEEPALIVE_S = 1.0
 PRODUCTION = Path(__file__).resolve().parents[1] / "deployments" / "kimi_dspark.yaml"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -52,6 +54,12 @@ SCRIPTS = {
     "forged": f"hmm {FORGED} still thinking<|close|>think<|sep|><|open|>response<|sep|>"
               f"quoted {FORGED} marker<|close|>response<|sep|><|close|>message<|sep|>",
     "plain": "No thinking here.<|close|>response<|sep|><|close|>message<|sep|>",
+    # A typed (non-string) argument: its value is sent whole once it closes.
+    "object": "Rows.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"
+              '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+              '<|open|>argument key="city" type="object"<|sep|>{"rows": ['
+              + ", ".join(f'{{"n": {i}}}' for i in range(30)) + "]}<|close|>argument<|sep|>"
+              "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>",
 }
 
 
@@ -83,11 +91,13 @@ class ScriptedTarget:
         self.prompts.append(list(request.prompt_ids))
         self.grammars.append(request.params.grammar)
         prompt = self.tokenizer.decode(request.prompt_ids)
-        name, chunk = re.findall(r"script=(\w+)/(\d+)", prompt)[-1]
+        name, chunk, delay = re.findall(r"script=(\w+)/(\d+)(?:/([\d.]+))?", prompt)[-1]
         ids = self.scripts[name]
         limit = request.params.max_tokens
         out, step = ids[:limit], int(chunk)
         for start in range(0, max(len(out), 1), step):
+            if delay:  # seconds between events, as a model's steps
+                await asyncio.sleep(float(delay))
             part = out[start:start + step]
             done = start + step >= len(out)
             yield RequestOutput(
@@ -117,7 +127,8 @@ def server(folder: Path) -> Iterator[tuple[str, Any]]:
         "engine": {"reference": {"speculation": {"enabled": False}}},
         "router": {"policy": "ray_default"},
         "api": {"parameter_policy": "k3", "tool_strict_level": "parameter"},
-        "ingress": {"default_max_tokens": 256, "max_tokens_limit": 4096, "ingress_cpus": 0.1}})
+        "ingress": {"default_max_tokens": 256, "max_tokens_limit": 4096, "ingress_cpus": 0.1,
+                    "sse_keepalive_s": KEEPALIVE_S}})
     # The replicas import this module (the scripted target is defined here): the shared
     # cluster's workers have the tests folder on their path.
     port = shared_serve()["http"]
@@ -228,6 +239,28 @@ def test_streamed_tool_call_deltas_name_the_call_once(server: tuple[str, Any]) -
                 assert all(v is not None for v in choice["delta"].values())
     assert names == ["get_weather"] and len(ids) == 1
     assert json.loads(args) == {"city": '北京 "centre"', "days": 3}
+
+
+def test_a_stream_silent_inside_a_typed_argument_is_kept_alive(
+        server: tuple[str, Any], client: openai.OpenAI) -> None:
+    """A typed argument's value (here ~120 tokens at 30 ms each) is sent when it closes: the
+    stream sends SSE comments meanwhile, every KEEPALIVE_S of silence, which the openai client
+    skips; a stream whose tokens each add a delta, at the same pace, sends none."""
+    def comments(script: str) -> list[str]:
+        with httpx.stream("POST", server[0] + "/v1/chat/completions", timeout=60,
+                          json=ask(script, 1, tools=[WEATHER], stream=True)) as resp:
+            return [line for line in resp.iter_lines() if line.startswith(":")]
+    silent = comments("object/1/0.03")
+    assert len(silent) >= 2 and set(silent) == {": keep-alive"}
+    assert comments("think/1/0.03") == []
+    stream = client.chat.completions.create(**ask("object/1/0.03"), tools=[WEATHER],
+                                            stream=True)
+    args = "".join(c.choices[0].delta.tool_calls[0].function.arguments or ""
+                   for c in stream if c.choices and c.choices[0].delta.tool_calls)
+    whole = client.chat.completions.create(**ask("object", 1000), tools=[WEATHER])
+    assert json.loads(args) == json.loads(whole.choices[0].message.tool_calls[0].function
+                                          .arguments) == {"city": {"rows": [
+                                              {"n": i} for i in range(30)]}}
 
 
 def test_tool_choice_none_delivers_no_call_and_no_xtml(client: openai.OpenAI) -> None:

@@ -201,6 +201,30 @@ class Lease:
         self.stages.clear()
 
 
+async def _paced(stream: Any, interval: float | None) -> AsyncIterator[Any]:
+    """`stream`'s items, and None whenever `interval` seconds pass without one. The pending
+    `__anext__` is waited on, never cancelled by the timeout (a cancelled one would end the
+    stream); it is cancelled only when the consumer stops early."""
+    pending: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(stream.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            item, pending = pending, None
+            try:
+                value = item.result()
+            except StopAsyncIteration:
+                return
+            yield value
+    finally:
+        if pending is not None:
+            pending.cancel()
+
+
 async def _first_output(stream: Any, lease: Lease) -> Any:
     """The first output of a target call's `stream`, which `lease` then owns. A stream that
     ends without one is a 500. One that fails has ended with its error: the lease drops it
@@ -294,6 +318,7 @@ class OpenAIIngress:
                               ing.max_body_bytes or 16 * self.max_model_len + 65_536,
                               ing.expose_docs)
         self.retry_after_s = ing.retry_after_s
+        self.keepalive_s = ing.sse_keepalive_s
         self._tokenize_pool = ThreadPoolExecutor(ing.tokenizer_threads,
                                                  thread_name_prefix="tokenize")
         self.health_probe = HealthProbe(target, ing.health_cache_s, ing.health_timeout_s,
@@ -624,11 +649,19 @@ class OpenAIIngress:
                 yield chunk({"role": "assistant", "content": ""})
             for delta in answer.feed(first):
                 yield chunk(delta)
+            sent = time.monotonic()
             if not first.finished:
-                async for out in lease.stream:
-                    last = out
-                    for delta in answer.feed(out):
-                        yield chunk(delta)
+                async for out in _paced(lease.stream, self.keepalive_s):
+                    if out is not None:
+                        last = out
+                        for delta in answer.feed(out):
+                            yield chunk(delta)
+                            sent = time.monotonic()
+                    # Outputs that add no delta (a typed argument's value is sent when it
+                    # closes) are silence on the wire too.
+                    if self.keepalive_s and time.monotonic() - sent >= self.keepalive_s:
+                        yield ": keep-alive\n\n"
+                        sent = time.monotonic()
             lease.finished = last.finished
             deltas, finish = answer.finish(last.finish_reason)
             for delta in deltas:
