@@ -43,9 +43,10 @@ class GrammarSpec:
 
     - kind "json_object": the answer is one JSON object; "json_schema": one JSON value valid
       against `schema` (strict) or of the type its root declares (not strict: the rest of
-      the schema is only in the prompt); "tool_call": the answer carries at least one call of `tools`
-      (tool_choice required or named) — or, with `optional_calls`, any text and calls of
-      `tools` whose arguments are constrained when the tool is strict (tool_choice auto).
+      the schema is only in the prompt); "tool_call": the answer carries at least one call
+      of `tools` (tool_choice required or named) — or, with `optional_calls`, any text and
+      calls of `tools` whose arguments are constrained when the tool is strict (tool_choice
+      auto).
     - chat_format "k3": the output is K3's XTML assistant message (think channel when
       `thinking`, the response channel, the tools section, the message's end), and only the
       parts the kind names are constrained; "plain": the whole output is the JSON.
