@@ -1,8 +1,9 @@
 """Constrained decoding under load, through a running server: N chat requests at C concurrent
 clients, mixing json_schema answers, forced tool calls (strict tools, one with a `$ref`) and
 plain chat, streaming and not, thinking off. Every JSON answer and every call's arguments are
-validated with jsonschema; prints a table (validity, finish reasons, 5xx, acceptance length
-per kind: with and without grammars side by side) and one JSON line.
+validated with jsonschema; prints a table (validity, finish reasons, 5xx, answers the
+deployment's grammar_budget close ended (`grammar_closed`), acceptance length per kind: with and
+without grammars side by side) and one JSON line.
 
     python tools/k3_format_deployment.py /tmp/k3f
     RAY_AUTH_MODE=disabled serve run /tmp/k3f/k3_format.yaml &
@@ -76,8 +77,9 @@ async def answer(client: openai.AsyncOpenAI, model: str, i: int, kind: Kind,
             return {"content": m.content or "", "finish": r.choices[0].finish_reason,
                     "calls": [(c.function.name, c.function.arguments)
                               for c in m.tool_calls or []],
-                    "accept": (r.usage.model_extra or {}).get("spec_accept_length")}
-        content, calls, finish, accept = "", {}, None, None
+                    "accept": (r.usage.model_extra or {}).get("spec_accept_length"),
+                    "closed": bool((r.choices[0].model_extra or {}).get("grammar_closed"))}
+        content, calls, finish, accept, closed = "", {}, None, None, False
         async for chunk in await client.chat.completions.create(**body, stream=True):
             if chunk.usage is not None:
                 accept = (chunk.usage.model_extra or {}).get("spec_accept_length")
@@ -88,11 +90,12 @@ async def answer(client: openai.AsyncOpenAI, model: str, i: int, kind: Kind,
                     calls[c.index] = (name + (c.function.name or ""),
                                       args + (c.function.arguments or ""))
                 finish = choice.finish_reason or finish
+                closed = closed or bool((choice.model_extra or {}).get("grammar_closed"))
         return {"content": content, "calls": list(calls.values()), "finish": finish,
-                "accept": accept}
+                "accept": accept, "closed": closed}
     except openai.APIStatusError as exc:
         return {"status": exc.status_code, "finish": None, "calls": [], "content": "",
-                "accept": None}
+                "accept": None, "closed": False}
 
 
 def check(kind: str, r: dict[str, Any]) -> bool:
@@ -138,6 +141,7 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
                      "5xx": sum(r.get("status", 0) >= 500 for r in rows),
                      "finish": {f: sum(r["finish"] == f for r in rows)
                                 for f in sorted({str(r["finish"]) for r in rows})},
+                     "grammar_closed": sum(r["closed"] for r in rows),
                      "accept_length_median": statistics.median(accepts) if accepts else None}
     return out
 
@@ -159,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(run_load(args.base_url, args.model, args.requests, args.concurrency,
                                    kinds, args.max_tokens))
     table = summary(results)
-    print(f"{'kind':<12} {'requests':>8} {'valid':>6} {'5xx':>4} {'accept len':>10}  finish")
+    print(f"{'kind':<12} {'requests':>8} {'valid':>6} {'5xx':>4} {'closed':>6} "
+          f"{'accept len':>10}  finish")
     for kind, row in table.items():
         accept = row["accept_length_median"]
         print(f"{kind:<12} {row['requests']:>8} {row['valid']:>6} {row['5xx']:>4} "
+              f"{row['grammar_closed']:>6} "
               f"{accept if accept is None else round(accept, 2)!s:>10}  {row['finish']}")
     print(json.dumps({"bench": "grammar_load", "requests": args.requests,
                       "concurrency": args.concurrency, "kinds": table}))
