@@ -81,7 +81,6 @@ def test_a_hostile_schema_is_a_400_naming_the_field_while_others_are_served(
     assert all(load.check("person", r) for r in others)
 
 
-
 # KVV's k3_features requests (tests/k3_features/test_tool_choice.py, test_response_format.py at
 # 3dad65a): no thinking field, so K3 thinks, and the random model never ends its reasoning.
 KVV_WEATHER_TOOL = {"type": "function", "function": {
