@@ -117,7 +117,8 @@ class IngressConfig(_Strict):
     sse_keepalive_s: float | None = Field(default=15.0, gt=0, description=(
         "a streamed answer that has sent nothing for this long gets an SSE comment line, "
         "which clients skip and read timeouts (the client's, a proxy's) count as traffic: a "
-        "typed tool argument is sent whole once it closes, and may take minutes; null: none"))
+        "typed tool argument that no grammar holds to JSON is sent whole once it closes, and "
+        "may take minutes; null: none"))
     replicas: int = Field(default=1, ge=1, description="ingress replicas (each runs its own "
                           "router admission stage, a hint; the target replicas' own ledgers "
                           "decide, so several never over-commit one: docs/router.md)")

@@ -241,26 +241,33 @@ def test_streamed_tool_call_deltas_name_the_call_once(server: tuple[str, Any]) -
     assert json.loads(args) == {"city": '北京 "centre"', "days": 3}
 
 
-def test_a_stream_silent_inside_a_typed_argument_is_kept_alive(
-        server: tuple[str, Any], client: openai.OpenAI) -> None:
-    """A typed argument's value (here ~120 tokens at 30 ms each) is sent when it closes: the
-    stream sends SSE comments meanwhile, every KEEPALIVE_S of silence, which the openai client
-    skips; a stream whose tokens each add a delta, at the same pace, sends none."""
+def test_a_silent_stream_is_kept_alive(server: tuple[str, Any]) -> None:
+    """Tokens that add no delta (here a tools section the request declared no tools for, ~150
+    tokens at 30 ms each, dropped) are silence on the wire: the stream sends SSE comments
+    meanwhile, every KEEPALIVE_S, which SSE clients skip; a stream whose tokens each add a
+    delta, at the same pace, sends none."""
     def comments(script: str) -> list[str]:
         with httpx.stream("POST", server[0] + "/v1/chat/completions", timeout=60,
-                          json=ask(script, 1, tools=[WEATHER], stream=True)) as resp:
+                          json=ask(script, 1, stream=True)) as resp:
             return [line for line in resp.iter_lines() if line.startswith(":")]
     silent = comments("object/1/0.03")
     assert len(silent) >= 2 and set(silent) == {": keep-alive"}
     assert comments("think/1/0.03") == []
-    stream = client.chat.completions.create(**ask("object/1/0.03"), tools=[WEATHER],
-                                            stream=True)
-    args = "".join(c.choices[0].delta.tool_calls[0].function.arguments or ""
-                   for c in stream if c.choices and c.choices[0].delta.tool_calls)
+
+
+def test_typed_values_under_a_tool_grammar_stream_as_they_are_written(
+        client: openai.OpenAI) -> None:
+    """The server's tool strictness makes WEATHER strict, so the request carries a tool
+    grammar, which holds typed values to JSON: an object value streams in many fragments (not
+    whole at its close), and they concatenate to the non-streamed arguments."""
+    stream = client.chat.completions.create(**ask("object", 1), tools=[WEATHER], stream=True)
+    fragments = [c.choices[0].delta.tool_calls[0].function.arguments or ""
+                 for c in stream if c.choices and c.choices[0].delta.tool_calls]
+    assert len(fragments) >= 30  # ~150 value tokens, a fragment each
     whole = client.chat.completions.create(**ask("object", 1000), tools=[WEATHER])
-    assert json.loads(args) == json.loads(whole.choices[0].message.tool_calls[0].function
-                                          .arguments) == {"city": {"rows": [
-                                              {"n": i} for i in range(30)]}}
+    arguments = whole.choices[0].message.tool_calls[0].function.arguments
+    assert "".join(fragments) == arguments
+    assert json.loads(arguments) == {"city": {"rows": [{"n": i} for i in range(30)]}}
 
 
 def test_tool_choice_none_delivers_no_call_and_no_xtml(client: openai.OpenAI) -> None:

@@ -85,9 +85,11 @@ class Run:
     events: list[OutputEvent]
 
 
-def run(chunks: list[list[int]], *, thinking: bool = True, tools: bool = True) -> Run:
+def run(chunks: list[list[int]], *, thinking: bool = True, tools: bool = True,
+        json_values: bool = False) -> Run:
     parser = XTMLOutputParser(
-        CONTROLS, token_bytes, thinking=thinking, tools_allowed=tools, is_special=is_special
+        CONTROLS, token_bytes, thinking=thinking, tools_allowed=tools, is_special=is_special,
+        json_values=json_values,
     )
     events: list[OutputEvent] = []
     for chunk in chunks:
@@ -308,6 +310,26 @@ def test_tool_calls_typed_json_block_and_empty() -> None:
     for call in calls:
         assert r.calls[call.index] == (call.name, call.arguments, True)
     assert sum(isinstance(e, ToolCallStart) for e in r.events) == 3
+
+
+def test_typed_values_a_grammar_holds_to_json_stream_as_written() -> None:
+    """json_values (a tool grammar holds every typed value to JSON): a value streams a
+    fragment per token instead of whole at its close, and the call's arguments are the same
+    JSON, in every chunking."""
+    held_call = CALL_TYPED.split('<|open|>argument key="bad"')[0] + "<|close|>call<|sep|>"
+    out = ids(tools_output(held_call))
+    streamed = run([[t] for t in out], json_values=True)
+    buffered = run([[t] for t in out])
+    expected = {k: v for k, v in TYPED_ARGS.items() if k not in ("bad", "nan")}
+    for r in (streamed, buffered):
+        check_consistent(r)
+        assert json.loads(r.summary[2][0].arguments) == expected and r.summary[2][0].complete
+    obj = '{"a": [1, 2], "b": "x"}'
+    fragments = [e.fragment for e in streamed.events if isinstance(e, ToolCallArguments)]
+    assert obj not in fragments and len(obj) <= len(fragments) - len(
+        [e for e in buffered.events if isinstance(e, ToolCallArguments)])
+    assert obj in [e.fragment for e in buffered.events if isinstance(e, ToolCallArguments)]
+    assert key(run([out], json_values=True)) == key(streamed)
 
 
 def test_two_calls_indices_and_streamed_fragments() -> None:

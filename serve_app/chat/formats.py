@@ -116,8 +116,10 @@ class K3Format:
     def output(self, plan: ChatPlan) -> ChatOutput:
         assert plan.k3 is not None
         tok = self.tokenizer
-        parser = XTMLOutputParser(self.controls, tok.token_bytes, thinking=plan.k3.thinking,
-                                  tools_allowed=plan.k3.tools_allowed, is_special=tok.is_special)
+        parser = XTMLOutputParser(
+            self.controls, tok.token_bytes, thinking=plan.k3.thinking,
+            tools_allowed=plan.k3.tools_allowed, is_special=tok.is_special,
+            json_values=plan.grammar is not None and plan.grammar.kind == "tool_call")
         return XTMLOutput(parser, plan.k3.thinking, frozenset(plan.k3.tool_names))
 
 

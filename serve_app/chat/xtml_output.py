@@ -23,7 +23,8 @@ Decisions worth knowing (none of them raises; any id sequence parses):
 - A call body is either typed arguments or one json block, whichever comes first; an element of
   the other kind (or a second json block) is dropped, so the arguments stay one JSON value.
   An argument without `key` uses ""; one without `type` is a string (as SGL); any type but
-  `string` is decoded as JSON. A json block's text is passed through unchecked.
+  `string` is decoded as JSON at its close (or, when the request's grammar holds it to JSON,
+  passed through as it streams). A json block's text is passed through unchecked.
 """
 
 from __future__ import annotations
@@ -100,11 +101,13 @@ class _Ctx(Enum):
     CALL = auto()  # inside a call, outside any value
     ARG_STRING = auto()  # a string argument: streamed as a JSON string
     ARG_VALUE = auto()  # a typed argument: buffered, decoded as JSON at its close
+    ARG_JSON = auto()  # a typed argument the request's grammar holds to JSON: streamed as is
     JSON_BLOCK = auto()  # a raw json body: streamed as is
     DONE = auto()  # the message ended: everything is ignored
 
 
-_IN_CALL = frozenset({_Ctx.CALL, _Ctx.ARG_STRING, _Ctx.ARG_VALUE, _Ctx.JSON_BLOCK})
+_IN_CALL = frozenset({_Ctx.CALL, _Ctx.ARG_STRING, _Ctx.ARG_VALUE, _Ctx.ARG_JSON,
+                      _Ctx.JSON_BLOCK})
 
 
 @dataclass
@@ -154,8 +157,14 @@ class XTMLOutputParser:
         thinking: bool,
         tools_allowed: bool,
         is_special: Callable[[int], bool] | None = None,
+        json_values: bool = False,
     ) -> None:
+        """`json_values`: the request's grammar holds every typed argument value to JSON (a
+        tool grammar, either engine), so values stream as they are written; otherwise each is
+        buffered to its close, where one that is not JSON becomes a string (an agent waits
+        for a long typed value whole: vllm #50604)."""
         self._controls = controls
+        self._json_values = json_values
         self._control_ids = frozenset(
             (controls.open, controls.close, controls.sep, controls.end_of_msg)
         )
@@ -277,6 +286,8 @@ class XTMLOutputParser:
             self._fragment(json.dumps(text, ensure_ascii=False)[1:-1])
         elif ctx is _Ctx.ARG_VALUE:
             self._value.append(text)
+        elif ctx is _Ctx.ARG_JSON:
+            self._fragment(text)
         elif ctx is _Ctx.JSON_BLOCK:
             assert self._call is not None
             self._call.json_text = self._call.json_text or not text.isspace()
@@ -378,7 +389,7 @@ class XTMLOutputParser:
             else:
                 self._fragment(prefix + ": ")
                 self._value = []
-                self._ctx = _Ctx.ARG_VALUE
+                self._ctx = _Ctx.ARG_JSON if self._json_values else _Ctx.ARG_VALUE
         elif ctx is _Ctx.CALL and opens and name == "json" and call.body is None:
             call.body = "json"
             self._ctx = _Ctx.JSON_BLOCK
@@ -389,6 +400,6 @@ class XTMLOutputParser:
             self._fragment(_json_value("".join(self._value)))
             self._value = []
             self._ctx = _Ctx.CALL
-        elif not opens and name == "json" and ctx is _Ctx.JSON_BLOCK:
+        elif not opens and (name, ctx) in (("argument", _Ctx.ARG_JSON), ("json", _Ctx.JSON_BLOCK)):
             self._ctx = _Ctx.CALL
         return False
