@@ -38,9 +38,15 @@ from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.reference.sampling import target_probs
 from serve_app.engines.types import SamplingParams
 from serve_app.grammar.closing import ClosingPaths
-from serve_app.grammar.compiler import MAX_REF_DEPTH, GrammarCompiler, GrammarError, ll_tokenizer
+from serve_app.grammar.compiler import (
+    MAX_REF_DEPTH,
+    GrammarCompiler,
+    GrammarError,
+    allowed_bits,
+    ll_tokenizer,
+)
 from serve_app.grammar.lark import json_rule
-from serve_app.grammar.matchers import GrammarStates, allowed_bits
+from serve_app.grammar.matchers import GrammarStates
 from serve_app.grammar.recursion import bound_recursion
 from serve_app.grammar.spec import GrammarSpec, ToolSpec
 from serve_app.models.dspark import DraftOutput

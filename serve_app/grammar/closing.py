@@ -23,8 +23,7 @@ import numpy as np
 import torch
 from llguidance import LLMatcher
 
-from serve_app.grammar.compiler import vocabulary_bytes, vocabulary_special
-from serve_app.grammar.matchers import allowed_bits
+from serve_app.grammar.compiler import allowed_bits, vocabulary_bytes, vocabulary_special
 from serve_app.tokenizer import Tokenizer
 
 LIMIT = 256

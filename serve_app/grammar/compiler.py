@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import llguidance
+import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from serve_app.grammar.lark import json_rule, lark_grammar
@@ -92,6 +93,12 @@ def vocabulary_bytes(tokenizer: Tokenizer, i: int) -> bytes:
         return tokenizer.token_bytes(i)
     except Exception:
         return b""
+
+
+def allowed_bits(matcher: LLMatcher, vocab_size: int) -> np.ndarray:
+    """The matcher's allowed next ids as 0/1 bytes [vocab_size] (llguidance packs them)."""
+    return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                         bitorder="little")[:vocab_size]
 
 
 def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos: Iterable[int]) -> LLTokenizer:

@@ -27,14 +27,13 @@ import contextlib
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-import numpy as np
 import torch
 from llguidance import LLMatcher
 
-if TYPE_CHECKING:
-    from serve_app.grammar.closing import ClosingPaths
+from serve_app.grammar.closing import ClosingPaths
+from serve_app.grammar.compiler import allowed_bits
 
 # The zones start this many tokens early: a path can grow by a few tokens in one step (a
 # string's escape, a number's exponent) even where nothing new may be opened.
@@ -42,12 +41,6 @@ CLOSE_MARGIN = 8
 # How often (in tokens) a request far from its budget's end looks at its closing path again:
 # a path grows by what the model opens, which a check this often sees in time.
 RECHECK_TOKENS = 32
-
-
-def allowed_bits(matcher: LLMatcher, vocab_size: int) -> np.ndarray:
-    """The matcher's allowed next ids as 0/1 bytes [vocab_size] (llguidance packs them)."""
-    return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
-                         bitorder="little")[:vocab_size]
 
 
 class GrammarFault(RuntimeError):
