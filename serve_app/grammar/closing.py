@@ -5,7 +5,8 @@ writes a free string, a number or an array until `max_tokens` gets an unterminat
 (`finish_reason: length`), as from every server. With `engine.reference.grammar_budget:
 close` the engine instead reserves the end of the budget for finishing the answer
 (matchers.py): near the end the model may open nothing new, then the answer's closing path is
-forced, and the request reports `finish_reason: length` (the budget shaped it).
+forced. The answer ends complete, with its own finish reason, and its response says
+`grammar_closed: true` (the budget shaped it).
 
 `ClosingPaths.path` walks a copy of the matcher to an accepting state, choosing at each step
 the token that most plainly makes progress: what the grammar forces; a control token that

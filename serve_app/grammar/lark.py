@@ -164,7 +164,8 @@ _K3_COMMON = [
 def lark_grammar(spec: GrammarSpec, relaxed: frozenset[str] = frozenset()) -> str:
     """The grammar text. `relaxed`: tools whose schemas are not enforced (they failed to
     compile; compiler.py) — their calls keep the structure with free arguments."""
-    answer = json_rule(spec.answer_schema) if spec.answer_schema is not None else None
+    schema = spec.answer_schema
+    answer = json_rule(schema) if schema is not None else None
     if spec.chat_format == "plain":
         assert answer is not None
         return f"start: {answer}\n"
