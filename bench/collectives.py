@@ -71,7 +71,7 @@ def _ops(rank: int, world: int, port: int, host_memory: bool, n: int, rounds: in
 
 
 def _decode_job(engine: Any, prompts: list[list[int]], tokens: int) -> dict[str, float]:
-    from serve_app.engines.types import SamplingParams
+    from serve_app.protocol.generation import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     engine.generate(prompts[:1], params)  # warm

@@ -63,10 +63,10 @@ from serve_app.config import ReferenceEngineConfig, SpeculationConfig  # noqa: E
 from serve_app.embedded import DRAFT, TARGET, TOKENIZER, heldout_prompt_ids  # noqa: E402
 from serve_app.engines.reference.builder import build_engine, build_runner  # noqa: E402
 from serve_app.engines.reference.engine import EngineCore  # noqa: E402
-from serve_app.engines.types import RequestOutput, SamplingParams  # noqa: E402
 from serve_app.grammar.compiler import GrammarCompiler, GrammarError, ll_tokenizer  # noqa: E402
 from serve_app.grammar.matchers import GrammarFault, GrammarStates  # noqa: E402
-from serve_app.grammar.spec import GrammarSpec  # noqa: E402
+from serve_app.protocol.generation import RequestOutput, SamplingParams  # noqa: E402
+from serve_app.protocol.grammar import GrammarSpec  # noqa: E402
 from serve_app.tokenizer import Tokenizer, load_tokenizer, stop_token_ids  # noqa: E402
 
 K3_VOCAB = 163_840

@@ -326,6 +326,7 @@ def main() -> None:
         sys.exit(f"--questions: at most {len(QUESTIONS)}")
     wall0 = time.perf_counter()
 
+    from serve_app.chat.jinja_render import apply_chat_template
     from serve_app.config import context_length
     from serve_app.tokenizer import load_tokenizer
 
@@ -337,7 +338,7 @@ def main() -> None:
     ctx = context_length(cfg)
     doc = _document(tokenizer, args.doc_tokens)
     questions = QUESTIONS[:args.questions]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": _message(doc, q)}])
+    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": _message(doc, q)}])
                for q in questions]
     longest = max(len(p) for p in prompts)
     if longest + args.max_tokens > ctx:
@@ -362,7 +363,7 @@ def main() -> None:
 
     settings = variants[2].config.router.settings(cfg.engine.backend, ctx)
     mean_prompt = round(statistics.fmean(len(p) for p in prompts))
-    warm_tokens = len(tokenizer.apply_chat_template([{"role": "user",
+    warm_tokens = len(apply_chat_template(tokenizer, [{"role": "user",
                                                       "content": warm_text}]))
     # The simulator has one block size, for the router's index and the engine's cache alike;
     # the engine caches page_size pages, the router hashes block_size blocks. The comparison

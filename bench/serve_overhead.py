@@ -86,7 +86,7 @@ def _stub_apps(stub_ms: float, raw_config: dict[str, Any]) -> tuple[Any, Any]:
     from fastapi import FastAPI, Request
     from ray import serve
 
-    from serve_app.engines.types import RequestOutput
+    from serve_app.protocol.generation import RequestOutput
     from serve_app.serving.ingress import OpenAIIngress
 
     @serve.deployment(ray_actor_options={"num_cpus": 0.1})
@@ -225,7 +225,7 @@ def main() -> None:
     from serve_app.config import AppConfig
     from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
     from serve_app.engines.reference.builder import build_engine, build_runner
-    from serve_app.engines.types import GenerateRequest, SamplingParams
+    from serve_app.protocol.generation import GenerateRequest, SamplingParams
     from serve_app.tokenizer import load_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="serve-overhead-"))

@@ -17,8 +17,8 @@ from ray.serve import Application
 
 from serve_app.chat.formats import chat_format_for
 from serve_app.config import AppConfig, ConfigError, model_configs
-from serve_app.engines.types import Role
 from serve_app.models.dspark_config import check_pair
+from serve_app.protocol.generation import Role
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.target import TargetReplica
 from serve_app.tokenizer import load_tokenizer

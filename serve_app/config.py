@@ -22,12 +22,12 @@ from pydantic import (
 from capacity.config import Parallelism
 from capacity.sglang_recipe import SGLANG_OPTIONAL as _SGO
 from capacity.sglang_recipe import SGLANG_SECTION as _SG
-from serve_app.grammar.spec import ToolStrictLevel
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kimi_config import KimiConfig
 from serve_app.models.target_config import load_target_config
 from serve_app.observability.tracing import TracingConfig
+from serve_app.protocol.grammar import ToolStrictLevel
 from serve_app.routing.settings import RouterSettings
 
 ASSETS = Path(__file__).parent / "assets"

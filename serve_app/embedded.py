@@ -33,7 +33,7 @@ def heldout_prompts() -> dict[str, list]:
 def chat_prompt_ids(tokenizer: Tokenizer, request: dict[str, Any]) -> list[int]:
     """A chat request's prompt ids as the ingress makes them (its chat format's plan)."""
     from serve_app.chat.formats import chat_format_for
-    from serve_app.serving.protocol import ChatCompletionRequest
+    from serve_app.protocol.openai import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"model": "embedded", **request})
     return encode_segments(tokenizer, chat_format_for(tokenizer).plan(body).segments)

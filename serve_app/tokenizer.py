@@ -21,8 +21,6 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer as HFTokenizerModel
 
-from serve_app.chat.jinja_render import JinjaChat
-from serve_app.chat.segments import encode_segments
 from serve_app.tokenizer_tiktoken import TikTokenTokenizer
 
 EMBEDDED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"
@@ -91,7 +89,6 @@ class HFTokenizer:
         self._plain.encode_special_tokens = True
         self.special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()
                             if t.special}
-        self.specials = list(self.special_ids)
         self._special_set = frozenset(self.special_ids.values())
         # The most UTF-8 bytes one token stands for: a text of B bytes has at least
         # B / max_token_bytes tokens, so over-long prompts are refused before tokenizing.
@@ -128,23 +125,6 @@ class HFTokenizer:
         if token_id in self._special_set or any(c not in _BYTE_OF for c in piece):
             return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
         return bytes(_BYTE_OF[c] for c in piece)
-
-    def _jinja(self) -> JinjaChat:
-        if self.chat_template is None:
-            raise ValueError("tokenizer_config.json has no chat_template")
-        return JinjaChat(self.chat_template, self.specials)
-
-    def render_chat(self, messages: Sequence[Mapping[str, str]],
-                    add_generation_prompt: bool = True) -> str:
-        """The template's text of a plain conversation, contents inline (the training corpus,
-        tests)."""
-        return self._jinja().render(messages, add_generation_prompt)
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a plain conversation through this folder's Jinja template (the
-        training corpus and tests; the server goes through its chat format)."""
-        return encode_segments(self, self._jinja().segments(messages, add_generation_prompt))
 
 
 def load_tokenizer(path: str | os.PathLike[str] = EMBEDDED_TOKENIZER) -> Tokenizer:

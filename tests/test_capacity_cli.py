@@ -334,7 +334,7 @@ def test_every_emitted_fleet_passes_the_apps_startup_checks(
     from serve_app.config import AppConfig
     from serve_app.engines.sglang.checks import startup_problems
     from serve_app.engines.sglang.engine import SGLangEngine
-    from serve_app.engines.types import EngineUnavailable
+    from serve_app.protocol.generation import EngineUnavailable
 
     tried = {}
     for kv in ("bf16", "fp8"):

@@ -11,7 +11,7 @@ import pytest
 from serve_app.chat.formats import K3Format, chat_format_for
 from serve_app.chat.segments import encode_segments
 from serve_app.embedded import TOKENIZER, heldout_prompts
-from serve_app.serving.protocol import ChatCompletionRequest
+from serve_app.protocol.openai import ChatCompletionRequest
 from serve_app.tokenizer import load_tokenizer
 from serve_app.training.conversations import (
     KINDS,

@@ -35,7 +35,7 @@ from serve_app.engines.reference.sampling import (
     verify_drafts,
 )
 from serve_app.engines.reference.sequence import Sequence
-from serve_app.engines.types import (
+from serve_app.protocol.generation import (
     EngineUnavailable,
     GenerateRequest,
     RequestFailed,
@@ -616,7 +616,7 @@ async def test_a_grammar_that_does_not_compile_in_time_is_refused_naming_its_fie
     llguidance's limits, tests/test_grammar.py.)"""
     import serve_app.engines.reference.async_engine as async_module
     from serve_app.grammar.compiler import GrammarStats
-    from serve_app.grammar.spec import GrammarSpec
+    from serve_app.protocol.grammar import GrammarSpec
 
     release = threading.Event()
 

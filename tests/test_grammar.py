@@ -36,7 +36,6 @@ from serve_app.chat.xtml_output import XTMLControls, XTMLOutputParser
 from serve_app.config import ReferenceEngineConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.reference.sampling import target_probs
-from serve_app.engines.types import SamplingParams
 from serve_app.grammar.closing import ClosingPaths
 from serve_app.grammar.compiler import (
     MAX_REF_DEPTH,
@@ -48,10 +47,11 @@ from serve_app.grammar.compiler import (
 from serve_app.grammar.lark import json_rule
 from serve_app.grammar.matchers import GrammarStates
 from serve_app.grammar.recursion import bound_recursion
-from serve_app.grammar.spec import GrammarSpec, ToolSpec
 from serve_app.models.dspark import DraftOutput
 from serve_app.models.k3_paged import PagedK3
 from serve_app.models.k3_weights import load_k3
+from serve_app.protocol.generation import SamplingParams
+from serve_app.protocol.grammar import GrammarSpec, ToolSpec
 from serve_app.tokenizer import Tokenizer, load_tokenizer, stop_token_ids
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
@@ -570,7 +570,7 @@ def test_a_rolled_back_window_masks_as_a_matcher_that_never_saw_it() -> None:
     held-out json_object conversation, sampled at K3's parameters with speculation)."""
     from serve_app.chat.formats import chat_format_for
     from serve_app.embedded import TARGET, TOKENIZER
-    from serve_app.serving.protocol import ChatCompletionRequest
+    from serve_app.protocol.openai import ChatCompletionRequest
 
     tokenizer = load_tokenizer(TOKENIZER)
     vocab = json.loads((TARGET / "config.json").read_text())["text_config"]["vocab_size"]

@@ -227,7 +227,7 @@ async def test_the_async_engines_hand_over_while_other_requests_decode(
     import asyncio
 
     from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
-    from serve_app.engines.types import GenerateRequest
+    from serve_app.protocol.generation import GenerateRequest
 
     agg = engine_from(pair)
     first, second = prompts()[1], prompts()[2]

@@ -13,10 +13,11 @@ import pytest
 from ray import serve
 from tiny_models import served, write_k3_serving_pair
 
+from serve_app.chat.jinja_render import apply_chat_template
 from serve_app.config import AppConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
-from serve_app.engines.types import SamplingParams
 from serve_app.models.k3_paged import PagedK3
+from serve_app.protocol.generation import SamplingParams
 from serve_app.tokenizer import load_tokenizer
 
 MODEL = "mini-k3-dspark"
@@ -70,7 +71,7 @@ def test_streams_the_hybrid_pair_with_acceptance_stats(server: Any, client: open
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = chunks[-1].usage
     # TP 2 in the replica == TP 1 in this process (greedy).
-    expected = engine.generate([tokenizer.apply_chat_template(messages)],
+    expected = engine.generate([apply_chat_template(tokenizer, messages)],
                                SamplingParams(temperature=0, max_tokens=24))[0]
     assert text == expected.text
     assert usage is not None and usage.completion_tokens == expected.completion_tokens

@@ -14,7 +14,7 @@ from serve_app.chat.formats import K3Format
 from serve_app.chat.parameters import sampling_values
 from serve_app.chat.segments import Segment, encode_segments
 from serve_app.chat.xtml_render import MARKERS, HistoryCall, Message, RenderOptions, render
-from serve_app.serving.protocol import ChatCompletionRequest, OpenAIError
+from serve_app.protocol.openai import ChatCompletionRequest, OpenAIError
 from serve_app.tokenizer import load_tokenizer
 
 

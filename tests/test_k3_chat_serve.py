@@ -27,9 +27,9 @@ from serve_app.chat.formats import K3Format
 from serve_app.chat.segments import encode_segments
 from serve_app.chat.xtml_render import MARKERS
 from serve_app.config import AppConfig
-from serve_app.engines.types import GenerateRequest, RequestOutput
+from serve_app.protocol.generation import GenerateRequest, RequestOutput
+from serve_app.protocol.openai import ChatCompletionRequest
 from serve_app.serving.ingress import OpenAIIngress
-from serve_app.serving.protocol import ChatCompletionRequest
 from serve_app.tokenizer import load_tokenizer
 
 MODEL = "k3-format"

@@ -14,9 +14,9 @@ from serve_app.chat.formats import chat_format_for
 from serve_app.chat.parameters import K3_TEMPERATURE, K3_TOP_P
 from serve_app.demo import LOCAL_YAML, run_demo
 from serve_app.embedded import chat_prompt_ids
-from serve_app.engines.types import SamplingParams
 from serve_app.netutil import free_port
-from serve_app.serving.protocol import ChatCompletionRequest
+from serve_app.protocol.generation import SamplingParams
+from serve_app.protocol.openai import ChatCompletionRequest
 from serve_app.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from tiny_models import fake_gpu_cluster, write_tiny_serving_pair
 from serve_app.app import build_app
 from serve_app.config import AppConfig, ReferenceEngineConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
-from serve_app.engines.types import GenerateRequest, SamplingParams
+from serve_app.protocol.generation import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,10 @@ from ray import serve
 from tiny_models import served, write_tiny_serving_pair
 
 from serve_app.app import ConfigError, validate
+from serve_app.chat.jinja_render import apply_chat_template
 from serve_app.config import AppConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
-from serve_app.engines.types import SamplingParams
+from serve_app.protocol.generation import SamplingParams
 from serve_app.tokenizer import load_tokenizer
 
 MODEL = "tiny-kimi-dspark"
@@ -76,12 +77,12 @@ def test_chat_completion_matches_the_engine(client: openai.OpenAI, direct: Any) 
     messages = [{"role": "user", "content": "def hello(name):"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
                                           temperature=0)
-    expected = engine.generate([tokenizer.apply_chat_template(messages)],
+    expected = engine.generate([apply_chat_template(tokenizer, messages)],
                                SamplingParams(temperature=0, max_tokens=24))[0]
     assert resp.choices[0].message.content == expected.text
     assert resp.choices[0].finish_reason == expected.finish_reason
     assert resp.usage.completion_tokens == expected.completion_tokens
-    assert resp.usage.prompt_tokens == len(tokenizer.apply_chat_template(messages))
+    assert resp.usage.prompt_tokens == len(apply_chat_template(tokenizer, messages))
     extra = resp.usage.model_extra
     assert extra["spec_verify_ct"] >= 1
     # SGLang's definition: completion tokens per verify step (the bonus token included).

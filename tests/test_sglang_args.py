@@ -31,7 +31,7 @@ from serve_app.engines.sglang.checks import (
 )
 from serve_app.engines.sglang.output import OutputTracker, RequestAborted
 from serve_app.engines.spec_stats import SpecStats
-from serve_app.engines.types import SamplingParams
+from serve_app.protocol.generation import SamplingParams
 
 PRODUCTION = "deployments/kimi_dspark.yaml"
 SGLANG_SRC = Path(os.environ.get("SGLANG_SRC", "/tmp/pkgs/sg/sglang"))

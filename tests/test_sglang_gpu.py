@@ -72,7 +72,7 @@ def target() -> Any:
 
 
 def test_stream_spec_stats_capacity_health_abort(target: Any) -> None:
-    from serve_app.engines.types import GenerateRequest, SamplingParams
+    from serve_app.protocol.generation import GenerateRequest, SamplingParams
 
     handle, _ = target
     capacity = handle.capacity.remote().result()

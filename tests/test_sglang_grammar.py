@@ -23,8 +23,8 @@ from serve_app.engines.sglang import grammar
 from serve_app.engines.sglang.args import _MANAGED, sampling_params, sglang_server_args
 from serve_app.engines.sglang.checks import check_server_args
 from serve_app.engines.sglang.grammar import sglang_constraint
-from serve_app.engines.types import SamplingParams
-from serve_app.grammar.spec import GrammarSpec, ToolSpec
+from serve_app.protocol.generation import SamplingParams
+from serve_app.protocol.grammar import GrammarSpec, ToolSpec
 
 SGLANG_SRC = Path(os.environ.get("SGLANG_SRC", "/tmp/pkgs/sg/sglang"))
 PRODUCTION = "deployments/kimi_dspark.yaml"

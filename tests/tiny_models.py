@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from serve_app.grammar.spec import GrammarSpec, ToolSpec
 from serve_app.models.dspark import DSparkDraft, save_dspark
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_config import KimiConfig
 from serve_app.models.kimi_weights import save_kimi
+from serve_app.protocol.grammar import GrammarSpec, ToolSpec
 
 
 def tiny_target_config(vocab_size: int = 64, **overrides: Any) -> KimiConfig:

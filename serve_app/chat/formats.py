@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from serve_app.chat import k3_request
-from serve_app.chat.jinja_render import JinjaChat
+from serve_app.chat.jinja_render import template_chat
 from serve_app.chat.k3_request import K3Request
 from serve_app.chat.output import ChatOutput, PlainOutput, XTMLOutput
 from serve_app.chat.segments import Segment
@@ -26,8 +26,8 @@ from serve_app.chat.xtml_render import (
     RenderError,
     render,
 )
-from serve_app.grammar.spec import GrammarSpec, ToolStrictLevel
-from serve_app.serving.protocol import CHAT_FORMAT_FIELDS, ChatCompletionRequest, OpenAIError
+from serve_app.protocol.grammar import GrammarSpec, ToolStrictLevel
+from serve_app.protocol.openai import CHAT_FORMAT_FIELDS, ChatCompletionRequest, OpenAIError
 from serve_app.tokenizer import Tokenizer
 
 
@@ -58,8 +58,7 @@ class JinjaFormat:
     name = "jinja"
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        assert tokenizer.chat_template is not None
-        self.chat = JinjaChat(tokenizer.chat_template, list(tokenizer.special_ids))
+        self.chat = template_chat(tokenizer)
 
     def plan(self, body: ChatCompletionRequest) -> ChatPlan:
         # A JSON response_format needs nothing of the template: the grammar makes the whole

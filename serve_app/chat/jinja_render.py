@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from serve_app.chat.segments import Segment, control, text
+from serve_app.chat.segments import Segment, control, encode_segments, text
+from serve_app.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
 
@@ -67,3 +68,25 @@ class JinjaChat:
                                  f"{json.dumps(forged[0])}, which this chat template cannot "
                                  "keep as text")
         return [control(self.render(messages, add_generation_prompt))]
+
+
+def template_chat(tokenizer: Tokenizer) -> JinjaChat:
+    """The tokenizer folder's own Jinja template (ValueError when it ships none)."""
+    if tokenizer.chat_template is None:
+        raise ValueError("tokenizer_config.json has no chat_template")
+    return JinjaChat(tokenizer.chat_template, list(tokenizer.special_ids))
+
+
+def render_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]],
+                add_generation_prompt: bool = True) -> str:
+    """The template's text of a plain conversation, contents inline (the training corpus,
+    tests)."""
+    return template_chat(tokenizer).render(messages, add_generation_prompt)
+
+
+def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]],
+                        add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a plain conversation through the folder's Jinja template (the training
+    corpus, tests and benches; the server goes through its chat format)."""
+    return encode_segments(tokenizer, template_chat(tokenizer).segments(
+        messages, add_generation_prompt))

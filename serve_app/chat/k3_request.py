@@ -17,8 +17,8 @@ from jsonschema import Draft7Validator, Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from serve_app.chat.xtml_render import EFFORTS, HistoryCall, Message, RenderOptions
-from serve_app.grammar.spec import GrammarSpec, ToolSpec, ToolStrictLevel
-from serve_app.serving.protocol import ChatCompletionRequest, ChatMessage, OpenAIError, quote
+from serve_app.protocol.grammar import GrammarSpec, ToolSpec, ToolStrictLevel
+from serve_app.protocol.openai import ChatCompletionRequest, ChatMessage, OpenAIError, quote
 
 TOOL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_-]{0,255}")
 # OpenAI's documented limit for one request's functions; dynamic declarations count too.

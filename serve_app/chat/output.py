@@ -19,8 +19,8 @@ from serve_app.chat.xtml_output import (
     ToolCallStart,
     XTMLOutputParser,
 )
-from serve_app.engines.types import RequestOutput
 from serve_app.observability.logs import get_logger
+from serve_app.protocol.generation import RequestOutput
 
 logger = get_logger("chat")
 

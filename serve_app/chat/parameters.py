@@ -5,18 +5,18 @@ samples at, or the 400 that names the field.
 `tests/params` checks them, in both thinking modes): temperature in [0, 1], defaulting to 1.0
 with thinking and 0.6 without; top_p 0.95 (unset, or OpenAI SDKs' 1.0, is taken as 0.95).
 presence/frequency penalties other than 0 and n other than 1 are refused for every model
-(serving/protocol.py). `open` lets through any value OpenAI allows.
+(protocol/openai.py). `open` lets through any value OpenAI allows.
 """
 
 from __future__ import annotations
 
-from serve_app.serving.protocol import OpenAIError, _Request, quote
+from serve_app.protocol.openai import OpenAIError, OpenAIRequest, quote
 
 K3_TOP_P = 0.95
 K3_TEMPERATURE = {True: 1.0, False: 0.6}
 
 
-def sampling_values(policy: str, body: _Request, thinking: bool) -> tuple[float, float]:
+def sampling_values(policy: str, body: OpenAIRequest, thinking: bool) -> tuple[float, float]:
     """(temperature, top_p) for this request under the policy."""
     if policy == "open":
         return body.temperature, body.top_p

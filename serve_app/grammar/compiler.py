@@ -26,7 +26,7 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from serve_app.grammar.lark import json_rule, lark_grammar
 from serve_app.grammar.recursion import bound_recursion
-from serve_app.grammar.spec import GrammarSpec, ToolSpec
+from serve_app.protocol.grammar import GrammarSpec, ToolSpec
 from serve_app.tokenizer import Tokenizer
 
 # Bounds on one grammar's work (llguidance's defaults, lower where they cost memory): a mask

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serve_app.grammar.spec import XTML_TYPE, GrammarSpec, ToolSpec
+from serve_app.protocol.grammar import XTML_TYPE, GrammarSpec, ToolSpec
 
 # The JSON compiler's options: compact, and strict about keywords it cannot enforce (a schema
 # it would only half-enforce is an error for response_format; tools fall back, compiler.py).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from serve_app.engines.types import GenerateRequest
+from serve_app.protocol.generation import GenerateRequest
 
 
 def _chosen(pending: PendingRequest | None) -> str | None:

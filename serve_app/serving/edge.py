@@ -17,7 +17,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from serve_app.observability.logs import get_logger
-from serve_app.serving.protocol import OpenAIError
+from serve_app.protocol.openai import OpenAIError
 
 logger = get_logger("ingress")
 

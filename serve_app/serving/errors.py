@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import ray.exceptions
 
-from serve_app.engines.types import EngineUnavailable, RequestFailed
 from serve_app.models.kv_capacity import KVCapacityError
 from serve_app.observability.logs import get_logger
+from serve_app.protocol.generation import EngineUnavailable, RequestFailed
+from serve_app.protocol.openai import OpenAIError
 from serve_app.routing.policy import ClientLimit, QueueFull, RequestTooLarge, RouterError
-from serve_app.serving.protocol import OpenAIError
 
 logger = get_logger("ingress")
 

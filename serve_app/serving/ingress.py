@@ -42,13 +42,24 @@ from serve_app.chat.output import ChatOutput, PlainOutput
 from serve_app.chat.parameters import sampling_values
 from serve_app.chat.segments import encode_segments, text_bytes
 from serve_app.config import AppConfig, context_length
-from serve_app.engines.types import (
+from serve_app.observability.logs import get_logger, install_trace_ids
+from serve_app.observability.request_telemetry import RequestTelemetry
+from serve_app.protocol.generation import (
     GenerateRequest,
     Prefilled,
     RequestOutput,
 )
-from serve_app.observability.logs import get_logger, install_trace_ids
-from serve_app.observability.request_telemetry import RequestTelemetry
+from serve_app.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    OpenAIRequest,
+    new_id,
+    now,
+    quote,
+    usage,
+    validation_error,
+)
 from serve_app.routing.admission import AdmissionStage
 from serve_app.routing.policy import RouterError
 from serve_app.routing.reservation import ReplicaFull
@@ -60,17 +71,6 @@ from serve_app.serving.edge import (
 )
 from serve_app.serving.errors import error_for, router_error, unavailable, unwrap
 from serve_app.serving.health import HealthProbe
-from serve_app.serving.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    _Request,
-    new_id,
-    now,
-    quote,
-    usage,
-    validation_error,
-)
 from serve_app.tokenizer import load_tokenizer
 
 logger = get_logger("ingress")
@@ -419,13 +419,13 @@ class OpenAIIngress:
         client = request.client
         return f"addr-{client.host}" if client else "addr-unknown"
 
-    def _check_model(self, body: _Request) -> None:
+    def _check_model(self, body: OpenAIRequest) -> None:
         if body.model != self.model_name:
             raise OpenAIError(404, f"the model {quote(body.model)} does not exist; this server "
                               f"serves {quote(self.model_name)}", param="model",
                               code="model_not_found")
 
-    async def _tokenize(self, body: _Request) -> Prompt:
+    async def _tokenize(self, body: OpenAIRequest) -> Prompt:
         """Token ids of the prompt, computed off the event loop (a long prompt must not stall
         /health or other requests). A text that cannot fit the context even at the
         tokenizer's most bytes per token is refused without tokenizing it."""
@@ -455,7 +455,7 @@ class OpenAIIngress:
         return Prompt(await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work),
                       plan)
 
-    def _limits(self, body: _Request, prompt_ids: list[int], chat: bool) -> int:
+    def _limits(self, body: OpenAIRequest, prompt_ids: list[int], chat: bool) -> int:
         """max_tokens against this server's limit and the context: the request's max_tokens."""
         ing = self.config.ingress
         max_tokens = body.requested_max_tokens(ing.default_max_tokens)
@@ -474,7 +474,7 @@ class OpenAIIngress:
                 param=param, code="context_length_exceeded")
         return max_tokens
 
-    async def _serve(self, body: _Request, prompt: Prompt, telemetry: RequestTelemetry,
+    async def _serve(self, body: OpenAIRequest, prompt: Prompt, telemetry: RequestTelemetry,
                      client: str) -> Any:
         chat, prompt_ids = prompt.plan is not None, prompt.ids
         max_tokens = self._limits(body, prompt_ids, chat)
@@ -618,7 +618,7 @@ class OpenAIIngress:
             "usage": answer.usage(last),
         }
 
-    async def _sse(self, body: _Request, rid: str, answer: Answer, first: RequestOutput,
+    async def _sse(self, body: OpenAIRequest, rid: str, answer: Answer, first: RequestOutput,
                    lease: Lease, telemetry: RequestTelemetry) -> AsyncIterator[str]:
         created = now()
         chat = answer.chat

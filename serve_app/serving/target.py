@@ -21,17 +21,17 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from serve_app.config import AppConfig, context_length
-from serve_app.engines.types import (
-    Engine,
+from serve_app.engines.interface import Engine
+from serve_app.netutil import free_port
+from serve_app.observability.logs import get_logger, install_trace_ids
+from serve_app.observability.metrics import replica_name
+from serve_app.protocol.generation import (
     EngineUnavailable,
     GenerateRequest,
     Prefilled,
     RequestOutput,
     Role,
 )
-from serve_app.netutil import free_port
-from serve_app.observability.logs import get_logger, install_trace_ids
-from serve_app.observability.metrics import replica_name
 from serve_app.routing.reservation import ReplicaFull, ReplicaLedger, Reservation
 
 if TYPE_CHECKING:  # torch stays out of the ingress's process
@@ -230,7 +230,7 @@ class TargetReplica:
                 async for out in self.engine.generate(request):
                     yield out
                 return
-            result = await self.engine.prefill(request)  # type: ignore[attr-defined]
+            result = await self.engine.prefill(request)
             if isinstance(result, RequestOutput):  # it ended on its first token
                 yield result
                 return
@@ -294,7 +294,7 @@ class TargetReplica:
         self._reserve(rid, caller, reservation, handoff.prompt_ids, handoff.params.max_tokens)
         self._track(caller, rid)
         try:
-            async for out in self.engine.adopt(handoff):  # type: ignore[attr-defined]
+            async for out in self.engine.adopt(handoff):
                 yield out
         finally:
             self._release(caller, rid)
@@ -377,11 +377,9 @@ class TargetReplica:
         # Its node: a disaggregated pair on one node hands over through that node's object
         # store (the router prices a pair across nodes: RouterSettings.handoff_cost).
         info: dict[str, Any] = {"replica": me, "node": self.info[0]["node_id"], **cap}
-        events = getattr(self.engine, "prefix_events", None)
-        if events is not None:
-            prefix = events((prefix_since or {}).get(me, 0))
-            if prefix is not None:
-                info["prefix"] = prefix
+        prefix = self.engine.prefix_events((prefix_since or {}).get(me, 0))
+        if prefix is not None:
+            info["prefix"] = prefix
         if self.ledger is not None:
             # The authoritative reservations, from every ingress (and each one's share): the
             # ingresses' hint of each other's load.

@@ -27,7 +27,7 @@ from typing import Any
 from serve_app.chat import k3_request
 from serve_app.chat.segments import Segment
 from serve_app.chat.xtml_render import assistant_completion, render
-from serve_app.serving.protocol import ChatCompletionRequest
+from serve_app.protocol.openai import ChatCompletionRequest
 from serve_app.training.corpus import SourceFile
 
 # Conversation kinds and their shares of the corpus's conversations.

@@ -18,7 +18,7 @@ from serve_app.engines.reference.builder import (
 )
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams
-from serve_app.grammar.spec import ToolStrictLevel
+from serve_app.protocol.grammar import ToolStrictLevel
 from serve_app.tokenizer import Tokenizer, stop_token_ids
 
 LOOP_NGRAM = 4
@@ -143,7 +143,7 @@ def measure_conversations(target: Path, draft: Path, tokenizer: Tokenizer,
     declared tool with valid arguments; `grammar` constrains as a server at
     `tool_strict_level` would."""
     from serve_app.chat.parameters import K3_TEMPERATURE, K3_TOP_P
-    from serve_app.serving.protocol import ChatCompletionRequest
+    from serve_app.protocol.openai import ChatCompletionRequest
 
     engine = pair_engine(target, draft, True, tokenizer=tokenizer)
     fmt = chat_format_for(tokenizer, tool_strict_level if grammar else "off")

@@ -25,16 +25,18 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from serve_app.engines.interface import Engine
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.handoff import RequestHandoff
-from serve_app.engines.types import (
+from serve_app.engines.reference.telemetry import EngineTelemetry
+from serve_app.models.kv_capacity import KVCapacityError
+from serve_app.protocol.generation import (
     EngineUnavailable,
     GenerateRequest,
     RequestFailed,
     RequestOutput,
     SamplingParams,
 )
-from serve_app.models.kv_capacity import KVCapacityError
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +59,14 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class ReferenceAsyncEngine:
+class ReferenceAsyncEngine(Engine):
+    supports_handoff = True
+
     def __init__(self, core: EngineCore, replica: str = "local",
                  watchdog_s: float | None = None) -> None:
         """`watchdog_s`: a step (or an abort's cache free, which also talks to every rank)
         running longer than this fails the engine; None = no watchdog. Idle time never
         counts."""
-        from serve_app.observability.engine_telemetry import EngineTelemetry
-
         if watchdog_s is not None and not watchdog_s > 0:
             raise ValueError(f"watchdog_s={watchdog_s} must be > 0 (or None: no watchdog)")
         self.core = core

@@ -36,11 +36,11 @@ from serve_app.engines.reference.sampling import (
 from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, Status
 from serve_app.engines.spec_stats import EngineTotals
-from serve_app.engines.types import RequestOutput, is_int
 from serve_app.grammar.closing import ClosingPaths
 from serve_app.grammar.compiler import GrammarCompiler
 from serve_app.grammar.matchers import DraftMasks, GrammarStates
 from serve_app.models.dspark import survival_draft_count
+from serve_app.protocol.generation import RequestOutput, is_int
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve_app.engines.types import SamplingParams
+from serve_app.protocol.generation import SamplingParams
 
 # One rank's share: {"target": named tensors, "draft": named tensors (with a draft)}.
 RankShare = dict[str, dict[str, torch.Tensor]]

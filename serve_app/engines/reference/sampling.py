@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve_app.engines.types import SamplingParams
 from serve_app.models.draw import draw
+from serve_app.protocol.generation import SamplingParams
 
 __all__ = ["SamplingError", "SamplingParams", "Verdict", "constrain", "residual_distribution",
            "sample_token", "target_probs", "verify_drafts"]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from capacity.ray_env import sglang_ray_env
 from capacity.sglang_flags import sglang_fields
 from serve_app.engines.sglang.grammar import sglang_constraint
-from serve_app.engines.types import Role, SamplingParams
+from serve_app.protocol.generation import Role, SamplingParams
 
 if TYPE_CHECKING:
     from serve_app.config import AppConfig

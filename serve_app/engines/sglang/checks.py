@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from capacity.sglang_flags import SGLANG_VERSION, draft_attention_backends, sglang_fields
 from capacity.sglang_recipe import TRANSFER_BACKENDS, pipeline_problem
 from serve_app.engines.sglang.args import runtime_env_vars, sglang_server_args
-from serve_app.engines.types import Role
+from serve_app.protocol.generation import Role
 
 if TYPE_CHECKING:
     from serve_app.config import AppConfig

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from serve_app.engines.interface import Engine
 from serve_app.engines.sglang.args import sampling_params, server_args_cli, sglang_server_args
 from serve_app.engines.sglang.checks import startup_problems
 from serve_app.engines.sglang.kv_events import (
@@ -26,19 +27,19 @@ from serve_app.engines.sglang.kv_events import (
 )
 from serve_app.engines.sglang.output import OutputTracker
 from serve_app.engines.spec_stats import EngineTotals, SpecStats
-from serve_app.engines.types import (
-    EngineUnavailable,
-    GenerateRequest,
-    RequestOutput,
-    Role,
-    SamplingParams,
-)
 from serve_app.netutil import free_port
 from serve_app.observability.metrics import (
     app_metrics,
     record_finished_request,
     replica_name,
     tags,
+)
+from serve_app.protocol.generation import (
+    EngineUnavailable,
+    GenerateRequest,
+    RequestOutput,
+    Role,
+    SamplingParams,
 )
 
 if TYPE_CHECKING:
@@ -115,9 +116,11 @@ class SGLangHandoff:
     bootstrap_room: int
 
 
-class SGLangEngine:
+class SGLangEngine(Engine):
     """One SGLang RayEngine (one target replica) behind the engine interface; in a
     disaggregated app, one side's server (`role`: SGLang's --disaggregation-mode)."""
+
+    supports_handoff = True
 
     def __init__(self, engine: Any, config: AppConfig, server_args: dict[str, Any],
                  kv_events: KVEventSubscriber | None = None) -> None:

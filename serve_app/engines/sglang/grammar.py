@@ -20,7 +20,7 @@ import json
 import logging
 from typing import Any
 
-from serve_app.grammar.spec import JSON_TYPES, XTML_TYPE, GrammarSpec, ToolSpec
+from serve_app.protocol.grammar import JSON_TYPES, XTML_TYPE, GrammarSpec, ToolSpec
 
 logger = logging.getLogger("serve_app.sglang")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.engines.spec_stats import sglang_request_spec
-from serve_app.engines.types import RequestOutput
+from serve_app.protocol.generation import RequestOutput
 
 
 class RequestAborted(ValueError):

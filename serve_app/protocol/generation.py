@@ -1,16 +1,14 @@
-"""The engine interface both backends implement, and the types that cross it.
-
-The ingress and the router see only these: token ids in, committed-token events out.
-"""
+"""The engine-neutral types of a generation: token ids and sampling parameters in,
+committed-token events out, and the two failures an engine reports. Both backends take and
+give these; the engine interface itself is serve_app/engines/interface.py."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from serve_app.grammar.spec import GrammarSpec
+from serve_app.protocol.grammar import GrammarSpec
 
 # Which side of a disaggregated app an engine serves ("both": an aggregated one).
 Role = Literal["both", "prefill", "decode"]
@@ -133,30 +131,3 @@ class RequestFailed(RuntimeError):
     """One request failed inside the engine (e.g. its sampling or stop checks raised); only
     that request was aborted, the engine and every other request carry on. The message is
     shown to clients: no reprs, paths or addresses."""
-
-
-class Engine(Protocol):
-    """One engine = one target replica, whatever the backend."""
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Stream committed tokens; the last event has finished=True and the spec stats.
-        Raises ValueError for a request the engine can never serve (it is not queued)."""
-
-    async def abort(self, request_id: str) -> None: ...
-
-    async def health(self, timeout_s: float) -> None:
-        """Run a real 1-token generation through every rank; raise if it fails or times out."""
-
-    def problem(self) -> str | None:
-        """Why the engine cannot serve right now (loop dead, a step past the watchdog, a
-        recorded failure), or None. Cheap: no generation."""
-
-    def stats(self) -> dict[str, Any]: ...
-
-    def capacity(self) -> dict[str, int]:
-        """KV tokens: kv_tokens_total, kv_tokens_free (and used/reserved/evictable where
-        known); state slots, one per running request: state_slots_total, state_slots_used (and
-        free/reserved where known). Without state_slots_total the router treats slots as
-        unbounded."""
-
-    async def shutdown(self) -> None: ...

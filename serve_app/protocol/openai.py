@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from serve_app.engines.types import SamplingParams
-from serve_app.grammar.spec import GrammarSpec
+from serve_app.protocol.generation import SamplingParams
+from serve_app.protocol.grammar import GrammarSpec
 
 # Bounds that keep every accepted value meaningful to the sampler and the engine (and to
 # SGLang, whose kernels take int32/int64).
@@ -143,7 +143,9 @@ class StreamOptions(_Strictish):
     include_usage: bool | None = None  # None: the chat format's default
 
 
-class _Request(_Strictish):
+class OpenAIRequest(_Strictish):
+    """The fields chat and completion requests share (their sampling, limits and stream)."""
+
     model: Text = Field(max_length=256)
     max_tokens: int | None = Field(default=None, gt=0)
     max_completion_tokens: int | None = Field(default=None, gt=0)
@@ -165,7 +167,7 @@ class _Request(_Strictish):
         return _refuse_unsupported(data)
 
     @model_validator(mode="after")
-    def _stops(self) -> _Request:
+    def _stops(self) -> OpenAIRequest:
         stops = self.stop_list
         if any(not s for s in stops):
             raise ValueError("stop: stop strings must be non-empty")
@@ -249,7 +251,7 @@ CHAT_FORMAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "response_f
                       "thinking", "reasoning_effort", "chat_template_kwargs")
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Any = None
     tool_choice: Any = None
@@ -264,7 +266,7 @@ class ChatCompletionRequest(_Request):
         return name in self.model_fields_set and getattr(self, name) is not None
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(OpenAIRequest):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
     suffix: Text | None = None
