@@ -277,11 +277,11 @@ def mask_ms_by_vocab(texts: dict[str, list[str]], vocabs: dict[str, tuple[Any, T
         for label, (vocab, tok) in vocabs.items():
             compiler = GrammarCompiler(vocab)
             states = GrammarStates(vocab.vocab_size, stop_token_ids(tok))
-            for i, text in enumerate(texts[name]):
-                states.add(i, compiler.matcher(spec), 0, 4096)
+            for text in texts[name]:
+                grammar = states.start(compiler.matcher(spec), 0, 4096)
                 # A tokenization the grammar refuses midway: the masks so far count.
                 with contextlib.suppress(GrammarFault):
-                    states.consume(i, tok.encode_text(text))
+                    grammar.consume(tok.encode_text(text))
             out[name][label] = (1e3 * states.mask_seconds / states.masks_computed
                                 if states.masks_computed else None)
     return out

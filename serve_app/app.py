@@ -17,7 +17,7 @@ from ray.serve import Application
 
 from serve_app.chat.formats import chat_format_for
 from serve_app.config import AppConfig, ConfigError, model_configs
-from serve_app.models.dspark_config import check_pair
+from serve_app.models.dspark_config import check_pair, pair_context
 from serve_app.protocol.generation import Role
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.target import TargetReplica
@@ -56,9 +56,7 @@ def _problems(config: AppConfig, role: Role = "both") -> list[str]:
             check_pair(target, draft, config.engine.reference.speculation.gamma)
         except ValueError as exc:
             problems.append(f"models.draft: {exc}")
-    limit = target.max_position_embeddings
-    if draft is not None:
-        limit = min(limit, draft.max_position_embeddings)
+    limit = pair_context(target, draft, config.engine.reference.speculation.enabled)
     if config.engine.max_model_len and config.engine.max_model_len > limit:
         problems.append(f"engine.max_model_len={config.engine.max_model_len} exceeds the models' "
                         f"maximum context ({limit})")

@@ -22,7 +22,7 @@ from pydantic import (
 from capacity.config import Parallelism
 from capacity.sglang_recipe import SGLANG_OPTIONAL as _SGO
 from capacity.sglang_recipe import SGLANG_SECTION as _SG
-from serve_app.models.dspark_config import DSparkConfig
+from serve_app.models.dspark_config import DSparkConfig, pair_context
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kimi_config import KimiConfig
 from serve_app.models.target_config import load_target_config
@@ -569,14 +569,12 @@ def model_configs(config: AppConfig) -> tuple[KimiConfig | K3Config, DSparkConfi
 
 def context_length(config: AppConfig) -> int:
     """The longest prompt + completion a request may ask for: one number for the ingress's
-    check, the body-size limit and the router's long/short threshold."""
+    check, the body-size limit, the router's long/short threshold and the engine's own
+    limit (`engine.max_model_len`, else the models' `pair_context`)."""
     if config.engine.max_model_len:
         return config.engine.max_model_len
     if config.engine.backend == "sglang":
         # The checkpoints may be only on the GPU nodes; SGLang enforces the same number.
         return config.engine.sglang.context_length
     target, draft = model_configs(config)
-    limit = target.max_position_embeddings
-    if draft is not None and config.engine.reference.speculation.enabled:
-        limit = min(limit, draft.max_position_embeddings)
-    return limit
+    return pair_context(target, draft, config.engine.reference.speculation.enabled)

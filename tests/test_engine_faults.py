@@ -20,7 +20,7 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import tiny_k3_config, write_random_k3_pair, write_tiny_pair
 
-import serve_app.engines.reference.engine as engine_module
+import serve_app.engines.reference.sequence as sequence_module
 from serve_app.config import ReferenceEngineConfig, SpeculationConfig
 from serve_app.engines.reference.async_engine import ReferenceAsyncEngine
 from serve_app.engines.reference.builder import (
@@ -263,19 +263,20 @@ def _fail_nth(n: int) -> Callable[[], bool]:
 
 
 def poison_sampling(mp: pytest.MonkeyPatch, engine: EngineCore, rid: str, n: int) -> None:
-    real, hit = engine_module.sample_token, _fail_nth(n)
+    real, hit = sequence_module.sample_token, _fail_nth(n)
     generator = engine.sequences[rid].generator
 
-    def sample(logits: torch.Tensor, params: SamplingParams, g: torch.Generator | None) -> int:
+    def sample(logits: torch.Tensor, params: SamplingParams, g: torch.Generator | None,
+               allowed: torch.Tensor | None = None) -> int:
         if g is generator and hit():
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        return real(logits, params, g)
+        return real(logits, params, g, allowed)
 
-    mp.setattr(engine_module, "sample_token", sample)
+    mp.setattr(sequence_module, "sample_token", sample)
 
 
 def poison_verify(mp: pytest.MonkeyPatch, engine: EngineCore, rid: str, n: int) -> None:
-    real, hit = engine_module.verify_drafts, _fail_nth(n)
+    real, hit = sequence_module.verify_drafts, _fail_nth(n)
     generator = engine.sequences[rid].generator
 
     def verify(*args: Any) -> Any:
@@ -283,7 +284,7 @@ def poison_verify(mp: pytest.MonkeyPatch, engine: EngineCore, rid: str, n: int) 
             raise IndexError("index 99 is out of bounds for dimension 0 with size 64")
         return real(*args)
 
-    mp.setattr(engine_module, "verify_drafts", verify)
+    mp.setattr(sequence_module, "verify_drafts", verify)
 
 
 def poison_method(name: str) -> Stage:
@@ -634,5 +635,5 @@ async def test_a_grammar_that_does_not_compile_in_time_is_refused_naming_its_fie
     with pytest.raises(ValueError, match=r"^response_format: the grammar did not compile"):
         await asyncio.wait_for(collect(engine, "g", [1, 2], params), HANG_GUARD_S)
     release.set()
-    assert "g" not in engine.core.sequences and len(engine.core.grammars) == 0
+    assert not engine.core.sequences and engine.core.capacity()["kv_tokens_reserved"] == 0
     assert len(await asyncio.wait_for(collect(engine, "free", [1, 2]), HANG_GUARD_S)) == 12

@@ -290,7 +290,7 @@ def test_constrained_greedy_speculation_equals_target_only(
     engine = k3_engine(k3_pair, tokenizer, speculative=True, gamma=gamma, rollback=rollback)
     assert generate_every_spec(engine, prompts) == target_only
     assert engine.stats()["spec_accepted_drafts"] > 0
-    assert len(engine.grammars) == 0  # every matcher left with its request
+    assert not engine.sequences  # every request (and the matcher it owns) retired
 
 
 def test_a_constrained_request_handed_over_decodes_as_target_only(
@@ -308,7 +308,7 @@ def test_a_constrained_request_handed_over_decodes_as_target_only(
         while rid in decode.sequences:
             tokens += [t for o in decode.step() for t in o.token_ids]
         assert tokens == target_only[name][1], name
-    assert len(prefill.grammars) == 0 and len(decode.grammars) == 0
+    assert not prefill.sequences and not decode.sequences
 
 
 def test_constrained_and_free_requests_batch_together(
@@ -382,7 +382,7 @@ def test_a_closing_budget_ends_every_answer_complete_and_lossless(
                            grammar_budget="close")
         assert [o.token_ids for o in closing_outputs(engine, prompts)] == \
             [o.token_ids for o in alone], (gamma, rollback)
-        assert len(engine.grammars) == 0
+        assert not engine.sequences
 
 
 def test_closing_paths_finish_the_walle_schemas_wherever_a_model_stops(
@@ -503,14 +503,13 @@ def constrained_marginals(target: PagedK3, compiler: GrammarCompiler, prompt: li
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """P(2nd token), P(3rd token) of the constrained target, by enumerating prefixes."""
     def p_next(prefix: list[int]) -> torch.Tensor:
-        states = GrammarStates(16)
-        states.add(0, compiler.matcher(ARRAY), 0, 64)
-        states.consume(0, prefix)
+        grammar = GrammarStates(16).start(compiler.matcher(ARRAY), 0, 64)
+        grammar.consume(prefix)
         cache = target.new_cache(64)
         cache.add(0)
         seq = [*prompt, *prefix]
         logits = target(torch.tensor([seq]), cache, [0], torch.tensor([len(seq)])).logits[0, -1]
-        logits = logits.masked_fill(~states.mask(0), float("-inf"))
+        logits = logits.masked_fill(~grammar.mask(), float("-inf"))
         return target_probs(logits, SAMPLED)
 
     p1 = p_next([])
@@ -578,16 +577,15 @@ def test_a_rolled_back_window_masks_as_a_matcher_that_never_saw_it() -> None:
         {"model": "m", "messages": [{"role": "user", "content": "x"}],
          "response_format": {"type": "json_object"}, "reasoning_effort": "max"}))
     compiler = GrammarCompiler(ll_tokenizer(tokenizer, vocab, [tokenizer.eos_token_id]))
-    states = GrammarStates(vocab, [tokenizer.eos_token_id])
-    states.add(0, compiler.matcher(plan.grammar), 0, 256)
-    states.consume(0, _ANSWER)
+    shared = GrammarStates(vocab, [tokenizer.eos_token_id])
+    grammar = shared.start(compiler.matcher(plan.grammar), 0, 256)
+    grammar.consume(_ANSWER)
     for token in _REJECTED:  # drafted, each masked as it is proposed
-        assert states.advance(0, token)
-    states.commit([0], [len(_ANSWER)])  # none accepted
-    states.consume(0, [_NEXT])
+        assert grammar.advance(token)
+    grammar.commit(len(_ANSWER))  # none accepted
+    grammar.consume([_NEXT])
 
-    fresh = GrammarStates(vocab, [tokenizer.eos_token_id])
-    fresh.add(0, compiler.matcher(plan.grammar), 0, 256)
-    fresh.consume(0, [*_ANSWER, _NEXT])
-    assert torch.equal(states.mask(0), fresh.mask(0))
-    assert not states.mask(0)[1002]  # `":` in an array
+    fresh = shared.start(compiler.matcher(plan.grammar), 0, 256)
+    fresh.consume([*_ANSWER, _NEXT])
+    assert torch.equal(grammar.mask(), fresh.mask())
+    assert not grammar.mask()[1002]  # `":` in an array

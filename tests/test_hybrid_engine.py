@@ -110,9 +110,9 @@ def test_a_batch_above_the_speculation_limit_decodes_plainly_and_stays_exact(
     decoded: list[int] = []
     propose, decode = runner.propose, engine._decode
 
-    def counting_propose(seqs, masks=None):  # type: ignore[no-untyped-def]
+    def counting_propose(seqs):  # type: ignore[no-untyped-def]
         proposed.append(len(seqs))
-        return propose(seqs, masks)
+        return propose(seqs)
 
     def checking_decode(seqs):  # type: ignore[no-untyped-def]
         decoded.append(len(seqs))

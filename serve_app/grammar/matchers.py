@@ -3,9 +3,10 @@
 A constrained request's matcher has consumed exactly its committed output tokens, except
 inside a speculative window: the draft's block is masked as it is proposed (`DraftMasks`, each
 position under the state after the drafts before it), the verify window's target rows get the
-same masks, and `commit` rolls the matcher back to the accepted prefix through the protocol
-every piece of windowed state uses (serve_app/models/target.py: `WindowedState.commit`), after
-which the bonus token is consumed like any sampled token.
+same masks, and `commit` rolls the matcher back to the accepted prefix (as the model runner's
+commit rolls back the target's cache and the proposer), after which the bonus token is
+consumed like any sampled token. Each request's `RequestGrammar` belongs to its sequence
+(engines/reference/sequence.py), which samples and verifies under it, and goes with it.
 
 Lengths are counted as the target cache counts them, in the request's tokens (prompt
 included): a matcher starts at its prompt's length.
@@ -25,8 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -64,26 +65,11 @@ class _Budget:
         return self.mode != "free" or bool(self.refused)
 
 
-@dataclass
-class _State:
-    matcher: LLMatcher
-    length: int  # the request's tokens the matcher has seen (prompt + consumed output)
-    stop_at: int | None = None  # its length at max_tokens (with closing; else None)
-    # The matcher as of the last commit. A window is rolled back by restarting from a copy of
-    # it, not by LLMatcher.rollback: llguidance 1.9.1's masks after rollback() and consume can
-    # differ from a fresh matcher's on the same tokens once masks were computed in the rolled
-    # back part (it then allowed a token its consume refused: tests/test_grammar.py).
-    at_commit: LLMatcher | None = None
-    # The window since the last commit: masks[j] is the mask after the window's first j tokens.
-    masks: list[torch.Tensor] = field(default_factory=list)
-    budgets: list[_Budget] = field(default_factory=list)  # beside masks, one per position
-    window: list[int] = field(default_factory=list)
-    consumed: list[bool] = field(default_factory=list)  # per window token: the matcher took it
-    dead: bool = False  # a window token was not allowed: later masks are never used
-    closed: bool = False  # a committed token was sampled under a mask the budget narrowed
-
-
 class GrammarStates:
+    """What every constrained request of one engine shares: the vocabulary, the stop ids, the
+    closing paths, and the counters. Each request's own state is a `RequestGrammar`, which
+    its sequence owns and which goes with it."""
+
     def __init__(self, vocab_size: int, eos_token_ids: Iterable[int] = (),
                  closing: ClosingPaths | None = None) -> None:
         """`eos_token_ids`: the ids that end generation. The matcher never consumes them (its
@@ -93,39 +79,17 @@ class GrammarStates:
         self.vocab_size = vocab_size
         self.eos = frozenset(eos_token_ids)
         self.closing = closing
-        self._states: dict[Hashable, _State] = {}
         self.mask_seconds = 0.0  # telemetry: time spent computing masks
         self.masks_computed = 0
         self.requests_closed = 0  # telemetry: answers the budget shaped (`closed`)
 
-    def add(self, rid: Hashable, matcher: LLMatcher, length: int, max_tokens: int) -> None:
+    def start(self, matcher: LLMatcher, length: int, max_tokens: int) -> RequestGrammar:
         """A request whose matcher has seen `length` tokens (its prompt) and which may
         sample `max_tokens`."""
         stop_at = length + max_tokens if self.closing is not None else None
-        self._states[rid] = _State(matcher, length, stop_at, at_commit=matcher.deep_copy())
+        return RequestGrammar(self, matcher, length, stop_at)
 
-    def __contains__(self, rid: Hashable) -> bool:
-        return rid in self._states
-
-    def free(self, rid: Hashable) -> None:
-        self._states.pop(rid, None)
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def committed(self, rid: Hashable) -> int:
-        """The request's tokens the matcher has committed (its window not included)."""
-        return self._states[rid].length
-
-    def closed(self, rid: Hashable) -> bool:
-        """Whether the budget shaped the request's answer: a committed token was sampled
-        under a mask it narrowed (the response then says `grammar_closed`)."""
-        state = self._states.get(rid)
-        return state is not None and state.closed
-
-    # --- masks ----------------------------------------------------------------------------
-
-    def _compute(self, matcher: LLMatcher) -> torch.Tensor:
+    def compute(self, matcher: LLMatcher) -> torch.Tensor:
         """The matcher's mask (all False once it is stopped or failed: nothing may follow)."""
         start = time.perf_counter()
         bits = allowed_bits(matcher, self.vocab_size)
@@ -133,42 +97,75 @@ class GrammarStates:
         self.masks_computed += 1
         return torch.from_numpy(bits.astype(bool))
 
-    def _current(self, state: _State) -> torch.Tensor:
-        if not state.masks:
-            self._push(state, None, None)
-        return state.masks[-1]
 
-    def _push(self, state: _State, before: _Budget | None, token: int | None) -> None:
+class RequestGrammar:
+    """One constrained request's matcher, its window since the last commit, and its budget."""
+
+    def __init__(self, shared: GrammarStates, matcher: LLMatcher, length: int,
+                 stop_at: int | None) -> None:
+        self.shared = shared
+        self.matcher = matcher
+        self.length = length  # the request's tokens the matcher has seen (prompt + output)
+        self.stop_at = stop_at  # its length at max_tokens (with closing; else None)
+        # The matcher as of the last commit. A window is rolled back by restarting from a copy
+        # of it, not by LLMatcher.rollback: llguidance 1.9.1's masks after rollback() and
+        # consume can differ from a fresh matcher's on the same tokens once masks were
+        # computed in the rolled back part (it then allowed a token its consume refused:
+        # tests/test_grammar.py).
+        self.at_commit: LLMatcher | None = matcher.deep_copy()
+        # The window since the last commit: masks[j] is the mask after its first j tokens.
+        self.masks: list[torch.Tensor] = []
+        self.budgets: list[_Budget] = []  # beside masks, one per position
+        self.window: list[int] = []
+        self.consumed: list[bool] = []  # per window token: the matcher took it
+        self.dead = False  # a window token was not allowed: later masks are never used
+        self.closed = False  # a committed token was sampled under a mask the budget narrowed
+
+    @property
+    def committed(self) -> int:
+        """The request's tokens the matcher has committed (its window not included)."""
+        return self.length
+
+    # --- masks ----------------------------------------------------------------------------
+
+    def _current(self) -> torch.Tensor:
+        if not self.masks:
+            self._push(None, None)
+        return self.masks[-1]
+
+    def _push(self, before: _Budget | None, token: int | None) -> None:
         """The mask (and budget) at the matcher's position, which it reached from the
         position of `before` by `token` (None: the window's first position)."""
-        budget = self._budget(state, before, token)
+        shared = self.shared
+        budget = self._budget(before, token)
         if budget.mode == "free":
-            mask = self._compute(state.matcher)
+            mask = shared.compute(self.matcher)
             if budget.refused:
                 mask[list(budget.refused)] = False
         else:
-            assert budget.path and self.closing is not None
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            assert budget.path and shared.closing is not None
+            mask = torch.zeros(shared.vocab_size, dtype=torch.bool)
             mask[budget.path[0]] = True
             if budget.mode == "plain":
-                mask = (self._compute(state.matcher) & self.closing.plain) | mask
-        state.masks.append(mask)
-        state.budgets.append(budget)
+                mask = (shared.compute(self.matcher) & shared.closing.plain) | mask
+        self.masks.append(mask)
+        self.budgets.append(budget)
 
-    def _budget(self, state: _State, before: _Budget | None, token: int | None) -> _Budget:
+    def _budget(self, before: _Budget | None, token: int | None) -> _Budget:
         """How the budget narrows this position's mask: a function of the request's tokens
         (the previous position's budget and the token between them)."""
-        if self.closing is None or state.stop_at is None:
+        closing = self.shared.closing
+        if closing is None or self.stop_at is None:
             return _Budget()
-        position = state.length + len(state.window)
-        left = state.stop_at - position  # tokens still to sample, this one included
+        position = self.length + len(self.window)
+        left = self.stop_at - position  # tokens still to sample, this one included
         path, check_at = None, position
         if before is not None:
             check_at = before.check_at
             if before.path and token == before.path[0]:
                 path = before.path[1:]  # the model (or the mask) followed the path
         if path is None and position >= check_at:
-            path = self.closing.path(state.matcher)
+            path = closing.path(self.matcher)
             if path is None:
                 return _Budget(None, position + RECHECK_TOKENS)
             slack = left - 2 * len(path) - CLOSE_MARGIN
@@ -180,125 +177,118 @@ class GrammarStates:
         # A new call or argument (K3's `<|open|>`) may need more than the rest of the budget
         # (a tool with required arguments): where the closing path is another way on, it is
         # refused if it would not fit.
-        openers = [o for o in self.closing.open_ids
-                   if left > 0 and state.matcher.validate_tokens([o]) == 1]
+        openers = [o for o in closing.open_ids
+                   if left > 0 and self.matcher.validate_tokens([o]) == 1]
         if openers and path is None:
-            path = self.closing.path(state.matcher)
+            path = closing.path(self.matcher)
         refused = tuple(
             o for o in openers
             if path is not None and (not path or path[0] != o)
-            and (after := self.closing.path(state.matcher, o)) is not None
+            and (after := closing.path(self.matcher, o)) is not None
             and 1 + len(after) + CLOSE_MARGIN >= left)
         return _Budget(path, check_at, refused=refused)
 
-    def mask(self, rid: Hashable) -> torch.Tensor:
+    def _fault(self, message: str) -> GrammarFault:
+        if self.matcher.is_error():
+            message += f" ({self.matcher.get_error()[:200]})"
+        return GrammarFault(message)
+
+    def mask(self) -> torch.Tensor:
         """Allowed next tokens [V] after what the matcher has consumed (window included), to
         sample under: a GrammarFault when it allows none."""
-        state = self._states[rid]
-        mask = self._current(state)
+        mask = self._current()
         if not bool(mask.any()):
-            raise GrammarFault("the grammar allows no token here"
-                               + (f" ({state.matcher.get_error()[:200]})"
-                                  if state.matcher.is_error() else ""))
+            raise self._fault("the grammar allows no token here")
         return mask
 
-    def draft_mask(self, rid: Hashable) -> torch.Tensor | None:
+    def draft_mask(self) -> torch.Tensor | None:
         """The current mask for drafting: None when it allows nothing (the draft then chooses
         freely, and the verify step meets the fault for this request alone)."""
-        mask = self._current(self._states[rid])
+        mask = self._current()
         return mask if bool(mask.any()) else None
 
-    def advance(self, rid: Hashable, token: int) -> bool:
+    def advance(self, token: int) -> bool:
         """Consume one token tentatively (a draft, or a sampled token before commit): False,
         consuming nothing, when the current mask does not allow it."""
-        state = self._states[rid]
-        if state.dead or not bool(self._current(state)[token]):
-            state.dead = True
+        if self.dead or not bool(self._current()[token]):
+            self.dead = True
             return False
         # The window and its masks stay aligned: masks[j] follows the window's first j tokens.
         token = int(token)
-        before = state.budgets[-1]
-        if token not in self.eos and not state.matcher.consume_token(token):
-            raise GrammarFault(f"the grammar refused token {token} it allowed"
-                               + (f" ({state.matcher.get_error()[:200]})"
-                                  if state.matcher.is_error() else ""))
-        state.window.append(token)
-        state.consumed.append(token not in self.eos)
-        if token in self.eos:
-            state.masks.append(state.masks[-1])
-            state.budgets.append(before)
+        before = self.budgets[-1]
+        eos = token in self.shared.eos
+        if not eos and not self.matcher.consume_token(token):
+            raise self._fault(f"the grammar refused token {token} it allowed")
+        self.window.append(token)
+        self.consumed.append(not eos)
+        if eos:
+            self.masks.append(self.masks[-1])
+            self.budgets.append(before)
         else:
-            self._push(state, before, token)
+            self._push(before, token)
         return True
 
-    def window_masks(self, rid: Hashable, drafts: Sequence[int]) -> torch.Tensor:
+    def window_masks(self, drafts: Sequence[int]) -> torch.Tensor:
         """Masks [k+1, V] for a verify window [anchor, d_1..d_k]: row j under the state after
         d_1..d_j. Drafts a masked proposer consumed already are reused; rows after a draft the
         grammar does not allow repeat the last mask (the rejection rule never reaches them:
         that draft has target probability 0)."""
-        state = self._states[rid]
         drafts = [int(d) for d in drafts]
         common = 0
-        while common < min(len(state.window), len(drafts)) \
-                and state.window[common] == drafts[common]:
+        while common < min(len(self.window), len(drafts)) and self.window[common] == drafts[common]:
             common += 1
-        if common < len(state.window):
-            self._truncate(state, common)
-        self._current(state)
+        if common < len(self.window):
+            self._truncate(common)
+        self._current()
         for d in drafts[common:]:
-            if not self.advance(rid, d):
+            if not self.advance(d):
                 break
-        rows = state.masks[: len(drafts) + 1]
+        rows = self.masks[: len(drafts) + 1]
         rows += [rows[-1]] * (len(drafts) + 1 - len(rows))
         return torch.stack(rows)
 
     # --- the window protocol ----------------------------------------------------------------
 
-    def _truncate(self, state: _State, keep: int) -> None:
+    def _truncate(self, keep: int) -> None:
         """Roll the window back to its first `keep` tokens (still uncommitted)."""
-        if any(state.consumed[keep:]):
-            assert state.at_commit is not None
-            matcher = state.at_commit.deep_copy()
-            for token, consumed in zip(state.window[:keep], state.consumed, strict=False):
+        if any(self.consumed[keep:]):
+            assert self.at_commit is not None
+            matcher = self.at_commit.deep_copy()
+            for token, consumed in zip(self.window[:keep], self.consumed, strict=False):
                 if consumed and not matcher.consume_token(token):
                     raise GrammarFault("the grammar could not roll back")
-            state.matcher = matcher
-        del state.window[keep:]
-        del state.consumed[keep:]
-        del state.masks[keep + 1:]
-        del state.budgets[keep + 1:]
-        state.dead = False
+            self.matcher = matcher
+        del self.window[keep:]
+        del self.consumed[keep:]
+        del self.masks[keep + 1:]
+        del self.budgets[keep + 1:]
+        self.dead = False
 
-    def commit(self, rids: Sequence[Hashable], lengths: Sequence[int]) -> None:
-        """Keep `lengths[i]` of rids[i]'s tokens: the window is rolled back to that point (a
+    def commit(self, length: int) -> None:
+        """Keep `length` of the request's tokens: the window is rolled back to that point (a
         verify window's accepted prefix) and the rest of it is committed."""
-        for rid, n in zip(rids, lengths, strict=True):
-            state = self._states.get(rid)
-            if state is None:
-                continue
-            keep = n - state.length
-            if not 0 <= keep <= len(state.window):
-                raise GrammarFault(f"commit to {n} tokens outside the window "
-                                   f"[{state.length}, {state.length + len(state.window)}]")
-            self._truncate(state, keep)
-            if any(state.consumed):
-                state.at_commit = state.matcher.deep_copy()
-            # Window token j was sampled under the mask at position j.
-            if not state.closed and any(b.narrowed for b in state.budgets[:keep]):
-                state.closed = True
-                self.requests_closed += 1
-            state.length = n
-            state.window, state.consumed = [], []
-            state.masks = state.masks[-1:]
-            state.budgets = state.budgets[-1:]
+        keep = length - self.length
+        if not 0 <= keep <= len(self.window):
+            raise GrammarFault(f"commit to {length} tokens outside the window "
+                               f"[{self.length}, {self.length + len(self.window)}]")
+        self._truncate(keep)
+        if any(self.consumed):
+            self.at_commit = self.matcher.deep_copy()
+        # Window token j was sampled under the mask at position j.
+        if not self.closed and any(b.narrowed for b in self.budgets[:keep]):
+            self.closed = True
+            self.shared.requests_closed += 1
+        self.length = length
+        self.window, self.consumed = [], []
+        self.masks = self.masks[-1:]
+        self.budgets = self.budgets[-1:]
 
-    def consume(self, rid: Hashable, tokens: Sequence[int]) -> None:
+    def consume(self, tokens: Sequence[int]) -> None:
         """Sampled tokens, committed at once (each allowed by the mask it was sampled under)."""
         for t in tokens:
-            if not self.advance(rid, t):
+            if not self.advance(t):
                 raise GrammarFault(f"token {t} is not allowed by the grammar")
-        state = self._states[rid]
-        self.commit([rid], [state.length + len(state.window)])
+        self.commit(self.length + len(self.window))
 
 
 class DraftMasks:
@@ -306,24 +296,25 @@ class DraftMasks:
     the state after the anchor and drafts 1..k, consuming each draft as it is chosen (the
     window that the verify step then reuses)."""
 
-    def __init__(self, states: GrammarStates, rids: Sequence[Hashable]) -> None:
-        self.states = states
-        self.rows = [(b, rid) for b, rid in enumerate(rids) if rid in states]
+    def __init__(self, grammars: Sequence[RequestGrammar | None]) -> None:
+        """One entry per row of the proposal: that request's grammar, or None."""
+        self.rows = [(b, g) for b, g in enumerate(grammars) if g is not None]
+        self.vocab_size = self.rows[0][1].shared.vocab_size if self.rows else 0
 
     def __call__(self, position: int, previous: torch.Tensor) -> torch.Tensor | None:
         """Allowed tokens [B, V] at block position `position`, whose previous tokens (the
         anchors at position 0) are `previous` [B]; None: no row is constrained."""
         if not self.rows:
             return None
-        allowed = torch.ones(len(previous), self.states.vocab_size, dtype=torch.bool)
-        for b, rid in self.rows:
+        allowed = torch.ones(len(previous), self.vocab_size, dtype=torch.bool)
+        for b, grammar in self.rows:
             # A fault here would fail the whole batched proposal: the row drafts unmasked
             # instead, and the verify step's window_masks meets the fault again and fails
             # this request alone.
             with contextlib.suppress(GrammarFault):
                 if position > 0:
-                    self.states.advance(rid, int(previous[b]))
-                mask = self.states.draft_mask(rid)
+                    grammar.advance(int(previous[b]))
+                mask = grammar.draft_mask()
                 if mask is not None:
                     allowed[b] = mask
         return allowed

@@ -180,3 +180,12 @@ def check_pair(t: KimiConfig | K3Config, d: DSparkConfig, gamma: int | None = No
                         f"block_size={d.block_size}")
     if problems:
         raise ValueError("draft and target do not match: " + "; ".join(problems))
+
+
+def pair_context(t: KimiConfig | K3Config, d: DSparkConfig | None, drafting: bool) -> int:
+    """The longest context the pair serves: the target's, and the draft's too while it drafts
+    (with speculation off the draft sees no token). The one rule for the config's context
+    length, the deployment check and the engine's own limit."""
+    if d is None or not drafting:
+        return t.max_position_embeddings
+    return min(t.max_position_embeddings, d.max_position_embeddings)

@@ -152,9 +152,8 @@ def _start_reference(config: AppConfig, raw: dict[str, Any]
 
     tokenizer = load_tokenizer(config.models.tokenizer_path())
     core = build_engine(runner, config.engine.reference, eos_token_ids=stop_token_ids(tokenizer),
-                        detokenize=tokenizer.decode, tokenizer=tokenizer)
-    if config.engine.max_model_len:
-        core.max_model_len = config.engine.max_model_len
+                        detokenize=tokenizer.decode, tokenizer=tokenizer,
+                        max_model_len=context_length(config))
     engine = ReferenceAsyncEngine(core, replica=replica_tag,
                                   watchdog_s=config.engine.step_watchdog_s)
     return engine, workers, info

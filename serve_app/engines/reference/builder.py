@@ -20,7 +20,7 @@ from serve_app.engines.reference.tensor_parallel import shard_dspark
 from serve_app.grammar.closing import ClosingPaths
 from serve_app.grammar.compiler import GrammarCompiler, ll_tokenizer
 from serve_app.models.dspark import load_dspark
-from serve_app.models.dspark_config import check_pair
+from serve_app.models.dspark_config import check_pair, pair_context
 from serve_app.models.k3_paged import PagedK3
 from serve_app.models.k3_weights import load_k3
 from serve_app.models.kimi import KimiForCausalLM
@@ -121,10 +121,14 @@ def build_engine(
     eos_token_ids: list[int] | None = None,
     detokenize: Detokenize | None = None,
     tokenizer: Tokenizer | None = None,
+    max_model_len: int | None = None,
 ) -> EngineCore:
     """Rank 0's engine around its runner. With the model's `tokenizer`, the engine compiles
-    and enforces requests' output grammars (serve_app/grammar)."""
+    and enforces requests' output grammars (serve_app/grammar). `max_model_len`: the
+    deployment's context length (config.context_length); None: the pair's own."""
     target_cfg = runner.target.config
+    proposer = runner.proposer
+    draft_cfg = proposer.draft.config if isinstance(proposer, DSparkProposer) else None
     config_eos = getattr(target_cfg, "eos_token_id", None)
     eos = eos_token_ids if eos_token_ids is not None else (
         [] if config_eos is None else list(config_eos) if isinstance(config_eos, list)
@@ -137,7 +141,8 @@ def build_engine(
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         max_prefill_tokens_per_request=config.max_prefill_tokens_per_request,
         speculation=config.speculation,
-        max_model_len=target_cfg.max_position_embeddings,
+        max_model_len=max_model_len or pair_context(target_cfg, draft_cfg,
+                                                    config.speculation.enabled),
         grammar=GrammarCompiler(ll_tokenizer(tokenizer, target_cfg.vocab_size, eos))
         if tokenizer is not None else None,
         grammar_closing=ClosingPaths.for_tokenizer(tokenizer, target_cfg.vocab_size, eos)

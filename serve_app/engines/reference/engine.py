@@ -30,21 +30,22 @@ from serve_app.engines.reference.sampling import (
     ResidualRule,
     SamplingParams,
     residual_distribution,
-    sample_token,
-    verify_drafts,
 )
 from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, Status
 from serve_app.engines.spec_stats import EngineTotals
 from serve_app.grammar.closing import ClosingPaths
 from serve_app.grammar.compiler import GrammarCompiler
-from serve_app.grammar.matchers import DraftMasks, GrammarStates
+from serve_app.grammar.matchers import GrammarStates, RequestGrammar
 from serve_app.models.dspark import survival_draft_count
 from serve_app.protocol.generation import RequestOutput, is_int
 
 logger = logging.getLogger(__name__)
 
-# What torch.Generator.manual_seed accepts (negative seeds wrap around modulo 2**64).
+# The finish reasons of a request that ran to its end. Its committed tokens are worth keeping
+# in the prefix cache, and so is a hand-over's prompt; an abort's or a failure's are not.
+_FINISHED = frozenset({"stop", "length"})
+_DONATES = _FINISHED | {"handoff"}
 
 
 class EngineObserver(Protocol):
@@ -133,7 +134,8 @@ class EngineCore:
             prefix=runner.prefix,
         )
         self.sequences: dict[str, Sequence] = {}
-        # Constrained requests' matchers: rank 0's own windowed state (followers never sample).
+        # What constrained requests share (each one's matcher is its sequence's; rank 0 alone
+        # samples, so followers have none).
         self.grammars = GrammarStates(self.vocab_size, self.eos_token_ids, grammar_closing)
         self.totals = EngineTotals()
         self._ids = itertools.count()
@@ -164,22 +166,22 @@ class EngineCore:
         seq = Sequence(rid, list(prompt_ids), params, self.eos_token_ids, self.detokenize,
                        hand_off=hand_off)
         # A GrammarError (a ValueError naming the field) leaves nothing queued.
-        matcher = self._matcher(params)
+        seq.grammar = self._grammar(params, len(prompt_ids))
         self.scheduler.add(seq)
-        if matcher is not None:
-            self.grammars.add(rid, matcher, len(prompt_ids), params.max_tokens)
         self.sequences[rid] = seq
         self._notify("on_queued", seq, time.time_ns())
         return rid
 
-    def _matcher(self, params: SamplingParams) -> Any:
-        """A fresh matcher of the request's grammar, or None without one."""
+    def _grammar(self, params: SamplingParams, length: int) -> RequestGrammar | None:
+        """The request's grammar state, a fresh matcher at its prompt's `length`; None
+        without a grammar."""
         if params.grammar is None:
             return None
         if self.grammar is None:
             raise ValueError(f"{params.grammar.param}: this engine cannot constrain its "
                              "output (it was built without a tokenizer)")
-        return self.grammar.matcher(params.grammar)
+        return self.grammars.start(self.grammar.matcher(params.grammar), length,
+                                   params.max_tokens)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The prompt against this engine's vocabulary (SamplingParams checks its own
@@ -201,14 +203,10 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its cache at once."""
-        seq = self.sequences.pop(request_id, None)
+        seq = self.sequences.get(request_id)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
-        self._free(request_id)
-        seq.status = Status.FINISHED
-        seq.finish_reason = "abort"
-        self._notify("on_finished", seq, time.time_ns())
+        self._retire(seq, "abort")
         return True
 
     def export(self, request_id: str) -> RequestHandoff:
@@ -221,14 +219,7 @@ class EngineCore:
         handoff = RequestHandoff(
             request_id, list(seq.prompt_ids), list(seq.output_ids), seq.params, seq.num_cached,
             seq.cached_tokens, seq.generator.get_state(), self.runner.export(request_id))
-        self.sequences.pop(request_id)
-        self.scheduler.remove(seq)
-        prefix = self.runner.prefix
-        donate = prefix.finish_point(seq.num_cached) if prefix is not None else 0
-        self._free(request_id, seq.all_ids[:donate])
-        seq.status = Status.FINISHED
-        seq.finish_reason = "handoff"
-        self._notify("on_finished", seq, time.time_ns())
+        self._retire(seq, "handoff")
         return handoff
 
     def adopt(self, handoff: RequestHandoff, request_id: str | None = None) -> str:
@@ -249,17 +240,16 @@ class EngineCore:
         seq.num_cached = handoff.num_cached
         seq.cached_tokens = handoff.cached_tokens
         seq.generator.set_state(handoff.generator_state)
-        matcher = self._matcher(params)
+        seq.grammar = self._grammar(params, len(seq.prompt_ids))
+        if seq.grammar is not None:
+            # The matcher of a fresh request, walked over what the prefill side sampled.
+            seq.grammar.consume(seq.output_ids)
         self.scheduler.adopt(seq)
         try:
             self.runner.adopt(rid, handoff.num_cached, handoff.shares)
         except BaseException:
             self.scheduler.remove(seq)
             raise
-        if matcher is not None:
-            # The matcher of a fresh request, walked over what the prefill side sampled.
-            self.grammars.add(rid, matcher, len(seq.prompt_ids), params.max_tokens)
-            self.grammars.consume(rid, seq.output_ids)
         self.sequences[rid] = seq
         # Queued and admitted at once: observers see it begin like any request (the trace's
         # engine.request span on this side, under its caller's).
@@ -323,14 +313,8 @@ class EngineCore:
         self._failed.append((seq, stage))
 
     def _fail(self, seq: Sequence, stage: str) -> RequestOutput:
-        """Remove a failed sequence, free its caches, and give its final output."""
-        self.scheduler.remove(seq)
-        self._free(seq.request_id)
-        self.sequences.pop(seq.request_id, None)
-        seq.status = Status.FINISHED
-        seq.finish_reason = "error"
-        self.totals.requests_failed += 1
-        self._notify("on_finished", seq, time.time_ns())
+        """Retire a failed sequence and give its final output."""
+        self._retire(seq, "error")
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=[],
@@ -342,21 +326,27 @@ class EngineCore:
             error=f"the request failed in the engine while {stage}",
         )
 
-    def _free(self, rid: str, donate: list[int] | tuple[()] = ()) -> None:
-        """A request leaves: its caches (and, with `donate`, its prefix to the prefix cache)
-        and its matcher."""
-        self.runner.free(rid, donate)
-        self.grammars.free(rid)
-
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """One token for `seq` from one row of logits, under its grammar if it has one (the
-        matcher consumes the token: it is committed)."""
-        rid = seq.request_id
-        if rid not in self.grammars:
-            return sample_token(logits, seq.params, seq.generator)
-        token = sample_token(logits, seq.params, seq.generator, self.grammars.mask(rid))
-        self.grammars.consume(rid, [token])
-        return token
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        """The one way a request leaves this engine, whatever ends it (`reason`: stop /
+        length, it finished; handoff, `export`; abort; error, it failed alone). Its place in
+        the scheduler, its entry and every per-request state go at once: the runner frees its
+        caches (a request that ran to its end donates its committed prefix to the prefix
+        cache), its grammar goes with the sequence; the totals and the observer hear of it
+        once."""
+        self.scheduler.remove(seq)
+        self.sequences.pop(seq.request_id, None)
+        prefix = self.runner.prefix
+        keep = prefix.finish_point(seq.num_cached) if prefix is not None and \
+            reason in _DONATES else 0
+        self.runner.free(seq.request_id, seq.all_ids[:keep])
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if reason == "error":
+            self.totals.requests_failed += 1
+        elif reason in _FINISHED:
+            self.totals.add_finished(len(seq.prompt_ids), len(seq.output_ids),
+                                     seq.stats if self.speculative else None)
+        self._notify("on_finished", seq, time.time_ns())
 
     def _notify(self, hook: str, *args: Any) -> None:
         if self.observer is None:
@@ -383,7 +373,7 @@ class EngineCore:
                 seq = c.seq
                 stage = "sampling"
                 try:
-                    first = self._sample(seq, logits[b, 0])
+                    first = seq.sample(logits[b, 0])
                     seq.status = Status.DECODING
                     stage = "checking stop conditions"
                     seq.append([first])
@@ -414,7 +404,7 @@ class EngineCore:
             for b, seq in enumerate(seqs):
                 stage = "sampling"
                 try:
-                    token = self._sample(seq, logits[b, 0])
+                    token = seq.sample(logits[b, 0])
                     stage = "checking stop conditions"
                     kept = seq.append([token])
                 except Exception as exc:
@@ -426,8 +416,7 @@ class EngineCore:
                 ok.append(seq)
             return ok
 
-        masks = DraftMasks(self.grammars, [s.request_id for s in seqs]) if self.grammars else None
-        proposal = self.runner.propose(seqs, masks)
+        proposal = self.runner.propose(seqs)
         counts = torch.full((len(seqs),), self.gamma, dtype=torch.long)
         if self.confidence_threshold > 0 and proposal.confidence is not None:
             counts = survival_draft_count(proposal.confidence[:, : self.gamma],
@@ -449,16 +438,7 @@ class EngineCore:
             stage = "verifying drafts"
             try:
                 q = proposal.probs[b, :k] if proposal.probs is not None else None
-                rid = seq.request_id
-                allowed = (self.grammars.window_masks(rid, drafts[b]) if rid in self.grammars
-                           else None)
-                verdict = verify_drafts(logits[b, : k + 1], drafts[b], q, seq.params,
-                                        seq.generator, self.residual_rule, allowed)
-                if allowed is not None:
-                    # The matcher keeps the accepted drafts (the window's prefix), then takes
-                    # the bonus token like any sampled one.
-                    self.grammars.commit([rid], [self.grammars.committed(rid) + verdict.accepted])
-                    self.grammars.consume(rid, verdict.tokens[-1:])
+                verdict = seq.verify(logits[b, : k + 1], drafts[b], q, self.residual_rule)
                 stage = "checking stop conditions"
                 kept = seq.append(verdict.tokens)
             except Exception as exc:
@@ -496,15 +476,8 @@ class EngineCore:
         if seq.finished:
             if self.speculative:
                 out.spec = seq.stats.as_dict(len(seq.output_ids))
-            out.grammar_closed = self.grammars.closed(seq.request_id)
-            self._notify("on_finished", seq, time.time_ns())
-            self.totals.add_finished(len(seq.prompt_ids), len(seq.output_ids),
-                                     seq.stats if self.speculative else None)
-            self.scheduler.remove(seq)
-            prefix = self.runner.prefix
-            donate = prefix.finish_point(seq.num_cached) if prefix is not None else 0
-            self._free(seq.request_id, seq.all_ids[:donate])
-            self.sequences.pop(seq.request_id, None)
+            out.grammar_closed = seq.grammar is not None and seq.grammar.closed
+            self._retire(seq, str(seq.finish_reason))
         return out
 
     def _cache_at(self, moved: list[tuple[Sequence, int, int]]) -> dict[str, list[int]] | None:

@@ -16,7 +16,7 @@ from serve_app.config import PrefixCacheConfig
 from serve_app.engines.reference.handoff import RankShare, reshard
 from serve_app.engines.reference.prefix_cache import PrefixCache
 from serve_app.engines.reference.proposer import Proposer
-from serve_app.models.dspark import DraftMask
+from serve_app.grammar.matchers import DraftMasks
 from serve_app.models.kv_cache import PagedAllocator
 from serve_app.models.target import Collectives, Target, TargetCache, WindowedState
 
@@ -228,12 +228,14 @@ class ModelRunner:
             # Pages past the committed length (a rejected verify tail) go back to the pool.
             self.allocator.truncate(rid, n)
 
-    def propose(self, seqs: Sequence[Any], masks: DraftMask | None = None) -> Any:
-        """Drafts for `seqs`; `masks`: the grammar's mask for each block position (rank 0
-        alone chooses drafts, so followers never see it)."""
+    def propose(self, seqs: Sequence[Any]) -> Any:
+        """Drafts for `seqs`, each block position of a constrained request masked by its
+        grammar (rank 0 alone chooses drafts, so followers never see the masks)."""
         assert self.proposer is not None
         rids = [s.request_id for s in seqs]
         self._broadcast("follow_propose", rids, torch.tensor([s.anchor for s in seqs]))
+        grammars = [s.grammar for s in seqs]
+        masks = DraftMasks(grammars) if any(g is not None for g in grammars) else None
         return self.proposer.propose(seqs, masks)
 
     def _follow_propose(self, rids: Sequence[Hashable], anchors: torch.Tensor) -> None:

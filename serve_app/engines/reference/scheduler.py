@@ -96,19 +96,17 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Move waiting requests in (FIFO, no overtaking) while their worst case fits."""
         admitted = []
-        while self.waiting and len(self.running) < self.slots_total:
+        while self.waiting:
             seq = self.waiting[0]
-            need, pinned = self.worst_case_tokens(seq), 0
+            need = self.worst_case_tokens(seq)
+            newly_pinned = 0
             if self.prefix is not None:
                 hit, newly_pinned = self.prefix.probe(seq.prompt_ids)
                 need -= hit
-                pinned = self.prefix.pinned_tokens + newly_pinned
-            if self.reserved_tokens + need + pinned > self.capacity_tokens:
+            if self._shortfall(need, newly_pinned) is not None:
                 break
             self.waiting.popleft()
-            self._reserved[seq.request_id] = need
-            seq.status = Status.PREFILLING
-            self.running.append(seq)
+            self._run(seq, need, Status.PREFILLING)
             admitted.append(seq)
         return admitted
 
@@ -118,15 +116,27 @@ class Scheduler:
         has room). Raises KVCapacityError when it does not."""
         self.check_fits(seq)
         need = self.worst_case_tokens(seq)
-        pinned = self.prefix.pinned_tokens if self.prefix is not None else 0
+        short = self._shortfall(need)
+        if short is not None:
+            raise KVCapacityError(f"request {seq.request_id} cannot be adopted: {short}")
+        self._run(seq, need, Status.DECODING)
+
+    def _shortfall(self, need: int, newly_pinned: int = 0) -> str | None:
+        """The one admission rule, for a request prefilled here or adopted: a free slot, and
+        its `need` (worst case less its prefix-cache hit) within the KV tokens not yet
+        promised to running requests nor pinned by the prefix cache (its own new pins,
+        `newly_pinned`, included). None when it fits, else what is short."""
         if len(self.running) >= self.slots_total:
-            raise KVCapacityError(f"all {self.slots_total} request slots are in use")
-        if self.reserved_tokens + need + pinned > self.capacity_tokens:
-            raise KVCapacityError(
-                f"request {seq.request_id} needs {need} KV tokens; "
-                f"{self.capacity_tokens - self.reserved_tokens - pinned} are not promised")
+            return f"all {self.slots_total} request slots are in use"
+        pinned = (self.prefix.pinned_tokens if self.prefix is not None else 0) + newly_pinned
+        free = self.capacity_tokens - self.reserved_tokens - pinned
+        if need > free:
+            return f"it needs {need} KV tokens; {free} are not promised"
+        return None
+
+    def _run(self, seq: Sequence, need: int, status: Status) -> None:
         self._reserved[seq.request_id] = need
-        seq.status = Status.DECODING
+        seq.status = status
         self.running.append(seq)
 
     def schedule(self) -> StepPlan:

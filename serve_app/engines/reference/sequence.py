@@ -1,4 +1,5 @@
-"""One request inside the engine: its tokens, progress, stop conditions and speculative stats."""
+"""One request inside the engine: its tokens, progress, stop conditions and speculative stats,
+and what it samples with (its generator and, when constrained, its grammar)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve_app.engines.reference.sampling import SamplingParams
+from serve_app.engines.reference.sampling import (
+    ResidualRule,
+    SamplingParams,
+    Verdict,
+    sample_token,
+    verify_drafts,
+)
 from serve_app.engines.spec_stats import SpecStats
+from serve_app.grammar.matchers import RequestGrammar
 
 Detokenize = Callable[[list[int]], str]
 
@@ -42,6 +50,9 @@ class Sequence:
     text: str = ""
     reported_tokens: int = 0  # output tokens already handed out in step outputs
     hand_off: bool = False  # stop after prefill, to be exported to a decode engine
+    # The output's constraint (a matcher that has consumed exactly the committed outputs, plus
+    # a verify window's drafts); None: free.
+    grammar: RequestGrammar | None = None
     _streamed_text: int = 0
     generator: torch.Generator = field(init=False)
 
@@ -67,6 +78,30 @@ class Sequence:
     def max_length(self, headroom: int) -> int:
         """Worst-case KV tokens: prompt, every output, and a verify window past the end."""
         return len(self.prompt_ids) + self.params.max_tokens + headroom
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """One token from one row of logits, under the grammar (which then takes it: the
+        token is committed)."""
+        grammar = self.grammar
+        token = sample_token(logits, self.params, self.generator,
+                             grammar.mask() if grammar is not None else None)
+        if grammar is not None:
+            grammar.consume([token])
+        return token
+
+    def verify(self, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+               residual_rule: ResidualRule) -> Verdict:
+        """The verdict on a verify window [anchor, *drafts] (`logits` [k+1, V]), each row under
+        the grammar's mask after the drafts before it; the grammar keeps the accepted drafts
+        (the window's prefix), then takes the bonus token like any sampled one."""
+        grammar = self.grammar
+        allowed = grammar.window_masks(drafts) if grammar is not None else None
+        verdict = verify_drafts(logits, drafts, draft_probs, self.params, self.generator,
+                                residual_rule, allowed)
+        if grammar is not None:
+            grammar.commit(grammar.committed + verdict.accepted)
+            grammar.consume(verdict.tokens[-1:])
+        return verdict
 
     def append(self, tokens: list[int]) -> list[int]:
         """Commit generated tokens, stopping exactly at EOS, a stop token, a stop string or
