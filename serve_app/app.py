@@ -94,23 +94,23 @@ def _router_options(config: AppConfig) -> dict[str, Any]:
 
 def build_app(config: AppConfig) -> Application:
     """The Serve application: OpenAI ingress -> target replicas (each on its placement group);
-    disaggregated: OpenAI ingress -> prefill replicas, then -> decode replicas."""
+    disaggregated: OpenAI ingress -> decode replicas, each of which has its requests prefilled
+    on the prefill replicas."""
     if not isinstance(config, AppConfig):
         config = AppConfig.model_validate(config)
     logging_config = {"encoding": "JSON" if config.observability.json_logs else "TEXT"}
     raw = json.loads(config.model_dump_json())
     validate(config)
-    decode = None
     if not config.disaggregation.enabled:
         target = _target_deployment(config, "TargetDeployment", logging_config).bind(raw)
     else:
+        # The ingress fronts the decode side, which orchestrates: each of its replicas has its
+        # requests prefilled on the prefill side and adopts the hand-over (docs/disaggregation.md).
         sides = {role: config.side(role) for role in ("prefill", "decode")}
-        decode = _target_deployment(sides["decode"], "DecodeDeployment", logging_config).bind(
-            json.loads(sides["decode"].model_dump_json()), "decode")
-        # The ingress's target is the prefill side: its request path is the same until the
-        # prefill replica answers with the hand-over, which the ingress gives to `decode`.
-        target = _target_deployment(sides["prefill"], "TargetDeployment", logging_config).bind(
+        prefill = _target_deployment(sides["prefill"], "PrefillDeployment", logging_config).bind(
             json.loads(sides["prefill"].model_dump_json()), "prefill")
+        target = _target_deployment(sides["decode"], "DecodeDeployment", logging_config).bind(
+            json.loads(sides["decode"].model_dump_json()), "decode", prefill)
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=config.ingress.replicas,
         ray_actor_options={"num_cpus": config.ingress.ingress_cpus},
@@ -118,7 +118,7 @@ def build_app(config: AppConfig) -> Application:
         logging_config=logging_config,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
     )
-    return ingress.bind(target, raw, decode)
+    return ingress.bind(target, raw)
 
 
 def _target_deployment(config: AppConfig, name: str, logging_config: dict[str, Any]) -> Any:

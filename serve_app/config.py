@@ -502,6 +502,16 @@ class AppConfig(_Strict):
                              "(or set enabled: false)")
         return self
 
+    def admission(self) -> RouterSettings | None:
+        """The router's admission settings for this config's target deployment (one side's,
+        disaggregated); None where routing is left to Serve (`router.policy: ray_default`).
+        The one place: the dispatchers' stages and the replicas' ledgers compute the same
+        charge for the same request."""
+        if self.router.policy == "ray_default":
+            return None
+        return self.router.settings(self.engine.backend, context_length(self),
+                                    self.engine.reference.prefix_cache.enabled)
+
     def side(self, role: Literal["prefill", "decode"]) -> AppConfig:
         """The config a disaggregated side's replicas run: its replicas and parallelism in
         place of the app's."""

@@ -1,8 +1,9 @@
-"""The Serve app disaggregated, for real: a prefill deployment at TP 2 prefills each request on
-its ranks and hands it over (MLA latents, KDA states, the draft's context, re-split to TP 1)
-to a decode deployment at TP 1, through Ray's object store; the client streams from the
-decode side through the unchanged ingress path, with the official openai client. The answer
-is the aggregated engine's, and a dropped stream leaves nothing held on either side."""
+"""The Serve app disaggregated, for real: the ingress fronts a decode deployment at TP 1, whose
+replica has each request prefilled on a prefill deployment at TP 2 (its own dispatcher admits
+it there), fetches the hand-over (MLA latents, KDA states, the draft's context, re-split to
+TP 1) through Ray's object store and streams the answer; the client sees the unchanged
+ingress path, with the official openai client. The answer is the aggregated engine's, and a
+dropped stream leaves nothing held on either side."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def server(paths: dict[str, Path]) -> Any:
     with served(cfg) as port:
         url = f"http://127.0.0.1:{port}"
         # Both admission stages know their replica before any test stops one (a stage that
-        # has never heard from the decode side could not place a request there).
+        # has never heard from its side could not place a request there).
         assert wait_for(lambda: all(side["replicas"] for side in router_view(url)),
                         timeout=60, interval=0.2)
         yield url, cfg
@@ -72,9 +73,11 @@ def holds_nothing(deployment: str) -> bool:
 
 
 def router_view(url: str) -> list[dict[str, Any]]:
-    """/v1/router's two sides, prefill then decode: each the ingress's admission stage."""
+    """/v1/router's two sides, prefill then decode: the decode replica's own admission stage
+    to the prefill side (under "downstream"), and the ingress's to the decode side."""
     view = httpx.get(url + "/v1/router", timeout=30).json()
-    return [view, view["decode"]]
+    [prefill] = view.get("downstream", {}).values() or [{"replicas": {}}]
+    return [prefill, view]
 
 
 def _reserves_nothing(url: str) -> bool:
@@ -159,7 +162,7 @@ def test_a_disaggregated_answer_is_the_aggregated_engines(server: Any,
     assert extra["spec_verify_ct"] >= 1
     assert extra["spec_accept_length"] == pytest.approx(
         usage.completion_tokens / extra["spec_verify_ct"])
-    assert holds_nothing("TargetDeployment") and holds_nothing("DecodeDeployment")
+    assert holds_nothing("PrefillDeployment") and holds_nothing("DecodeDeployment")
 
 
 def test_the_prefill_sides_prefix_cache_serves_a_repeated_prompt(server: Any) -> None:
@@ -190,7 +193,7 @@ def test_a_pair_holds_the_decode_side_for_the_answer(server: Any) -> None:
         while not next(lines).startswith("data: {"):
             pass
         assert held("DecodeDeployment")[0][1] >= 1  # decoding there
-        assert holds_nothing("TargetDeployment")  # handed over: nothing on the prefill side
+        assert holds_nothing("PrefillDeployment")  # handed over: nothing on the prefill side
         prefill, decode = router_view(url)
         [(_, p)] = prefill["replicas"].items()
         [(decode_id, d)] = decode["replicas"].items()
@@ -215,37 +218,33 @@ def test_a_prefill_replica_that_dies_mid_answer_does_not_touch_the_answer(server
         while not next(lines).startswith("data: {"):
             pass
         assert held("DecodeDeployment")[0][1] >= 1
-        ray.kill(replica("TargetDeployment"), no_restart=False)
+        ray.kill(replica("PrefillDeployment"), no_restart=False)
         events = [json.loads(line[len("data: "):]) for line in lines
                   if line.startswith("data: {")]
     assert events[-1]["usage"]["completion_tokens"] == 300
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
     assert holds_nothing("DecodeDeployment")
     recovered(server[0])
-    assert holds_nothing("TargetDeployment")
+    assert holds_nothing("PrefillDeployment")
     assert router_holds_nothing(server[0])
 
 
-def test_a_prefill_replica_that_dies_mid_transfer_leaves_nothing_held(server: Any) -> None:
-    """Killed while its hand-over is in transit (prefilled and exported into its object store,
-    the ingress's decode call waiting on a decode replica that is stopped, so it cannot have
-    fetched it yet): the hand-over is lost with its owner, the client gets an OpenAI-shaped
-    503 (no token had been sent), and the decode replica holds nothing. Or the client gets its
-    whole answer: the node's object store frees a dead owner's objects when its raylet gets to
-    it, and a decode replica that reads the hand-over first decodes it (seen once in a random-
-    order run beside the other xdist worker). Either way nothing stays held."""
+def test_a_prefill_replica_that_dies_under_a_request_leaves_nothing_held(server: Any) -> None:
+    """Killed while a request waits on it (stopped with SIGSTOP, so the decode replica's call
+    waits there): either the client gets an OpenAI-shaped 503 with Retry-After (no token had
+    been sent), or its whole answer (Serve sends a call its replica never took to the
+    replacement: seen in this module run alone). Either way the decode replica holds
+    nothing, and the app is whole again once Serve has replaced the prefill replica."""
     import ray
 
     url = server[0]
     with ThreadPoolExecutor(1) as pool:
-        with frozen("DecodeDeployment"):
+        with frozen("PrefillDeployment"):
             answer = pool.submit(httpx.post, url + "/v1/completions", json=body(50),
                                  timeout=60)
-            time.sleep(1.5)  # prefill + export of 4 tokens: milliseconds
-            assert holds_nothing("TargetDeployment")  # exported: nothing left there
-            assert not answer.done()  # no first token: the answer waits on the decode side
-            ray.kill(replica("TargetDeployment"), no_restart=False)
-            time.sleep(1.0)
+            time.sleep(1.5)  # the decode replica has admitted it and called the prefill side
+            assert not answer.done()  # no first token: the answer waits on the prefill side
+            ray.kill(replica("PrefillDeployment"), no_restart=False)
         resp = answer.result(timeout=60)
     if resp.status_code == 200:
         assert '"completion_tokens": 50' in resp.text and resp.text.endswith("data: [DONE]\n\n")
@@ -254,39 +253,86 @@ def test_a_prefill_replica_that_dies_mid_transfer_leaves_nothing_held(server: An
         assert resp.json()["error"]["code"] == "service_unavailable"
     assert holds_nothing("DecodeDeployment")
     recovered(url)
-    assert holds_nothing("TargetDeployment") and holds_nothing("DecodeDeployment")
+    assert holds_nothing("PrefillDeployment") and holds_nothing("DecodeDeployment")
     assert router_holds_nothing(url)
 
 
-def test_a_client_gone_mid_transfer_leaves_nothing_held(server: Any) -> None:
-    """The client hangs up while its hand-over is in transit: the ingress cancels the decode
-    call, and neither side keeps the request."""
+def test_a_hand_over_lost_with_its_owner_is_a_retryable_failure(server: Any) -> None:
+    """The hand-over lives in the prefill replica's object store: if that process dies
+    before the decode replica has fetched it, the decode replica fails the request with
+    EngineUnavailable (a 503 with Retry-After for the client), not an internal error."""
+    import ray
+
+    from serve_app.protocol.generation import EngineUnavailable, Prefilled
+    from serve_app.serving.target import fetch_handoff
+
+    @ray.remote(num_cpus=0)
+    def hand_over_later() -> bytes:
+        time.sleep(60)
+        return b"never read"
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def prefilled(self) -> list[Prefilled]:
+            # Owned by this actor, not yet in any object store: once the owner is gone it can
+            # never be (a stored one is freed when the node's raylet gets to it, which a test
+            # cannot wait for).
+            return [Prefilled("r", hand_over_later.remote())]
+
+    owner = Owner.remote()
+    [prefilled] = ray.get(owner.prefilled.remote())
+    ray.kill(owner)
+    assert wait_for(lambda: _dead(owner), timeout=30, interval=0.2)
+
+    import asyncio
+
+    with pytest.raises(EngineUnavailable, match="hand-over"):
+        asyncio.run(asyncio.wait_for(fetch_handoff(prefilled), 30))
+
+
+def _dead(actor: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=1)
+    except Exception:
+        return True
+    return False
+
+
+def test_a_client_gone_while_its_request_waits_on_the_prefill_side_leaves_nothing_held(
+        server: Any) -> None:
+    """The client hangs up while its request waits on the prefill side: the ingress cancels
+    the decode replica's call, which cancels its own call to the prefill side, and neither
+    side keeps the request."""
     url = server[0]
-    with frozen("DecodeDeployment"):
+    with frozen("PrefillDeployment"):
         with pytest.raises(httpx.ReadTimeout):  # gives up after 1.5 s and closes
             httpx.post(url + "/v1/completions", json=body(50),
                        timeout=httpx.Timeout(60, read=1.5))
-        assert holds_nothing("TargetDeployment")
+        assert holds_nothing("DecodeDeployment")
         time.sleep(0.5)  # the ingress sees the disconnect
-    assert holds_nothing("DecodeDeployment") and holds_nothing("TargetDeployment")
+    assert holds_nothing("DecodeDeployment") and holds_nothing("PrefillDeployment")
     assert router_holds_nothing(url)
     recovered(url)
 
 
-def test_health_covers_the_decode_side(server: Any) -> None:
-    """/health is 503 while no decode replica can answer (one stopped with SIGSTOP), naming
-    that side, though every prefill replica is fine: requests could not be answered. 200
-    again once it runs."""
+@pytest.mark.parametrize("side", ["PrefillDeployment", "DecodeDeployment"])
+def test_health_covers_both_sides(server: Any, side: str) -> None:
+    """/health is 503 while either side cannot answer (one stopped with SIGSTOP), though the
+    other is fine: requests could not be answered. The ingress asks the decode side, whose
+    replica answers for the prefill side it sends to (naming it). 200 again once it runs."""
     url = server[0]
     assert httpx.get(url + "/health", timeout=30).status_code == 200
-    with frozen("DecodeDeployment"):
-        time.sleep(1.1)  # past the probe's 1 s cache
+    with frozen(side):
+        time.sleep(1.1)  # past the probes' 1 s caches
         resp = httpx.get(url + "/health", timeout=30)  # waits out the 3 s probe timeout
         assert resp.status_code == 503 and resp.headers["retry-after"]
-        assert resp.json()["error"]["message"].startswith("decode side: ")
+        message = resp.json()["error"]["message"]
+        assert message.startswith("prefill side: ") == (side == "PrefillDeployment"), message
     # The replica first works off what queued while it was stopped.
     assert wait_for(lambda: httpx.get(url + "/health", timeout=30).status_code == 200,
-                    timeout=60, interval=0.5), "/health stayed 503 after the decode side resumed"
+                    timeout=60, interval=0.5), "/health stayed 503 after the side resumed"
 
 
 def test_a_decode_replica_that_dies_mid_answer_fails_the_stream(server: Any) -> None:
@@ -305,7 +351,7 @@ def test_a_decode_replica_that_dies_mid_answer_fails_the_stream(server: Any) -> 
     error = json.loads(rest[-2][len("data: "):])["error"]
     assert error["code"] == "service_unavailable"
     assert not any('"finish_reason":"length"' in line.replace(" ", "") for line in rest)
-    assert holds_nothing("TargetDeployment")
+    assert holds_nothing("PrefillDeployment")
     recovered(server[0])
     assert holds_nothing("DecodeDeployment")
     assert router_holds_nothing(server[0])

@@ -119,6 +119,9 @@ class GenerateRequest:
     # The target replica the router's admission stage chose (its Serve unique id), which the
     # deployment's ChosenReplicaRouter reads; None = any replica (Serve's own routing).
     replica: str | None = None
+    # Whose request it is (the API key it used, else its address), for the per-client limits
+    # of every admission stage it meets.
+    client: str = ""
 
 
 class EngineUnavailable(RuntimeError):

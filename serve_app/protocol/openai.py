@@ -45,6 +45,12 @@ class OpenAIError(Exception):
             status, message, type_, param, code)
         self.headers = headers
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in one replica and re-raised in its caller's (a decode replica's failure on
+        # the prefill side reaches the ingress as the error it is).
+        return (type(self), (self.status, self.message, self.type, self.param, self.code,
+                             self.headers))
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}

@@ -1,6 +1,6 @@
 """The target deployments' Serve request router: it sends a request where the admission stage
-(serve_app.routing.admission, in the ingress) chose, which the request itself carries
-(`GenerateRequest.replica`, or a decode call's `replica=`). It keeps no state of its own:
+(serve_app.routing.admission, in the caller's dispatcher) chose, which the request itself
+carries (`GenerateRequest.replica`). It keeps no state of its own:
 Serve cloudpickles this module by value into each handle's process, so nothing here could be
 shared with the ingress anyway.
 """
@@ -13,14 +13,10 @@ from serve_app.protocol.generation import GenerateRequest
 
 
 def _chosen(pending: PendingRequest | None) -> str | None:
-    """The replica a call carries: a `generate` call's request, or a disaggregated `decode`
-    call's `replica=` (its first argument is the hand-over's object reference)."""
-    if pending is None:
-        return None
-    if pending.args and isinstance(pending.args[0], GenerateRequest):
+    """The replica a `generate` call's request carries (None: any, and for other calls)."""
+    if pending is not None and pending.args and isinstance(pending.args[0], GenerateRequest):
         return pending.args[0].replica
-    chosen = pending.kwargs.get("replica")
-    return chosen if isinstance(chosen, str) else None
+    return None
 
 
 class ChosenReplicaRouter(RequestRouter):

@@ -15,14 +15,12 @@ logger = get_logger("ingress")
 
 class HealthProbe:
     """GET /health: a target replica's own account of itself (its engine loop, watchdog and
-    ranks), cached briefly so that probes stay cheap. No answer within the timeout (no
-    replica running, all stuck) is a 503. A disaggregated app has two target deployments and
-    serves only when both can: each is asked, and a problem names its side."""
+    ranks; a disaggregated app's decode replica answers for the prefill side it sends to
+    as well), cached briefly so that probes stay cheap. No answer within the timeout (no
+    replica running, all stuck) is a 503."""
 
-    def __init__(self, target: DeploymentHandle, cache_s: float, timeout_s: float,
-                 decode: DeploymentHandle | None = None) -> None:
-        self.sides = [("", target)] if decode is None else [
-            ("prefill side: ", target), ("decode side: ", decode)]
+    def __init__(self, target: DeploymentHandle, cache_s: float, timeout_s: float) -> None:
+        self.target = target
         self.cache_s = cache_s
         self.timeout_s = timeout_s
         self._at = -1e9
@@ -32,9 +30,7 @@ class HealthProbe:
     async def problem(self) -> str | None:
         async with self._lock:
             if time.monotonic() - self._at > self.cache_s:
-                problems = await asyncio.gather(*(self._ask(h) for _, h in self.sides))
-                self._problem = next((side + p for (side, _), p in zip(
-                    self.sides, problems, strict=True) if p is not None), None)
+                self._problem = await self._ask(self.target)
                 self._at = time.monotonic()
             return self._problem
 

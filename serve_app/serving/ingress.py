@@ -1,19 +1,20 @@
-"""The OpenAI-compatible ingress: HTTP transport, limits and streaming.
+"""The OpenAI-compatible ingress: HTTP transport, limits, the chat format and streaming.
 
 (No `from __future__ import annotations` here: FastAPI must see the real request classes
 after Serve rewrites the route signatures.)
 
-It turns requests into token ids + sampling parameters, sends them to a target replica, and
-turns the committed-token events that stream back into OpenAI responses or SSE. What a chat
-means (rendering, request semantics, output parsing) is the chat format's (serve_app/chat/);
-the ingress never knows which engine backend runs behind the handle.
+It turns requests into token ids + sampling parameters, hands them to its dispatcher
+(dispatch.py: where a request runs), and turns the outputs that stream back into OpenAI
+responses or SSE (responses.py). What a chat means (rendering, request semantics, output
+parsing) is the chat format's (serve_app/chat/); which engine backend runs behind the handle,
+and whether the app is disaggregated, the ingress never knows.
 
 What a request meets, in order: the edge guard (edge.py: API key -> 401, body size -> 413,
-anything unexpected -> an OpenAI-shaped 500), JSON parsing and the schema (protocol.py: every
-field, 400 naming it), the model name (404), the chat format's rules (400), the prompt's size
-before and after tokenizing and max_tokens against the context (400), the sampling policy
-(400), the router (per-client limits and queue -> 429, capacity -> 400, queue timeout -> 503),
-then the engine; failures as clients see them in errors.py.
+anything unexpected -> an OpenAI-shaped 500), JSON parsing and the schema
+(protocol/openai.py: every field, 400 naming it), the model name (404), the chat format's
+rules (400), the prompt's size before and after tokenizing and max_tokens against the context
+(400), the sampling policy (400), the router (per-client limits and queue -> 429, capacity ->
+400, queue timeout -> 503), then the engine; failures as clients see them in errors.py.
 """
 
 
@@ -22,55 +23,45 @@ import functools
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import ray.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
-from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from serve_app.chat.formats import ChatPlan, chat_format_for
-from serve_app.chat.output import ChatOutput, PlainOutput
+from serve_app.chat.formats import chat_format_for
+from serve_app.chat.output import PlainOutput
 from serve_app.chat.parameters import sampling_values
 from serve_app.chat.segments import encode_segments, text_bytes
 from serve_app.config import AppConfig, context_length
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.request_telemetry import RequestTelemetry
-from serve_app.protocol.generation import (
-    GenerateRequest,
-    Prefilled,
-    RequestOutput,
-)
+from serve_app.protocol.generation import GenerateRequest
 from serve_app.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     OpenAIRequest,
     new_id,
-    now,
     quote,
-    usage,
     validation_error,
 )
-from serve_app.routing.admission import AdmissionStage
-from serve_app.routing.policy import RouterError
-from serve_app.routing.reservation import ReplicaFull
+from serve_app.serving.dispatch import Dispatcher, Lease, serve_caller
 from serve_app.serving.edge import (
     EdgeGuard,
     OpenAIJSONResponse,
     configure_edge,
     error_response,
 )
-from serve_app.serving.errors import error_for, router_error, unavailable, unwrap
+from serve_app.serving.errors import error_for, unavailable
 from serve_app.serving.health import HealthProbe
+from serve_app.serving.responses import Answer, LeasedStream, Prompt, collect, sse
 from serve_app.tokenizer import load_tokenizer
 
 logger = get_logger("ingress")
@@ -113,155 +104,6 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
 app.add_middleware(EdgeGuard)
 
 
-# --- a request's prompt and answer ---------------------------------------------------------------
-
-
-@dataclass
-class Prompt:
-    ids: list[int]
-    plan: ChatPlan | None = None  # None: a /v1/completions prompt
-
-
-@dataclass
-class Answer:
-    """One response being assembled by its output assembler (the chat format's; for a
-    completion the engine's text as it came, PlainOutput); usage without the format's
-    generation stub."""
-
-    prompt: Prompt
-    output: ChatOutput
-
-    @property
-    def chat(self) -> bool:
-        return self.prompt.plan is not None
-
-    def feed(self, out: RequestOutput) -> list[dict[str, Any]]:
-        return self.output.feed(out)
-
-    def finish(self, reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        return self.output.finish(reason)
-
-    def prompt_tokens(self, last: RequestOutput) -> int:
-        stub = self.prompt.plan.stub_tokens if self.prompt.plan else 0
-        return max(0, last.prompt_tokens - stub)
-
-    @staticmethod
-    def finish_fields(last: RequestOutput) -> dict[str, Any]:
-        """Beside the final choice's finish_reason: `grammar_closed` when the deployment's
-        grammar_budget close ended this constrained answer within max_tokens (its calls and
-        JSON are complete; the budget, not the model alone, decided where it ended)."""
-        return {"grammar_closed": True} if last.grammar_closed else {}
-
-    def usage(self, last: RequestOutput) -> dict[str, Any]:
-        return usage(self.prompt_tokens(last), last.completion_tokens, last.spec,
-                     last.cached_tokens)
-
-
-# --- a request's hold on the router and the target ------------------------------------------------
-
-
-class Lease:
-    """One admitted request: its reservations on the router's admission stages (one; a
-    disaggregated request's two, decode and prefill) and its handle stream. `close` releases
-    all of them exactly once, whoever calls it first: the normal end, an error, a cancellation
-    at any await, or the end of a streaming response's send, however it ends
-    (`LeasedStream`)."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.stages: list[AdmissionStage] = []
-        self.stream: Any = None
-        self.finished = False
-        self._closed = False
-
-    def hold(self, stage: AdmissionStage) -> None:
-        """The request's reservation on `stage`, admitted: this lease releases it."""
-        self.stages.append(stage)
-
-    def release(self, stage: AdmissionStage) -> None:
-        """Release one stage's reservation before the end (a disaggregated request's prefill
-        side, once its replica has handed the request over)."""
-        if stage in self.stages:
-            self.stages.remove(stage)
-            stage.release(self.request_id)
-
-    def prefill_done(self) -> None:
-        for stage in self.stages:
-            stage.prefill_done(self.request_id)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.stream is not None and not self.finished:
-            # Reaches the replica, whose generator aborts the request in the engine.
-            self.stream.cancel()
-        for stage in self.stages:
-            stage.release(self.request_id)
-        self.stages.clear()
-
-
-async def _paced(stream: Any, interval: float | None) -> AsyncIterator[Any]:
-    """`stream`'s items, and None whenever `interval` seconds pass without one. The pending
-    `__anext__` is waited on, never cancelled by the timeout (a cancelled one would end the
-    stream); it is cancelled only when the consumer stops early."""
-    pending: asyncio.Future[Any] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(stream.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield None
-                continue
-            item, pending = pending, None
-            try:
-                value = item.result()
-            except StopAsyncIteration:
-                return
-            yield value
-    finally:
-        if pending is not None:
-            pending.cancel()
-
-
-async def _first_output(stream: Any, lease: Lease) -> Any:
-    """The first output of a target call's `stream`, which `lease` then owns. A stream that
-    ends without one is a 500. One that fails has ended with its error: the lease drops it
-    (nothing runs that a cancel could stop, and Serve's cancel of a call that never reached a
-    replica re-raises) and the error propagates."""
-    lease.stream = stream
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        raise OpenAIError(500, "the engine returned no output", "server_error") from None
-    except Exception:
-        lease.stream = None
-        raise
-
-
-class LeasedStream(StreamingResponse):
-    """The SSE response of one admitted request, which closes its lease when sending ends, on
-    every path. The body generator's own `finally` is not enough: when the client leaves before
-    the first byte, Starlette cancels the send before the generator starts, and a generator
-    that never started runs no `finally`. The lease was then released only when the garbage
-    collector reached the dropped response, seconds later or, in a reference cycle, much later:
-    its tokens stayed committed in the router meanwhile."""
-
-    def __init__(self, body: AsyncIterator[str], lease: Lease,
-                 on_abandon: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream")
-        self.lease, self.on_abandon = lease, on_abandon
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self.lease.finished:
-                self.on_abandon()
-            self.lease.close()
-
-
 # --- the deployment --------------------------------------------------------------------------------
 
 
@@ -300,15 +142,10 @@ def _api_keys(config: AppConfig) -> list[str]:
 class OpenAIIngress:
     """The body of the ingress deployment."""
 
-    def __init__(self, target: DeploymentHandle, config: dict[str, Any],
-                 decode: DeploymentHandle | None = None) -> None:
-        """`target`: the target deployment (a disaggregated app's prefill side); `decode`: a
-        disaggregated app's decode side, which streams each answer the prefill side handed
-        over."""
+    def __init__(self, target: DeploymentHandle, config: dict[str, Any]) -> None:
+        """`target`: the deployment that answers (a disaggregated app's decode side, which
+        has its requests prefilled on the prefill side itself)."""
         self.config = AppConfig.model_validate(config)
-        self.target = target
-        self._generate = target.options(stream=True).generate  # made once, not per request
-        self._decode = decode.options(stream=True).decode if decode is not None else None
         self.tokenizer = load_tokenizer(self.config.models.tokenizer_path())
         self.chat = chat_format_for(self.tokenizer, self.config.api.tool_strict_level)
         self.model_name = self.config.models.served_model_name
@@ -321,41 +158,14 @@ class OpenAIIngress:
         self.keepalive_s = ing.sse_keepalive_s
         self._tokenize_pool = ThreadPoolExecutor(ing.tokenizer_threads,
                                                  thread_name_prefix="tokenize")
-        self.health_probe = HealthProbe(target, ing.health_cache_s, ing.health_timeout_s,
-                                        decode)
-        # Who we are, so the target can abort our requests if this process dies.
-        # Serve's replica actors are named in Serve's namespace, not the job's.
-        from ray.serve._private.constants import SERVE_NAMESPACE
-
-        name = ray.get_runtime_context().get_actor_name()
-        self.caller = (SERVE_NAMESPACE, name) if name else None
+        self.health_probe = HealthProbe(target, ing.health_cache_s, ing.health_timeout_s)
+        # Who we are, so the target can abort our requests if this process dies, and the
+        # router (docs/router.md) behind the one place requests are sent from.
+        self.dispatcher = Dispatcher(target, self.config.admission(), serve_caller(),
+                                     ing.health_timeout_s)
         install_trace_ids()
         logger.info("ingress ready: %d API keys, body limit %d bytes, context %d tokens",
                     len(edge.key_digests), edge.max_body_bytes, self.max_model_len)
-        # The long-context router (docs/router.md): None = Serve's own routing. A
-        # disaggregated app has one admission stage per side: the prefill side's is `router`
-        # (the target's), the decode side's `decode_router`; a request holds a pair.
-        self.router: AdmissionStage | None = None
-        self.decode_router: AdmissionStage | None = None
-        if self.config.router.policy != "ray_default":
-            settings = self.config.router.settings(
-                self.config.engine.backend, self.max_model_len,
-                self.config.engine.reference.prefix_cache.enabled)
-            self.router = AdmissionStage(
-                settings, functools.partial(self._ask_replicas, target), me=name or "")
-            if decode is not None:
-                self.decode_router = AdmissionStage(
-                    settings, functools.partial(self._ask_replicas, decode), me=name or "")
-
-    async def _ask_replicas(self, handle: DeploymentHandle, since: dict[str, int]) -> list[Any]:
-        """An admission stage's question to every running replica of `handle`'s deployment
-        (Serve's broadcast reaches each replica the handle's router knows): their answers, or
-        the exceptions."""
-        try:
-            return await handle.broadcast("routing_info", since).results_async(
-                timeout_s=self.config.ingress.health_timeout_s, return_exceptions=True)
-        except DeploymentUnavailableError:
-            return []
 
     # --- routes ---------------------------------------------------------------------------------
 
@@ -369,13 +179,13 @@ class OpenAIIngress:
     @app.get("/v1/router")
     async def router_state(self) -> dict[str, Any]:
         """Per replica: KV tokens and state slots (total, reserved by the router, used by the
-        engine); the queue length and recent routing decisions. Disaggregated: the prefill
-        side's, with the decode side's under "decode"."""
-        if self.router is None:
-            return {"policy": "ray_default"}
-        view = await self.router.view()
-        if self.decode_router is not None:
-            view["decode"] = await self.decode_router.view()
+        engine); the queue length and recent routing decisions. Replicas that send requests
+        on themselves (a disaggregated app's decode replicas) add their own stages' views,
+        under "downstream" by replica."""
+        view = await self.dispatcher.view()
+        downstream = await self.dispatcher.downstream_views()
+        if downstream:
+            view["downstream"] = downstream
         return view
 
     @app.get("/v1/models")
@@ -476,214 +286,47 @@ class OpenAIIngress:
 
     async def _serve(self, body: OpenAIRequest, prompt: Prompt, telemetry: RequestTelemetry,
                      client: str) -> Any:
-        chat, prompt_ids = prompt.plan is not None, prompt.ids
-        max_tokens = self._limits(body, prompt_ids, chat)
+        max_tokens = self._limits(body, prompt.ids, prompt.plan is not None)
         thinking = bool(prompt.plan and prompt.plan.k3 and prompt.plan.k3.thinking)
         params = body.sampling(max_tokens, *sampling_values(
             self.config.api.parameter_policy, body, thinking),
             grammar=prompt.plan.grammar if prompt.plan else None)
-        rid = new_id("chatcmpl" if chat else "cmpl")
+        rid = new_id("chatcmpl" if prompt.plan else "cmpl")
         telemetry.span.set_attribute("request_id", rid)
         telemetry.span.set_attribute("max_tokens", max_tokens)
         telemetry.span.set_attribute("stream", body.stream)
-        lease: Lease | None = Lease(rid)
+        request = GenerateRequest(rid, prompt.ids, params, caller=self.dispatcher.caller,
+                                  client=client)
         try:
-            assert lease is not None
-            # The reservation rides on the target call (no extra round trip): the replica
-            # reserves it on its own, authoritative ledger before any engine work.
-            decode_replica = near = None
-            target_max_tokens = max_tokens
-            if self.decode_router is not None:
-                # The pair, decode side first: it holds the request for the whole answer, and
-                # a request no decode replica can take must not be prefilled. The prefill
-                # replica then samples only the first token.
-                decode_replica = await self._admit(self.decode_router, lease, prompt_ids,
-                                                   max_tokens, client)
-                near, target_max_tokens = self.decode_router.node_of(decode_replica), 1
-            replica = None
-            if self.router is not None:
-                replica = await self._admit(self.router, lease, prompt_ids, target_max_tokens,
-                                            client, near)
-
-            def generate(chosen: str | None) -> Any:
-                request = GenerateRequest(rid, prompt_ids, params, caller=self.caller,
-                                          replica=chosen)
-                reservation = self.router.reservation(rid) if self.router is not None else None
-                return (self._generate.remote(request) if reservation is None
-                        else self._generate.remote(request, reservation))
-
-            # Wait for the first event before answering, so a refused request gets its 4xx.
-            first = await self._first(self.router, replica, generate, lease)
-            if isinstance(first, Prefilled):
-                if self.router is not None:
-                    lease.release(self.router)  # its replica has let the request go
-                first = await self._decoded(first, decode_replica, lease)
-            lease.finished = first.finished
-            lease.prefill_done()
+            # Waits for the first output, so that a refused request gets its 4xx/5xx.
+            lease: Lease | None = await self.dispatcher.dispatch(request, max_tokens)
+        except Exception as exc:
+            raise error_for(exc, self.retry_after_s, rid) from None
+        assert lease is not None
+        try:
             telemetry.first_token()
-            answer = Answer(prompt, self.chat.output(prompt.plan) if prompt.plan
-                            else PlainOutput())
+            answer = Answer(rid, self.model_name, prompt, self.chat.output(prompt.plan)
+                            if prompt.plan else PlainOutput())
             if body.stream:
-                sse = self._sse(body, rid, answer, first, lease, telemetry)
-                response = LeasedStream(sse, lease, functools.partial(
-                    telemetry.finish, 499, first.prompt_tokens, first.completion_tokens))
+                include_usage = body.include_usage(
+                    default=bool(prompt.plan and prompt.plan.stream_usage))
+                response = LeasedStream(
+                    sse(answer, lease, telemetry, include_usage, self.keepalive_s,
+                        self.retry_after_s),
+                    lease, functools.partial(telemetry.finish, 499, lease.first.prompt_tokens,
+                                             lease.first.completion_tokens))
                 lease = None  # the response owns it now
                 return response
-            response = await self._collect(rid, answer, first, lease)
+            result = await collect(answer, lease, self.retry_after_s)
             # Metrics, the closing log line and the span end (0.7-1 ms) run once the response
             # has left: they are the server's bookkeeping, not the client's latency. Neither a
             # Starlette BackgroundTask nor call_soon is late enough under Serve (the body is
             # forwarded by another task, after them); the time recorded is still this one.
             asyncio.get_running_loop().call_later(
-                TELEMETRY_DELAY_S, telemetry.finish, 200, response["usage"]["prompt_tokens"],
-                response["usage"]["completion_tokens"], time.perf_counter())
-            return response
+                TELEMETRY_DELAY_S, telemetry.finish, 200, result["usage"]["prompt_tokens"],
+                result["usage"]["completion_tokens"], time.perf_counter())
+            return result
         finally:
             if lease is not None:
                 lease.close()
 
-    async def _admit(self, stage: AdmissionStage, lease: Lease, prompt_ids: list[int],
-                     max_tokens: int, client: str, near: str | None = None) -> str:
-        """The replica `stage` admits the request to, its reservation then held by `lease`."""
-        try:
-            replica = await stage.admit(lease.request_id, prompt_ids, max_tokens, client, near)
-        except RouterError as exc:
-            raise router_error(exc, self.retry_after_s) from None
-        lease.hold(stage)
-        return replica
-
-    async def _first(self, stage: AdmissionStage | None, replica: str | None,
-                     call: Callable[[str | None], Any], lease: Lease) -> Any:
-        """The first output of `call(replica)` (a target call's stream, which `lease` then
-        owns). A replica that refuses the request (ReplicaFull: another ingress took the room)
-        sends it back to the front of `stage`'s queue, with the replica's numbers, until a
-        replica has room; any other failure is the client's error."""
-        while True:
-            try:
-                return await _first_output(call(replica), lease)
-            except Exception as exc:
-                full = unwrap(exc)
-                if not (isinstance(full, ReplicaFull) and stage is not None
-                        and replica is not None):
-                    raise error_for(exc, self.retry_after_s, lease.request_id) from None
-                try:
-                    replica = await stage.requeue(
-                        lease.request_id, str(full.info.get("replica") or replica), full.info)
-                except RouterError as err:
-                    raise router_error(err, self.retry_after_s) from None
-
-    async def _decoded(self, prefilled: Prefilled, replica: str | None,
-                       lease: Lease) -> RequestOutput:
-        """A disaggregated request's first output, from the decode replica that adopts its
-        hand-over (`replica`, the decode side's admission stage's choice; None: Serve's
-        routing): Ray gives that replica the reference, and it fetches the hand-over from the
-        prefill replica's object store (the ingress never holds the caches). The answer
-        streams from there; a lost hand-over (the prefill replica died) is a 503."""
-        if self._decode is None:
-            raise OpenAIError(500, "the engine handed over a request but there is no decode "
-                              "side", "server_error")
-        stage, decode = self.decode_router, self._decode
-
-        def call(chosen: str | None) -> Any:
-            reservation = stage.reservation(lease.request_id) if stage is not None else None
-            return decode.remote(prefilled.handoff, self.caller, replica=chosen,
-                                 reservation=reservation)
-
-        return await self._first(stage, replica, call, lease)
-
-    async def _collect(self, rid: str, answer: Answer, first: RequestOutput,
-                       lease: Lease) -> dict[str, Any]:
-        outs, last = [first], first
-        try:
-            if not first.finished:
-                async for out in lease.stream:
-                    outs.append(out)
-                    last = out
-        except Exception as exc:
-            raise error_for(exc, self.retry_after_s, rid) from None
-        lease.finished = last.finished
-        text = "".join(o.text for o in outs)
-        for out in outs:
-            answer.feed(out)
-        finish = answer.finish(last.finish_reason)[1]
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None,
-                                  **answer.finish_fields(last)}
-        if answer.chat:
-            choice["message"] = answer.output.message()
-        else:
-            choice["text"] = text
-        return {
-            "id": rid, "object": "chat.completion" if answer.chat else "text_completion",
-            "created": now(), "model": self.model_name, "choices": [choice],
-            "usage": answer.usage(last),
-        }
-
-    async def _sse(self, body: OpenAIRequest, rid: str, answer: Answer, first: RequestOutput,
-                   lease: Lease, telemetry: RequestTelemetry) -> AsyncIterator[str]:
-        created = now()
-        chat = answer.chat
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = body.include_usage(
-            default=bool(answer.prompt.plan and answer.prompt.plan.stream_usage))
-
-        def event(payload: dict[str, Any]) -> str:
-            return f"data: {json.dumps(payload, ensure_ascii=True)}\n\n"
-
-        def chunk(delta: dict[str, Any], finish: str | None = None,
-                  **fields: Any) -> str:
-            if chat:
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
-                                          "logprobs": None, **fields}
-            else:
-                choice = {"index": 0, "text": delta.get("content", ""),
-                          "finish_reason": finish, "logprobs": None, **fields}
-            payload: dict[str, Any] = {"id": rid, "object": kind, "created": created,
-                                       "model": self.model_name, "choices": [choice]}
-            if include_usage:
-                payload["usage"] = None
-            return event(payload)
-
-        last = first
-        try:
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            for delta in answer.feed(first):
-                yield chunk(delta)
-            sent = time.monotonic()
-            if not first.finished:
-                async for out in _paced(lease.stream, self.keepalive_s):
-                    if out is not None:
-                        last = out
-                        for delta in answer.feed(out):
-                            yield chunk(delta)
-                            sent = time.monotonic()
-                    # Outputs that add no delta (a typed argument's value is sent when it
-                    # closes) are silence on the wire too.
-                    if self.keepalive_s and time.monotonic() - sent >= self.keepalive_s:
-                        yield ": keep-alive\n\n"
-                        sent = time.monotonic()
-            lease.finished = last.finished
-            deltas, finish = answer.finish(last.finish_reason)
-            for delta in deltas:
-                yield chunk(delta)
-            yield chunk({}, finish, **answer.finish_fields(last))
-            if include_usage:
-                yield event({"id": rid, "object": kind, "created": created,
-                             "model": self.model_name, "choices": [],
-                             "usage": answer.usage(last)})
-            yield "data: [DONE]\n\n"
-            telemetry.finish(200, answer.prompt_tokens(last), last.completion_tokens)
-        except Exception as exc:
-            # Headers are sent: the error travels as an event, and the stream still ends the
-            # way every OpenAI stream ends.
-            err = error_for(exc, self.retry_after_s, rid)
-            telemetry.finish(err.status, last.prompt_tokens, last.completion_tokens)
-            yield event(err.body())
-            yield "data: [DONE]\n\n"
-        finally:
-            # Client disconnected (this generator was closed or cancelled): closing the lease
-            # cancels the handle's stream, which reaches the replica's generator and aborts the
-            # request in the engine; and it gives the router its tokens back.
-            if not lease.finished:
-                telemetry.finish(499, last.prompt_tokens, last.completion_tokens)
-            lease.close()

@@ -13,10 +13,13 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any
 
 import ray
+import ray.exceptions
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -33,10 +36,9 @@ from serve_app.protocol.generation import (
     Role,
 )
 from serve_app.routing.reservation import ReplicaFull, ReplicaLedger, Reservation
-
-if TYPE_CHECKING:  # torch stays out of the ingress's process
-    from serve_app.engines.reference.handoff import RequestHandoff
-    from serve_app.engines.sglang.engine import SGLangHandoff
+from serve_app.serving.dispatch import Dispatcher, serve_caller
+from serve_app.serving.errors import error_for
+from serve_app.serving.health import HealthProbe
 
 logger = get_logger("target")
 
@@ -175,10 +177,13 @@ class TargetReplica:
     """The body of the target deployment (wrapped with serve.deployment in app.py): it starts
     the configured engine backend and serves the engine interface to the ingress/router."""
 
-    def __init__(self, config: dict[str, Any], role: Role = "both") -> None:
+    def __init__(self, config: dict[str, Any], role: Role = "both",
+                 prefill: DeploymentHandle | None = None) -> None:
         """`role`: "both" (prefill and decode), or a side of a disaggregated app: "prefill"
         (prefills and exports each request: `generate` answers with a `Prefilled`) or
-        "decode" (serves `decode` calls with those hand-overs)."""
+        "decode" (`generate` has each request prefilled on the `prefill` deployment, adopts
+        the hand-over and streams the answer: this side orchestrates, the ingress fronts it
+        alone)."""
         self.role = role
         self.config = AppConfig.model_validate(config)
         install_trace_ids()
@@ -200,12 +205,26 @@ class TargetReplica:
         # every ingress (docs/router.md, "Several ingress replicas"); only with the router's
         # capacity admission (kv_aware): other policies let the engine queue, as before.
         self.ledger: ReplicaLedger | None = None
-        if self.config.router.policy == "kv_aware":
-            settings = self.config.router.settings(
-                self.config.engine.backend, context_length(self.config),
-                self.config.engine.reference.prefix_cache.enabled)
+        settings = self.config.admission()
+        if settings is not None and settings.policy == "kv_aware":
             kv, slots = _totals(self.engine.capacity())
             self.ledger = ReplicaLedger(settings.block_size, settings.share_prefix, kv, slots)
+        # A decode replica's own dispatcher to the prefill side (its admission stage prices
+        # prefill replicas against this node), and that side's health for GET /health.
+        self.prefill: Dispatcher | None = None
+        self.prefill_health: HealthProbe | None = None
+        if role == "decode":
+            if prefill is None:
+                raise ValueError("a decode replica needs the prefill deployment's handle")
+            if not self.engine.supports_handoff:
+                raise EngineUnavailable(f"the {self.config.engine.backend} engine cannot adopt "
+                                        "hand-overs")
+            ing = self.config.ingress
+            self.prefill = Dispatcher(prefill, settings, serve_caller(), ing.health_timeout_s)
+            # Half the ingress's probe timeout: this replica's answer to the ingress, which
+            # waits for the prefill side's, must come within the ingress's.
+            self.prefill_health = HealthProbe(prefill, ing.health_cache_s,
+                                              ing.health_timeout_s / 2)
         logger.info("replica ready in %.2f s: %s", time.perf_counter() - started,
                     self.engine.capacity())
 
@@ -214,31 +233,65 @@ class TargetReplica:
 
     async def generate(self, request: GenerateRequest, reservation: Reservation | None = None
                        ) -> AsyncIterator[RequestOutput | Prefilled]:
-        """Reserve the request on this replica's ledger (the facts its ingress computed,
-        or the same facts computed here for a call that carries none), then stream the
-        engine's outputs; released exactly once when the request ends here, however it ends
-        (finished, failed, aborted, its caller gone). Refused before any engine work with
-        ReplicaFull, which carries this ledger's numbers. A prefill replica answers with one
-        `Prefilled` (or the final output of a request that ended on its first token)."""
+        """Reserve the request on this replica's ledger (the facts its caller's admission
+        stage computed, or the same facts computed here for a call that carries none), then
+        stream its outputs; released exactly once when the request ends here, however it
+        ends (finished, failed, aborted, its caller gone). Refused before any engine work
+        with ReplicaFull, which carries this ledger's numbers. A prefill replica answers with
+        one `Prefilled` (or the final output of a request that ended on its first token); a
+        decode replica has the request prefilled there first (`_prefilled_there`)."""
         caller = request.caller
-        self._reserve(request.request_id, caller, reservation, request.prompt_ids,
-                      request.params.max_tokens)
+        # A prefill replica samples one token of each request.
+        max_tokens = 1 if self.role == "prefill" else request.params.max_tokens
+        self._reserve(request.request_id, caller, reservation, request.prompt_ids, max_tokens)
         self._track(caller, request.request_id)
         try:
-            if self.role != "prefill":
+            if self.role == "both":
                 async for out in self.engine.generate(request):
                     yield out
-                return
-            result = await self.engine.prefill(request)
-            if isinstance(result, RequestOutput):  # it ended on its first token
-                yield result
-                return
-            # The hand-over goes into this process's object store; the decode replica the
-            # ingress calls with the reference fetches it from here, and the tokens go
-            # from there to the ingress, past this replica (busy prefilling other prompts).
-            yield Prefilled(request.request_id, ray.put(result))
+            elif self.role == "decode":
+                async for out in self._prefilled_there(request):
+                    yield out
+            else:
+                yield await self._prefill(request)
         finally:
             self._release(caller, request.request_id)
+
+    async def _prefill(self, request: GenerateRequest) -> RequestOutput | Prefilled:
+        """A prefill replica's answer: the hand-over, put into this process's object store
+        (the decode replica fetches it from here, and the tokens go from there to the
+        ingress, past this replica, busy prefilling other prompts), or the final output of a
+        request that ended on its first token."""
+        result = await self.engine.prefill(request)
+        if isinstance(result, RequestOutput):
+            return result
+        return Prefilled(request.request_id, ray.put(result))
+
+    async def _prefilled_there(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """A decode replica's request: admitted on the prefill side (one token, priced
+        against this node), prefilled there, its hand-over adopted here and the answer
+        streamed from its first token. A failure there reaches the client as the OpenAI
+        error it is (a full prefill queue is a 429, a lost hand-over a 503)."""
+        assert self.prefill is not None
+        rid = request.request_id
+        there = replace(request, caller=self.prefill.caller, replica=None)
+        try:
+            lease = await self.prefill.dispatch(there, 1, near=self.info[0]["node_id"])
+        except Exception as exc:
+            raise error_for(exc, self.config.ingress.retry_after_s, rid) from None
+        first = lease.first
+        lease.close()  # the prefill replica has let the request go
+        if isinstance(first, RequestOutput):  # it ended on its first token
+            yield first
+            return
+        async for out in self.engine.adopt(await fetch_handoff(first)):
+            yield out
+
+    async def dispatch_view(self) -> dict[str, Any]:
+        """This replica's own dispatcher's view (a decode replica's, to the prefill side),
+        for the ingress's /v1/router; None without one."""
+        view = await self.prefill.view() if self.prefill is not None else None
+        return {"replica": self._replica_id(), "view": view}
 
     def _reserve(self, request_id: str, caller: tuple[str, str] | None,
                  reservation: Reservation | None, prompt_ids: list[int], max_tokens: int
@@ -279,25 +332,6 @@ class TargetReplica:
             if not mine:
                 self._by_caller.pop(caller, None)
 
-    async def decode(self, handoff: RequestHandoff | SGLangHandoff,
-                     caller: tuple[str, str] | None = None, replica: str | None = None,
-                     reservation: Reservation | None = None) -> AsyncIterator[RequestOutput]:
-        """A request a prefill replica handed over (Ray fetched `handoff` from there):
-        reserved on this replica's ledger like a `generate` call (the decode side's admission
-        stage chose `replica`, which the request router reads), decoded here, streamed to
-        `caller` (its ingress) from the first token; aborted when the ingress stops reading or
-        dies."""
-        if self.role != "decode":
-            raise ValueError(f"this replica is a {self.role!r} replica, not a decode one")
-        rid = handoff.request_id
-        self._reserve(rid, caller, reservation, handoff.prompt_ids, handoff.params.max_tokens)
-        self._track(caller, rid)
-        try:
-            async for out in self.engine.adopt(handoff):
-                yield out
-        finally:
-            self._release(caller, rid)
-
     async def _watch_callers(self) -> None:
         """Once a second, while requests are in flight: is each sending ingress still alive?
         A dead one's requests are cancelled (their generators abort them in the engine)."""
@@ -319,6 +353,11 @@ class TargetReplica:
         if time.monotonic() - self._status_at > 1.0:
             problem = self.engine.problem() or await self._rank_problem(timeout_s=2.0)
             problem = problem or self._last_check_problem
+            if problem is None and self.prefill_health is not None:
+                # A decode replica serves nothing while no prefill replica can: say so, but
+                # only here (Serve's check_health must not replace it for its peers' fault).
+                there = await self.prefill_health.problem()
+                problem = f"prefill side: {there}" if there is not None else None
             self._status = {"ok": problem is None, "problem": problem, "replica": self.replica}
             self._status_at = time.monotonic()
         return self._status
@@ -392,6 +431,17 @@ class TargetReplica:
     def __del__(self) -> None:
         for w in getattr(self, "workers", []):
             ray.kill(w, no_restart=True)
+
+
+async def fetch_handoff(prefilled: Prefilled) -> Any:
+    """The hand-over a prefill replica put into its object store: fetched from there (Ray
+    moves it between the nodes), or EngineUnavailable when its owner died first (retryable:
+    the client gets a 503)."""
+    try:
+        return await prefilled.handoff
+    except ray.exceptions.ObjectLostError:  # the prefill replica, its owner, is gone
+        raise EngineUnavailable("the prefill replica that held the request's hand-over is "
+                                "gone; retry") from None
 
 
 def _totals(cap: dict[str, int]) -> tuple[int, int | None]:
