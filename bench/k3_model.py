@@ -11,8 +11,8 @@ in the same process, variants alternating within each repeat. Reported (medians 
   (token-by-token recurrence inside each KDA layer), and K2 (KimiForCausalLM over a paged
   latent cache);
 - 1-token decode ms after the prompt;
-- 8-row verify ms after the prompt: K3 `verify` (the states after every position, §3 of the
-  K3 notes), K2 an 8-token forward (rolled back afterwards);
+- 8-row verify ms after the prompt: K3 `verify` (the states after every position, as SGLang
+  keeps them by default), K2 an 8-token forward (rolled back afterwards);
 - per-request state: K3's KDA states are a fixed size whatever the length (conv window + SSM
   state per KDA layer); KV bytes per token (K3: its MLA layers' latent cache; K2: every layer's).
   Bytes are given at the serving dtypes (conv / KV bf16, SSM fp32, as SGLang keeps them) and

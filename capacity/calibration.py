@@ -1,6 +1,6 @@
 """Published measurements the time model is fitted to, and the fit itself.
 
-Every anchor is from hardware-and-prices.md; what the source leaves open (context length,
+Every anchor is a published measurement; what its source leaves open (context length,
 acceptance length, how GPUs were split) is an explicit assumption printed beside the error.
 """
 
@@ -104,8 +104,8 @@ def anchors() -> list[Anchor]:
         rate = decode_rate(k2, k2_decode, gpus["H200"], 96 * 256, 2050, None, None, c)
         return rate.total_tokens_s / k2_decode.total_gpus
 
-    gb300_src = "hardware-and-prices.md: K3 on GB300, single user"
-    b300_src = "hardware-and-prices.md: K3 on 8 x B300, RadixArk DSpark, SGLang, 8k in / 1k out"
+    gb300_src = "published: K3 on GB300, single user"
+    b300_src = "published: K3 on 8 x B300, RadixArk DSpark, SGLang, 8k in / 1k out"
     spec = "acceptance 3.45 (DSpark card mean over 10 benchmarks), gamma 7"
     return [
         Anchor("K3 GB300 TP16 no spec, batch 1", 118, "tok/s per user", gb300_src,
@@ -129,15 +129,15 @@ def anchors() -> list[Anchor]:
         Anchor("K3 8xB300 DSpark, c=64", 1987, "tok/s total", b300_src, f"as above; {spec}",
                bench(64, dspark)),
         Anchor("K2 128xH200 prefill", 896_000 / 128, "tok/s per GPU",
-               "hardware-and-prices.md: K2 on 128 H200, 1 prefill + 1 decode group, 2000 in",
+               "published: K2 on 128 H200, 1 prefill + 1 decode group, 2000 in",
                "896k tok/s over all 128 GPUs; modeled as 32 GPUs DP32 EP32 prefilling 8 "
                "prompts per GPU", k2_prefill_rate),
         Anchor("K2 128xH200 decode", 384_000 / 128, "tok/s per GPU",
-               "hardware-and-prices.md: K2 on 128 H200, 100 out",
+               "published: K2 on 128 H200, 100 out",
                "384k tok/s over all 128 GPUs; modeled as 96 GPUs DP96 EP96, 256 requests "
                "per GPU at 2k context", k2_decode_rate),
         Anchor("K3 GB300 Dynamo aggregated", 84, "tok/s per GPU",
-               "hardware-and-prices.md: K3 on GB300 via Dynamo, 573 ms TTFT",
+               "published: K3 on GB300 via Dynamo, 573 ms TTFT",
                "not modeled: layout, input/output lengths and concurrency are not published",
                None),
     ]

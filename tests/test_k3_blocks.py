@@ -1,5 +1,5 @@
-"""serve_app.models.k3_blocks against naive implementations written here from the K3 notes'
-formulas (kimi-k3-architecture.md §1.4 MLA, §1.5 FFN / MoE, §1.6 SiTU). Nothing but the weights
+"""serve_app.models.k3_blocks against naive implementations written here from SGLang
+0.5.23's formulas (kimi_k3.py: MLA, FFN / MoE; activation.py: SiTU). Nothing but the weights
 is shared with the module: fp32, CPU, the mini-K3 config (or variants of it), seeded weights."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def ref_act(c: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """§1.6 written out: SiTU(g) = β tanh(g/β) σ(g); softclip(u) = βₗ tanh(u/βₗ)."""
+    """SiTU written out: SiTU(g) = β tanh(g/β) σ(g); softclip(u) = βₗ tanh(u/βₗ)."""
     b, bl = c.activation_situ_beta, c.activation_situ_linear_beta
     return b * torch.tanh(gate / b) / (1 + torch.exp(-gate)) * (bl * torch.tanh(up / bl))
 
@@ -78,7 +78,7 @@ def test_situ_shapes_saturation_and_silu_limits() -> None:
     big = situ(torch.tensor([60.0, 1e4]), 4.0, 25.0)
     assert big.item() == pytest.approx(4.0 * 25.0, rel=1e-6)
     assert situ(torch.tensor([-60.0, 1.0]), 4.0, 25.0).abs().item() < 1e-20
-    # SiTU -> SiLU: near 0 (§1.6), and in the limit β, βₗ -> ∞ (βₗ = None: no clip at all).
+    # SiTU -> SiLU: near 0, and in the limit β, βₗ -> ∞ (βₗ = None: no clip at all).
     small = 0.01 * gate
     silu = torch.nn.functional.silu(small) * up
     # relative error of 4·tanh(g/4) vs g is ~g²/48 (|g| < 0.2 here)
@@ -118,7 +118,7 @@ def test_silu_hidden_act() -> None:
 
 
 def ref_route(c: K3Config, w: dict[str, torch.Tensor], xt: torch.Tensor) -> dict[int, float]:
-    """One token's {expert: weight}, §1.5 step 1 with SGLang's grouped top-k, by hand."""
+    """One token's {expert: weight}, with SGLang's grouped top-k, by hand."""
     e = c.num_experts
     s = [1 / (1 + math.exp(-float(v))) for v in w["gate.weight"] @ xt]
     choice = [s[i] + float(w["gate.e_score_correction_bias"][i]) for i in range(e)]
@@ -216,7 +216,7 @@ def test_correction_bias_changes_selection_not_weights() -> None:
 
 
 def test_latent_norm_absorbs_routed_scaling_factor() -> None:
-    """The norm sits after the weighted sum (§1.5 step 4): scaling the weights is (almost) a
+    """The norm sits after the weighted sum: scaling the weights is (almost) a
     no-op with the norm on, and linear without it."""
     outs = {}
     for norm in (True, False):

@@ -1,7 +1,7 @@
 """serve_app.models.k3 (the full K3 text model) on the mini-K3 config, fp32 CPU, seeded random
 weights: parameter names and counts, prefill + decode through K3State == one full forward, the
-Block Attention Residual against a naive loop written here from the K3 notes' §1.2 / §1.7
-formulas, the DSpark taps (§3 "How DSpark taps K3"), and the plain residual without AttnRes."""
+Block Attention Residual against a naive loop written here from SGLang's AttnRes
+formulas, the DSpark taps (`_dspark_capture_stream`), and the plain residual without AttnRes."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def tokens(config: K3Config, batch: int, length: int, seed: int = 1) -> torch.Te
     return torch.randint(0, config.vocab_size, (batch, length), generator=g)
 
 
-# --- a naive model, written from the notes -------------------------------------------------------
+# --- a naive model, written from the formulas ---------------------------------------------------
 
 
 def ref_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,7 +62,7 @@ def ref_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def ref_mix(rows: list[torch.Tensor], norm: nn.Module, proj: nn.Linear) -> torch.Tensor:
-    """§1.2: s_j = w · RMSNorm_γ(r_j); α = softmax_j(s_j); mix = Σ_j α_j r_j."""
+    """One read: s_j = w · RMSNorm_γ(r_j); α = softmax_j(s_j); mix = Σ_j α_j r_j."""
     scores = torch.stack(
         [(ref_rms(r, norm.weight, norm.eps) * proj.weight[0]).sum(-1) for r in rows], dim=-1
     )
@@ -84,7 +84,7 @@ def run_attn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def ref_rows(s: int, n_layers: int, x0: torch.Tensor, outs: list, nvb: int) -> list:
     """The rows a read with nvb bank rows mixes, from the sublayer outputs so far (a list of
     (layer, output)), without a running bank: [x0, b_1..b_{nvb-1}, p] with b_k = Σ outputs of
-    layers (k-1)S..kS-1 and p = Σ outputs of layers >= (nvb-1)S (§1.2 bookkeeping); nvb = 0
+    layers (k-1)S..kS-1 and p = Σ outputs of layers >= (nvb-1)S (AttnRes bookkeeping); nvb = 0
     (layer 0's attention read): [x0] alone."""
 
     def block_sum(lo: int, hi: int) -> torch.Tensor:
@@ -129,7 +129,7 @@ def naive_attn_res(
 
 
 def naive_plain(model: K3ForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """§1.2 plain residual: h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h));
+    """The plain residual: h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h));
     logits = lm_head(norm(h)). Returns (logits, h after every layer)."""
     m = model.model
     h = m.embed_tokens(ids)

@@ -1,4 +1,4 @@
-"""Parity with a peer (K3 notes §6 "Whole-model reduction"): with every K3-only feature switched
+"""Parity with a peer: with every K3-only feature switched
 off, our K3ForCausalLM loads a tiny random transformers-5.23 `KimiLinearForCausalLM` checkpoint
 and reproduces its logits and its greedy continuation through the cache.
 
@@ -6,8 +6,8 @@ The fixture (`tests/data/kimi-linear-tiny/`, made by `tools/make_kimi_linear_fix
 the checkpoint as `save_pretrained` wrote it plus the transformers outputs; transformers itself
 is never imported here.
 
-The K3-only switches, all off (§6 "Flags that make a K3-style config reduce exactly to plain
-KimiLinear"): `attn_res_block_size` null (plain pre-norm residual), `routed_expert_hidden_size`
+The K3-only switches, all off (where SGLang's kimi_k3.py falls back to plain
+KimiLinear): `attn_res_block_size` null (plain pre-norm residual), `routed_expert_hidden_size`
 null (hidden-space experts), `hidden_act` "silu" (no SiTU), `mla_use_output_gate` false,
 `linear_attn_config.use_full_rank_gate` false (low-rank g_a/g_b output gate), no
 `linear_attn_config.gate_lower_bound` (softplus forget gate). The two places where transformers
@@ -88,7 +88,7 @@ def k3_config_from_hf(hf: dict[str, Any]) -> K3Config:
 
 
 def hf_to_k3(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """One transformers KimiLinear tensor -> our (SGLang K3) names (§1.8). Both the names
+    """One transformers KimiLinear tensor -> our (SGLang K3) names. Both the names
     `save_pretrained` writes (the original checkpoint's) and transformers' runtime names are
     accepted."""
     name = name.replace(".block_sparse_moe.", ".mlp.")

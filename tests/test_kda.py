@@ -1,6 +1,6 @@
 """KDA (Kimi Delta Attention) layer: the chunked and recurrent algorithms agree, prefill/decode and
 verify-window states compose, rollback to an accepted prefix is exact, the module matches a
-naive per-token reference written here from the architecture notes' formulas (§1.3), and the
+naive per-token reference written here from SGLang's KDA formulas, and the
 safe gate's lower bound holds. All fp32 on CPU, tiny sizes with distinct widths."""
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def naive_kda(
     lower_bound: float,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request, straight from the notes' §1.3 formulas, one token and one head at a time.
+    """One request, straight from the KDA formulas, one token and one head at a time.
 
     x: [T, H]; conv0: [3, 3P] the previous raw q|k|v rows (oldest first); S0: [heads, K, V].
     """
@@ -306,7 +306,7 @@ def test_sizes_from_mini_k3_text_config() -> None:
     sizes = KDASizes.from_text_config(text_config)
     assert sizes == KDASizes(hidden_size=256, num_heads=6, head_dim=64)
     state = KDAState.zeros(sizes, 2)
-    assert state.conv.shape == (2, 3, 1152) and state.ssm.shape == (2, 6, 64, 64)  # §5
+    assert state.conv.shape == (2, 3, 1152) and state.ssm.shape == (2, 6, 64, 64)
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """Build the tiny random transformers `KimiLinearForCausalLM` fixture that
-`tests/test_k3_parity.py` checks our K3 model against (K3 notes §6, "Whole-model reduction").
+`tests/test_k3_parity.py` checks our K3 model against (K3 with every K3-only feature off).
 
 The fixture lives in `tests/data/kimi-linear-tiny/`:
   - `config.json`, `model.safetensors`: `save_pretrained` output (fp32). transformers writes the
@@ -19,7 +19,7 @@ cannot load silently: a mix of KDA and MLA layers (the last layer MLA), a dense 
 MoE after it with a few experts, a grouped router and shared experts. Widths are multiples of 4
 (transformers' CPU `grouped_mm` experts path needs 16-byte strides).
 
-One patch is applied before running (K3 notes §1.8 / §6 item 7): transformers hard-codes the MLA
+One patch is applied before running: transformers hard-codes the MLA
 `q_a_layernorm` / `kv_a_layernorm` eps to 1e-6, while SGLang (and our K3MLA) use
 `rms_norm_eps`; both are set to `rms_norm_eps` (1e-5). Everything else is transformers as
 shipped. The conv activation follows `hidden_act`, which is "silu" here, as our KDA always is.
@@ -126,7 +126,7 @@ def main() -> None:
     config = tiny_config()
     model = KimiLinearForCausalLM(config).float().eval()
     randomize(model, gen)
-    # Patch (§6 item 7): MLA latent norms use rms_norm_eps, as SGLang / our K3MLA do.
+    # Patch: MLA latent norms use rms_norm_eps, as SGLang / our K3MLA do.
     for layer in model.model.layers:
         attn = layer.self_attn
         for norm in ("q_a_layernorm", "kv_a_layernorm"):

@@ -342,12 +342,12 @@ class XTMLOutputParser:
         elif self._tools_allowed:
             self._ctx = _Ctx.TOOLS
         else:
-            # Never expose raw XTML (api.md 4.2): the section is parsed only to find its end.
+            # Never expose raw XTML (sglang #39583): the section is parsed only to find its end.
             self._ctx = _Ctx.DROPPED_TOOLS
             self.dropped_tools = True
 
     def _skip_think(self) -> None:
-        # The model answered without a think channel (api.md 4.1, the long-prompt anomaly): the
+        # The model answered without a think channel (seen on ~1M-token prompts): the
         # reasoning text was the answer. The stream already sent it as reasoning deltas; we send
         # it again, whole, as one content delta, so the answer in content is complete and
         # non-empty (clients and KVV check content), and the summary reports it as content only.

@@ -2,11 +2,10 @@
 the causal-LM head, a per-request state, and the DSpark taps.
 
 One readable module (gpt-fast style) for what SGLang 0.5.23 computes in `srt/models/kimi_k3.py`,
-`srt/layers/attn_residual.py` and `srt/layers/layer_boundary/residual/attn_bank.py`; section
-numbers are those of the K3 architecture notes (`kimi-k3-architecture.md`). The blocks come from
-`kda.py` (KDA, §1.3) and `k3_blocks.py` (MLA §1.4, dense MLP / latent MoE §1.5).
+`srt/layers/attn_residual.py` and `srt/layers/layer_boundary/residual/attn_bank.py`. The blocks
+come from `kda.py` (KDA) and `k3_blocks.py` (MLA, dense MLP / latent MoE).
 
-§1.2 Block Attention Residual (S = attn_res_block_size). Per token the forward keeps a bank
+Block AttnRes (arXiv 2603.15031; S = attn_res_block_size). Per token the forward keeps a bank
 B = [b_0, ...] of frozen block sums and a partial sum p. A read mixes R = [b_0..b_{n-1}, p]:
 
     s_j = w · RMSNorm_γ(r_j)        α = softmax_j(s_j) (fp32)        mix = Σ_j α_j r_j
@@ -19,7 +18,7 @@ with (w, γ) = (`*_res_proj.weight`, `*_res_norm.weight`) of that read. Layer l:
     p = p + self_attn(a_in)                           (∅ + y = y)
     m_in = post_attention_layernorm(mix(B + [p]; mlp_res_*))
     p = p + mlp(m_in)
-    ...after the last layer: h_final = norm(mix(B + [p]; output_attn_res_*))   (§1.7)
+    ...after the last layer: h_final = norm(mix(B + [p]; output_attn_res_*))
 
 So b_0 is the embedding alone and b_k (k >= 1) the plain sum of the 2S sublayer outputs of
 layers (k-1)S .. kS-1. With attn_res_block_size null the layer is the plain pre-norm residual
@@ -27,15 +26,15 @@ h = h + attn(input_layernorm(h)); h = h + mlp(post_attention_layernorm(h)); norm
 
 State (`K3State`): per KDA layer a `KDAState`, per MLA layer the latent cache [B, L, rkv + dr].
 The AttnRes bank needs nothing across calls: every read mixes rows of the same token position
-(the bank is allocated fresh per forward in SGLang, §1.2 "Serving consequence"), so only the
+(the bank is allocated fresh per forward in SGLang, attn_residual.py), so only the
 attention layers carry information between tokens.
 
-DSpark taps (§3 "How DSpark taps K3"): layer id i (0-based, no +1 shift) captures the pre-norm
+DSpark taps (`_dspark_capture_stream`): layer id i (0-based, no +1 shift) captures the pre-norm
 mixture layer i+1's attention read forms, mix(B + [p]; layer i+1's self_attention_res_*), before
 its input_layernorm (the output read's parameters when i is the last layer). Without a bank it is
 the residual stream h after layer i (the next layer's input, pre-norm).
 
-Verify (`K3ForCausalLM.verify`, §3): a T-token window returns a `K3WindowStates` (each KDA
+Verify (`K3ForCausalLM.verify`): a T-token window returns a `K3WindowStates` (each KDA
 layer's state after every position, the MLA caches over the whole window); `at(accepted)`
 commits accepted + 1 tokens (KDA: that position's state; MLA: the cache truncated).
 
@@ -95,7 +94,7 @@ def kda_sizes(config: K3Config) -> KDASizes:
     )
 
 
-# --- Attention Residual read (§1.2) -------------------------------------------------------------
+# --- Attention Residual read --------------------------------------------------------------------
 
 
 def attn_res_mix(
@@ -135,7 +134,7 @@ class K3State:
 
 @dataclass
 class K3WindowStates:
-    """The states after every position of a T-token verify window (§3), from a state of
+    """The states after every position of a T-token verify window, from a state of
     `start` tokens: a KDAWindowStates per KDA layer and the MLA caches over the whole window
     (an MLA cache rolls back by truncation). `at(step)` is the state after window tokens
     0..step, i.e. after accepting step + 1 tokens; one step for the whole batch."""
@@ -186,7 +185,7 @@ class DenseStates:
         return y
 
 
-# --- decoder layer (§1.2) ------------------------------------------------------------------------
+# --- decoder layer -------------------------------------------------------------------------------
 
 
 class K3DecoderLayer(nn.Module):
@@ -258,7 +257,7 @@ class K3DecoderLayer(nn.Module):
 
 
 class K3Model(nn.Module):
-    """`model.`: embed_tokens, layers, norm, and the output AttnRes read (§1.7)."""
+    """`model.`: embed_tokens, layers, norm, and the output AttnRes read."""
 
     def __init__(self, config: K3Config, tp: TPContext | None = None) -> None:
         super().__init__()
@@ -365,7 +364,7 @@ class K3ForCausalLM(nn.Module):
     def verify(
         self, input_ids: torch.Tensor, state: K3State, layer_ids: Sequence[int] = ()
     ) -> tuple[torch.Tensor, K3WindowStates, torch.Tensor | None]:
-        """A speculative verify window (§3): input_ids [B, T] (the bonus token and T-1 drafts)
+        """A speculative verify window: input_ids [B, T] (the bonus token and T-1 drafts)
         after `state` (not modified) -> (logits [B, T, V] fp32, the states after every
         position, the DSpark taps of `layer_ids` as in `capture_layers`, or None). Commit
         `accepted + 1` tokens with `windows.at(accepted)`."""

@@ -2,21 +2,20 @@
 MoE, and the NoPE MLA with its output gate.
 
 One readable module for the math SGLang 0.5.23 computes (`srt/models/kimi_k3.py`,
-`srt/layers/activation.py`, `srt/layers/moe/topk.py`); section numbers are those of the K3
-architecture notes (`kimi-k3-architecture.md`):
+`srt/layers/activation.py`, `srt/layers/moe/topk.py`):
 
-    §1.6 SiTU (GLU form, fp32):
+    SiTU (GLU form, fp32; SGLang's `SituAndMul.forward_native`):
         act(gate, up) = β·tanh(gate/β)·σ(gate) · βₗ·tanh(up/βₗ)
-    §1.5 dense MLP / shared experts (K3MLP):
+    dense MLP / shared experts (K3MLP):
         out = down_proj( act(gate_proj x, up_proj x) )
-    §1.5 MoE (LatentMoE), x: [N, H]:
+    MoE (LatentMoE), x: [N, H]:
         s = σ(gate.weight · x) (fp32);  choice = s + e_score_correction_bias
         idx = grouped top-k of choice (noaux_tc);  w = s[idx] (no bias)
         w ← w / (Σw + 1e-20) if moe_renormalize;  w ← w · routed_scaling_factor
         ℓ = routed_expert_down_proj x;  y = Σ_k w_k · expert_{idx_k}(ℓ)
         y ← routed_expert_norm(y) if latent_moe_use_norm      (AFTER the weighted sum)
         out = routed_expert_up_proj y + shared_experts(x)     (shared on the ORIGINAL x)
-    §1.4 MLA (K3MLA), NoPE:
+    MLA (K3MLA), NoPE:
         q = q_b_proj(q_a_layernorm(q_a_proj x))  (or q_proj x)     [T, n, dn + dr]
         c, k_pe = split(kv_a_proj_with_mqa x);  c ← kv_a_layernorm(c)   k_pe: no norm, no rotary
         [k_nope | v] = kv_b_proj c;  k = [k_nope, k_pe]  (k_pe shared by all heads)
@@ -25,7 +24,7 @@ architecture notes (`kimi-k3-architecture.md`):
         out = o_proj o
 
 Parameter names are those of `k3_config.k3_layer_tensors` (SGLang's names after its loader's
-renames, §1.8), so one layer's `self_attn.` / `mlp.` state dict loads by name. SGLang's runtime
+renames), so one layer's `self_attn.` / `mlp.` state dict loads by name. SGLang's runtime
 fusions (`gate_up_proj`, `fused_qkv_a_proj_with_mqa`) are never materialized here.
 
 The MLA cache is the latent-only layout SGLang keeps: per token [c (kv_lora_rank), k_pe
@@ -68,7 +67,7 @@ __all__ = [
 ]
 
 
-# --- SiTU (§1.6) -------------------------------------------------------------------------------
+# --- SiTU --------------------------------------------------------------------------------------
 
 
 def situ_gate(g: torch.Tensor, beta: float) -> torch.Tensor:
@@ -104,7 +103,7 @@ def _activation(config: K3Config, gate: torch.Tensor, up: torch.Tensor) -> torch
     return F.silu(gate) * up
 
 
-# --- dense MLP / shared experts / routed expert (§1.5) -----------------------------------------
+# --- dense MLP / shared experts / routed expert ------------------------------------------------
 
 
 class K3MLP(nn.Module):
@@ -148,7 +147,7 @@ class K3RoutedExpert(nn.Module):
         return self.w2(_activation(self.config, self.w1(x), self.w3(x)))
 
 
-# --- router and latent MoE (§1.5) --------------------------------------------------------------
+# --- router and latent MoE ---------------------------------------------------------------------
 
 
 class K3MoEGate(nn.Module):
@@ -311,7 +310,7 @@ class LatentMoE(nn.Module):
         return y
 
 
-# --- MLA, NoPE, output gate (§1.4) -------------------------------------------------------------
+# --- MLA, NoPE, output gate --------------------------------------------------------------------
 
 
 class K3MLA(MLAProjections):
@@ -388,7 +387,7 @@ class K3MLA(MLAProjections):
         return self._output(self.attend(q_nope, q_pe, keys, batch.mask), x)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o [B, T, n·dv] -> [B, T, H]: the output gate (§1.4 step 5: from the attention's own
+        """o [B, T, n·dv] -> [B, T, H]: the output gate (from the attention's own
         input x, multiplied in head space right before o_proj; σ, not SiTU), then o_proj."""
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x))

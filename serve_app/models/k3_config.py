@@ -1,6 +1,6 @@
 """Kimi K3's `config.json` (as published: a `kimi_k3` wrapper holding `text_config`), parsed once.
 
-Field names are exactly the published ones (`/work/shared/reference/kimi-k3-config.json`), so a
+Field names are exactly the published ones (a copy: `capacity/data/kimi-k3-config.json`), so a
 real checkpoint folder is read unchanged; the vision tower is not read.
 
 Layer indices: the published `linear_attn_config.kda_layers` / `full_attn_layers` are **1-based**
@@ -10,7 +10,7 @@ the Attention Residual bookkeeping, ...) is **0-based**, as SGLang's layer ids a
 `is_kda(i) := (i + 1) in linear_attn_config.kda_layers`.
 
 `k3_tensor_shapes` lists the text model's tensors (SGLang K3 names after its loader's renames,
-reference section 1.8) and `k3_parameter_count` sums them.
+`srt/models/kimi_k3.py`) and `k3_parameter_count` sums them.
 """
 
 from __future__ import annotations

@@ -7,14 +7,14 @@ a forward over right-padded rows of many requests that appends to the cache). It
 
 - the MLA layers' latent entries [kv_lora_rank + qk_rope_head_dim] per token, in pages shared
   with the DSpark draft's context cache (one allocator);
-- one slot of the `KDAStatePool`: every KDA layer's conv window and recurrent state (§2),
+- one slot of the `KDAStatePool`: every KDA layer's conv window and recurrent state,
   constant in context length, taken at admission and given back at finish or abort.
 
 A forward's attention layers read and write these through `PagedStates` (k3.py's LayerStates
 seam). A prefill chunk or a plain decode step writes the KDA states in place (the chunk is
 always committed whole). A verify window (`verify=True`) leaves the slots untouched and keeps
 what commit needs to pick the state after the last accepted position, by one of SGLang's two
-strategies (`rollback`, architecture notes §3):
+strategies (`rollback`):
 
 - "scratch": the state after every window position (`forward_window`); commit copies the
   accepted position's state and conv window into the slot (scatter_mamba_states_after_mtp_verify).

@@ -1,7 +1,7 @@
 """Kimi K3 text-model checkpoints: loading / saving a K3ForCausalLM as a safetensors folder.
 
 Names and shapes are SGLang's after its loader's renames (`model.layers.N....`, exactly
-`k3_tensor_shapes`, architecture notes §1.8); config.json is the published `kimi_k3` wrapper
+`k3_tensor_shapes`); config.json is the published `kimi_k3` wrapper
 holding `text_config`. Loading is strict: every missing, unexpected and misshaped tensor is named
 in ONE CheckpointError (serve_app.models.checkpoint's reader), and the tensors are memory-mapped.
 

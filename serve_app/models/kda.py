@@ -1,8 +1,7 @@
 """Kimi Delta Attention (KDA), the linear-attention layer of Kimi K3, in plain PyTorch.
 
 One readable module for the math SGLang 0.5.23 computes (`srt/models/kimi_k3.py`, the KDA backend
-and its fla-style kernels); the section numbers below are those of the K3 architecture notes
-(`kimi-k3-architecture.md`, §1.3 layer, §2 state, §3 speculative verify). Per token t, head h:
+and its fla-style kernels). Per token t, head h:
 
     q, k, v = conv_silu(q_proj x), conv_silu(k_proj x), conv_silu(v_proj x)   short causal conv
     q̂ = l2norm(q) · D^-1/2,  k̂ = l2norm(k)                                    over the head dim
@@ -11,14 +10,14 @@ and its fla-style kernels); the section numbers below are those of the K3 archit
     S  ← diag(exp g) S;  u = β (v − Sᵀ k̂);  S ← S + k̂ uᵀ;  o = Sᵀ q̂          gated delta rule
     out = o_proj( RMSNorm_{o_norm}(o) ⊙ sigmoid(g_proj x) )
 
-Parameter names are the K3 checkpoint's as SGLang's loader expects them (§1.3 tensor names,
-§1.8): q_proj / k_proj / v_proj / g_proj (full-rank output gate; g_a_proj / g_b_proj when
+Parameter names are the K3 checkpoint's as SGLang's loader expects them:
+q_proj / k_proj / v_proj / g_proj (full-rank output gate; g_a_proj / g_b_proj when
 `use_full_rank_gate` is false), f_a_proj / f_b_proj, b_proj, q_conv1d / k_conv1d / v_conv1d
 (`.weight [P, 1, 4]`, fp32), A_log [h], dt_bias [P], o_norm.weight [D], o_proj. A state dict
 of one `model.layers.{l}.self_attn.` prefix therefore loads by name (A_log as 1-D [h]; the
 loader is what accepts the checkpoint's other A_log shapes).
 
-The per-request state (§2) is a `KDAState`: the last K−1 raw (pre-conv) q|k|v projection rows,
+The per-request state is a `KDAState`: the last K−1 raw (pre-conv) q|k|v projection rows,
 oldest first, and S in fp32 in the FLA/HF layout [h, K, V] (SGLang stores Sᵀ, [h, V, K]).
 
 Two algorithms compute the same recurrence:
@@ -27,13 +26,13 @@ Two algorithms compute the same recurrence:
     prefill's `chunk_kda` does; equal to `recurrent` up to float rounding.
 `forward_window` runs a speculative verify window of T = γ+1 tokens and returns the state after
 every position (`KDAWindowStates`), never touching the input state, so the engine keeps the
-state of the accepted prefix (§3 "one full state per verified position").
+state of the accepted prefix (SGLang's default: one full state per verified position).
 
 Batching: every entry point takes [B, T, H] with one state row per request, all B requests the
 same length T. A ragged batch (different prompt lengths) is run one request at a time (B = 1
 calls); the layer has no padding masks, because a padded token would still decay and write S.
 All recurrence math is fp32, whatever the activation dtype: q̂ and k̂ stay fp32 (as in SGLang's
-decode/verify kernels; its prefill stores them back in the activation dtype, §1.3 step 3).
+decode/verify kernels; its prefill stores them back in the activation dtype).
 """
 
 from __future__ import annotations
@@ -76,7 +75,7 @@ class KDASizes:
     # g = −exp(A_log)·softplus(·), which is unbounded below.
     gate_lower_bound: float | None = -5.0
     use_full_rank_gate: bool = True
-    # o_norm's eps. SGLang builds K3's KDA o_norm with the constructor default 1e-5 (§1.3 step 7).
+    # o_norm's eps. SGLang builds K3's KDA o_norm with the constructor default 1e-5.
     rms_norm_eps: float = 1e-5
     # The forget gate (and the low-rank output gate) is H → rank → P; K3 uses rank = head_dim.
     gate_rank: int | None = None
@@ -109,7 +108,7 @@ class KDASizes:
 
 @dataclass
 class KDAState:
-    """A batch of requests' KDA state for one layer (§2).
+    """A batch of requests' KDA state for one layer.
 
     conv: [B, K−1, 3P], activation dtype: the last K−1 raw q|k|v projection rows, oldest first
           (SGLang's [window, channel] layout). Zeros before a sequence's first token.
@@ -144,7 +143,7 @@ class KDAState:
 
 @dataclass
 class KDAWindowStates:
-    """The state after every position of a T-token verify window (§3).
+    """The state after every position of a T-token verify window.
 
     conv: [B, T, K−1, 3P]; ssm: [B, T, h, D, D] fp32. Position t's entry is the state after
     tokens 0..t of the window, i.e. what the request's state becomes when t+1 tokens (the
@@ -166,7 +165,7 @@ class KDAWindowStates:
 
 @dataclass
 class KDAWindowLog:
-    """A verify window's recurrence inputs instead of its states (SGLang's ReplaySSM, §3): the
+    """A verify window's recurrence inputs instead of its states (SGLang's ReplaySSM): the
     committed state plus the accepted prefix of these rebuild the state after any position.
 
     k: [B, T, h, D] (l2-normalised), v: [B, T, h, D], g: [B, T, h, D] log-decay, beta: [B, T, h],
@@ -199,7 +198,7 @@ class KDAWindowLog:
 def causal_conv_silu(
     x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Short causal depthwise conv + SiLU (§1.3 step 2), continuing from a conv window.
+    """Short causal depthwise conv + SiLU, continuing from a conv window.
 
     x: [B, T, C] raw projections; window: [B, K−1, C] the previous K−1 raw rows, oldest first;
     weight: [C, K] (the checkpoint's [C, 1, K] squeezed). Returns (SiLU(conv) [B, T, C],
@@ -219,7 +218,7 @@ def causal_conv_silu(
 def kda_gate(
     f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
 ) -> torch.Tensor:
-    """The per-head, per-K-channel log-decay g (§1.3 step 4), fp32.
+    """The per-head, per-K-channel log-decay g, fp32.
 
     f: [..., h, D] forget-gate pre-activation; A_log: [h]; dt_bias: [h, D].
     With the safe gate g = L·sigmoid(exp(A_log)·(f + dt_bias)) ∈ [L, 0], so the decay exp(g) is
@@ -247,7 +246,7 @@ def recurrent_gated_delta_rule(
     state: torch.Tensor,
     keep_all_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule token by token (§1.3 step 6), fp32.
+    """The gated delta rule token by token, fp32.
 
     q, k: [B, T, h, K] (already normalised and, for q, scaled); v: [B, T, h, V];
     g: [B, T, h, K] log-decay; beta: [B, T, h]; state: [B, h, K, V] (not modified).
@@ -423,7 +422,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    """One K3 KDA layer (`model.layers.{l}.self_attn`, §1.3). x: [B, T, H] → [B, T, H].
+    """One K3 KDA layer (`model.layers.{l}.self_attn`). x: [B, T, H] → [B, T, H].
 
     Tensor parallelism (`tp`, default one rank): each rank owns num_heads / tp.size contiguous
     heads. q/k/v/g(_b)/f_b/b projections are split by output rows of its heads, with their conv

@@ -6,7 +6,7 @@ some of them chat requests. The generated part is what the draft meets when the 
 so it is where most anchors are drawn; the context features always come from the target's taps
 over the whole sequence, exactly what the inference path appends to the draft's cache.
 
-Objective (SpecForge defaults, dspark.md): per block row k,
+Objective (SpecForge 0.2.0's defaults): per block row k,
     0.1 * CE(logits, next token) + 0.9 * ||p_draft - p_target||_1 + 1.0 * BCE(conf, accept)
 with accept = 1 - 0.5 * ||p_draft - p_target||_1 (the chance a sampled draft is accepted),
 weighted by exp(-k / gamma); the Markov head is teacher-forced with the sequence's tokens;
@@ -54,7 +54,7 @@ MARKOV_RANK = 32
 
 
 def tap_layers(target: K3ForCausalLM) -> tuple[int, ...]:
-    """K3's convention (dspark.md): 0-based layer outputs, no +1 shift, spread over the depth
+    """K3's convention in SGLang: 0-based layer outputs, no +1 shift, spread over the depth
     and ending near the top ([7, 23, 51, 67, 83] of K3's 93). For the mini's 8 layers: every
     other layer, so both MLA layers (3, 7) and the last (through the output read)."""
     n = target.config.num_hidden_layers

@@ -7,7 +7,7 @@ KDA state snapshot: the complete state after the node's last token (a slot of th
 pool). A match walks the prompt's pages; on the hybrid it counts only up to the deepest node
 that holds a state (a recurrent state cannot be rebuilt at another position without rerunning
 from the previous snapshot). SGLang 0.5.23's UnifiedRadixCache with [FULL, MAMBA] components
-(architecture notes §4).
+(srt/mem_cache/unified_cache/).
 
 Eviction is LRU and never touches what a running request uses: a node is locked while a request
 that matched through it runs. KV pages go leaf first (a leaf's snapshot with it); snapshots

@@ -1,6 +1,6 @@
 """Sampling parameters, the target distribution p, and lossless verification of drafts.
 
-Verification follows dspark.md / SGLang: greedy requests accept the longest prefix of drafts
+Verification follows SGLang's DSpark: greedy requests accept the longest prefix of drafts
 that equal the target's argmax and add the target's token at the first mismatch (the bonus);
 sampled requests use chain rejection sampling, which leaves the output distributed exactly as
 the target's.

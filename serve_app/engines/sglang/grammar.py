@@ -9,8 +9,8 @@
   `st.py:LINE`), written as plain dicts: neither xgrammar nor SGLang is imported (CI has
   neither). Only xgrammar 0.2.7's formats are used, the version SGLang 0.5.23 pins.
 
-Where this differs from SGLang it says why; the contract is the K3 API reference
-(shared/reference/kimi-k3-api.md, cited as `kimi-k3-api.md SECTION`). Line numbers are SGLang
+Where this differs from SGLang it says why; the contract is K3's API as docs/chat-format.md
+states it (after Moonshot's Kimi-Vendor-Verifier, KVV). Line numbers are SGLang
 0.5.23's.
 """
 
@@ -61,7 +61,7 @@ def sglang_constraint(spec: GrammarSpec | None) -> dict[str, Any]:
         # prompt already ends inside the response channel (`<|open|>response<|sep|>`,
         # serve_app/chat/xtml_render.py). A `json_schema` rather than a structural tag because
         # only this path honours --constrained-json-disable-any-whitespace (the K3 contract:
-        # no newlines or tabs, kimi-k3-api.md 3.4): xgrammar compiles a structural tag's JSON
+        # no newlines or tabs, per KVV): xgrammar compiles a structural tag's JSON
         # with any whitespace (xgrammar_backend.py:451 passes no whitespace setting). This is
         # SGLang's own K3 mapping too (entrypoints/openai/protocol.py:1238-1250).
         return {"json_schema": _dumps(spec.answer_schema)}
@@ -69,7 +69,7 @@ def sglang_constraint(spec: GrammarSpec | None) -> dict[str, Any]:
         fmt = _tool_call_format(spec) if spec.kind == "tool_call" else _json_answer_format(spec)
     except (ValueError, RecursionError) as e:
         # SGLang answers a tag it cannot build with no constraint (function_call_parser.py:
-        # 431-433), never a refusal of a valid schema (kimi-k3-api.md 3.3); so does this.
+        # 431-433), never a refusal of a valid schema (KVV fails any 4xx); so does this.
         logger.warning("no grammar for %s (%s): the output is unconstrained", spec.param, e)
         return {}
     return {"structural_tag": _dumps({"type": "structural_tag", "format": fmt})}
@@ -119,9 +119,9 @@ def _with_reasoning(suffix: dict, thinking: bool) -> dict:
 
 def _json_answer_format(spec: GrammarSpec) -> dict:
     """Thinking on: the reasoning, then the response channel holding only the JSON. SGLang
-    would start the JSON right after the reasoning (kimi-k3-api.md 5.1), text outside any
+    would start the JSON right after the reasoning (ReasonerGrammarObject), text outside any
     channel that our XTML parser drops; the channel's markers keep the model on the format it
-    was trained on, as TRT-LLM's K3 tag does (5.1). The JSON's whitespace is free here."""
+    was trained on, as TRT-LLM's K3 tag does (PR #17845). The JSON's whitespace is free here."""
     return _with_reasoning(_tag(RESPONSE_OPEN, _json(spec.answer_schema), RESPONSE_CLOSE),
                            spec.thinking)
 
@@ -145,7 +145,7 @@ def _tool_call_format(spec: GrammarSpec) -> dict:
     else:
         # required / named (st.py:612-620): free text (the model closes the channel it is in),
         # then the section. The free text may not close the message either (not in SGLang:
-        # kimi-k3-api.md 5.2, sglang #39895), or a forced call would follow a closed message.
+        # sglang #39895), or a forced call would follow a closed message.
         suffix = _seq(_any_text(TOOLS_OPEN, THINK_OPEN, THINK_CLOSE, CALL_OPEN, MESSAGE_CLOSE,
                                 END_OF_MSG), section)
     return _with_reasoning(suffix, spec.thinking)
