@@ -169,7 +169,7 @@ def test_running_fit_counts_sglangs_kda_state_pools() -> None:
     assert running_fit(k3, lay, h200, 8192, draft).max_running_requests == 48
 
 
-def test_kda_rollback_costs_reproduce_the_architecture_notes() -> None:
+def test_kda_rollback_costs_follow_sglangs_formulas() -> None:
     """From SGLang 0.5.23's formulas (docs/capacity.md cites them): the default scratch
     keeps D = 8 full states per request (intermediate_ssm + intermediate_conv_window); ReplaySSM
     keeps the conv windows and a ring of L = 16 positions on every mamba slot instead."""

@@ -31,7 +31,7 @@ def fits(env, gpu: str, nodes: int) -> bool:
     return memory_per_gpu(k3, layout, Workload(context_length=8192), spec, draft).fits
 
 
-def test_serving_notes_facts(env):
+def test_which_fleets_hold_k3s_weights(env):
     # 8 x H200 cannot hold the weights; MI300X needs 16; MI325X and MI355X
     # fit in 8; the published H200 recipe (SGLang cookbook) is 2 nodes x 8.
     assert not fits(env, "H200", 1) and fits(env, "H200", 2)
