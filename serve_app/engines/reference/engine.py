@@ -18,14 +18,14 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from serve_app.config import SpeculationConfig
 from serve_app.engines.reference.handoff import RequestHandoff
 from serve_app.engines.reference.model_runner import ModelRunner
+from serve_app.engines.reference.observer import EngineObserver, StepReport
 from serve_app.engines.reference.sampling import (
     ResidualRule,
     SamplingParams,
@@ -46,39 +46,6 @@ logger = logging.getLogger(__name__)
 # in the prefix cache, and so is a hand-over's prompt; an abort's or a failure's are not.
 _FINISHED = frozenset({"stop", "length"})
 _DONATES = _FINISHED | {"handoff"}
-
-
-class EngineObserver(Protocol):
-    """Hooks for tracing and metrics, called on the engine thread. Times are time.time_ns()."""
-
-    def on_queued(self, seq: Sequence, at_ns: int) -> None: ...
-
-    def on_admitted(self, seq: Sequence, at_ns: int) -> None: ...
-
-    def on_prefill_chunk(self, seq: Sequence, start: int, end: int, start_ns: int,
-                         end_ns: int) -> None: ...
-
-    def on_decode_step(self, seq: Sequence, drafted: int, accepted: int, committed: int,
-                       start_ns: int, end_ns: int, speculative: bool) -> None:
-        """One decode step; with speculation, one verify of `drafted` drafts."""
-
-    def on_finished(self, seq: Sequence, at_ns: int) -> None: ...
-
-    def on_step(self, report: StepReport) -> None:
-        """After every step: what the engine reports of itself then (a copy)."""
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """The engine's state after a step, handed to the observer: telemetry reads this copy and
-    never reaches back into the engine."""
-
-    waiting: int
-    running: int
-    capacity: dict[str, int]  # EngineCore.capacity()
-    prefix_cache: dict[str, Any]  # EngineCore.prefix_cache_stats(); empty without one
-    grammar: dict[str, Any]  # EngineCore.grammar_stats(); empty without a compiler
-    spec_accept_rate: float | None  # None until a draft was proposed
 
 
 class EngineCore:

@@ -17,7 +17,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from serve_app.engines.reference.engine import StepReport
+from serve_app.engines.reference.observer import StepReport
 from serve_app.engines.reference.sequence import Sequence
 from serve_app.observability.metrics import app_metrics, record_finished_request, tags
 from serve_app.observability.tracing import tracer
