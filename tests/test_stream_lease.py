@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from starlette.responses import StreamingResponse
 
-from serve_app.serving.ingress import Lease, LeasedStream
+from serve_app.serving.dispatch import Lease
+from serve_app.serving.responses import LeasedStream
 
 
 class Releases:
@@ -66,8 +67,8 @@ async def client_gone_before_the_first_byte(response: StreamingResponse) -> None
 def test_the_race_a_plain_streaming_response_leaves_the_lease_held(no_gc: None) -> None:
     """The premise: the body generator never starts, so its `finally` never runs."""
     router, ran = Releases(), []
-    lease = Lease("r1")
-    lease.hold(router)  # type: ignore[arg-type]
+    lease = Lease("r1", router)  # type: ignore[arg-type]
+    lease.hold()
     response = StreamingResponse(body(lease, ran), media_type="text/event-stream")
     asyncio.run(client_gone_before_the_first_byte(response))
     assert ran == [] and router.released == []
@@ -76,8 +77,8 @@ def test_the_race_a_plain_streaming_response_leaves_the_lease_held(no_gc: None) 
 def test_a_leased_stream_releases_when_the_client_left_before_the_first_byte(
         no_gc: None) -> None:
     router, ran, abandoned = Releases(), [], []
-    lease = Lease("r2")
-    lease.hold(router)  # type: ignore[arg-type]
+    lease = Lease("r2", router)  # type: ignore[arg-type]
+    lease.hold()
     response = LeasedStream(body(lease, ran), lease, lambda: abandoned.append(1))
     asyncio.run(client_gone_before_the_first_byte(response))
     assert ran == []
@@ -86,8 +87,8 @@ def test_a_leased_stream_releases_when_the_client_left_before_the_first_byte(
 
 def test_a_leased_stream_that_finishes_releases_once_and_is_not_abandoned(no_gc: None) -> None:
     router, abandoned, sent = Releases(), [], []
-    lease = Lease("r3")
-    lease.hold(router)  # type: ignore[arg-type]
+    lease = Lease("r3", router)  # type: ignore[arg-type]
+    lease.hold()
 
     async def sse() -> AsyncIterator[str]:
         try:
