@@ -10,6 +10,8 @@ The 8k context is placed in the draft cache as random K/V rather than by running
 8k rows of target taps (about 4 TFLOP on CPU): a step's cost does not depend on the values.
 
     python bench/dspark_load.py [--json out.json] [--repeats 5]
+    python bench/dspark_load.py --config serve_app/assets/kimi-k3-mini-dspark/config.json \
+        --contexts 64 --repeats 1          # the same steps on the mini draft's shapes (tests)
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ def _rss_bytes() -> int:
     return 0
 
 
-def write_checkpoint(folder: Path) -> None:
+def write_checkpoint(folder: Path, config_path: Path = CONFIG) -> None:
     import torch
 
     from serve_app.models.checkpoint import save_tensors
     from serve_app.models.dspark import expected_tensors
     from serve_app.models.dspark_config import DSparkConfig
 
-    config = DSparkConfig.from_file(CONFIG)
+    config = DSparkConfig.from_file(config_path)
     g = torch.Generator().manual_seed(0)
     tensors = {}
     for name, spec in expected_tensors(config).items():
@@ -54,7 +56,7 @@ def write_checkpoint(folder: Path) -> None:
             t.normal_(0.0, 0.02, generator=g)
         tensors[name] = t
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(CONFIG.read_text())
+    (folder / "config.json").write_text(config_path.read_text())
     save_tensors(folder, tensors)
 
 
@@ -131,12 +133,14 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--contexts", default="1024,8192")
+    parser.add_argument("--config", type=Path, default=CONFIG,
+                        help="the DSpark config.json to write (default the published one)")
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
         what, folder = args._child
         if what == "write":
-            write_checkpoint(Path(folder))
+            write_checkpoint(Path(folder), args.config)
             print(json.dumps({}))
         elif what == "load":
             print(json.dumps(measure_load(Path(folder))))
@@ -148,13 +152,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dspark-bench-") as tmp:
         folder = Path(tmp) / "Kimi-K3-DSpark-random"
         t0 = time.perf_counter()
-        _child(["--_child", "write", str(folder)])
+        _child(["--_child", "write", str(folder), "--config", str(args.config.resolve())])
         write_s = time.perf_counter() - t0
         load = _child(["--_child", "load", str(folder)])
         step = _child(["--_child", "step", str(folder), "--repeats", str(args.repeats),
                        "--contexts", args.contexts])
     result = {"write_s": write_s, "load": load, "draft_step": step, "repeats": args.repeats}
-    print("DSpark full-size checkpoint (published config, random BF16 weights), CPU")
+    if args.config.resolve() == CONFIG:
+        print("DSpark full-size checkpoint (published config, random BF16 weights), CPU")
+    else:
+        result["config"] = str(args.config)
+        print(f"DSpark checkpoint ({args.config}, random BF16 weights), CPU")
     print(f"{'metric':<34}{'value':>14}")
     print(f"{'file size (GB)':<34}{load['file_bytes'] / 1e9:>14.3f}")
     print(f"{'write (s)':<34}{write_s:>14.1f}")

@@ -326,8 +326,8 @@ def main() -> None:
         sys.exit(f"--questions: at most {len(QUESTIONS)}")
     wall0 = time.perf_counter()
 
-    from serve_app.chat.jinja_render import apply_chat_template
     from serve_app.config import context_length
+    from serve_app.embedded import chat_prompt_ids
     from serve_app.tokenizer import load_tokenizer
 
     base = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
@@ -338,7 +338,9 @@ def main() -> None:
     ctx = context_length(cfg)
     doc = _document(tokenizer, args.doc_tokens)
     questions = QUESTIONS[:args.questions]
-    prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": _message(doc, q)}])
+    # The prompts as the ingress makes them (the tokenizer folder's chat format: K3's XTML).
+    prompts = [chat_prompt_ids(tokenizer, {"messages": [{"role": "user",
+                                                         "content": _message(doc, q)}]})
                for q in questions]
     longest = max(len(p) for p in prompts)
     if longest + args.max_tokens > ctx:
@@ -363,8 +365,8 @@ def main() -> None:
 
     settings = variants[2].config.router.settings(cfg.engine.backend, ctx)
     mean_prompt = round(statistics.fmean(len(p) for p in prompts))
-    warm_tokens = len(apply_chat_template(tokenizer, [{"role": "user",
-                                                      "content": warm_text}]))
+    warm_tokens = len(chat_prompt_ids(tokenizer, {"messages": [{"role": "user",
+                                                                "content": warm_text}]}))
     # The simulator has one block size, for the router's index and the engine's cache alike;
     # the engine caches page_size pages, the router hashes block_size blocks. The comparison
     # runs it at the engine's page (what the replicas can hit); the router's block size is

@@ -130,7 +130,8 @@ class CallTimer:
                 for k, v in sorted(self.times.items())}
 
 
-def _forward_kind(rows: Any, rids: Any, capture: bool, verify: bool = False) -> str:
+def _forward_kind(rows: Any, rids: Any, capture: bool, verify: bool = False,
+                  last_only: bool = False) -> str:
     if verify:  # the engine marks its verify windows (ModelRunner.forward's `verify`)
         return "verify_forward"
     return "target_decode_forward" if max(len(r) for r in rows) == 1 else "prefill_forward"
@@ -520,9 +521,10 @@ class StepLog:
         forward, commit, cache = runner.forward, runner.commit, runner.cache
         cache_commit = cache.commit
 
-        def timed_forward(rows: Any, rids: Any, capture: bool, verify: bool = False) -> Any:
+        def timed_forward(rows: Any, rids: Any, capture: bool, verify: bool = False,
+                          last_only: bool = False) -> Any:
             t0 = time.perf_counter()
-            out = forward(rows, rids, capture, verify)
+            out = forward(rows, rids, capture, verify, last_only)
             dt = time.perf_counter() - t0
             if verify:
                 width = max(len(r) for r in rows)

@@ -34,7 +34,7 @@ SHARED_CLUSTER = {"test_disaggregated_serve.py", "test_fuzz_api.py", "test_fuzz_
                   "test_k3_chat_serve.py", "test_multi_ingress.py", "test_prefix_serve.py",
                   "test_router_serve.py", "test_serve_app.py"}
 OWN_CLUSTER = {"test_local_deployment.py", "test_multinode_placement.py", "test_observability.py",
-               "test_request_path.py",
+               "test_request_path.py", "test_benches.py",
                "test_disaggregated_tracing.py", "test_sglang_placement.py", "test_sglang_gpu.py"}
 # Modules without Ray that assert wall-clock bounds (a watchdog of 0.5 s, a waiting request
 # placed within 0.3 s of a free slot, a 10 s subscriber deadline): never run at idle CPU
