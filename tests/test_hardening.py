@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 import ray
+from app_configs import INGRESS, tiny_app
 from ray import serve
 from tiny_models import served, shared_serve, wait_for, write_tiny_serving_pair
 
@@ -45,19 +46,16 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(paths: dict[str, Path]) -> Any:
-    cfg = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": KV, "prefill_chunk_tokens": 256,
-                                 "speculation": {"enabled": True}},
-                   "step_watchdog_s": WATCHDOG_S, "health_check_period_s": 2.0,
-                   "health_check_timeout_s": 10.0},
-        "parallelism": {"tp": 2},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
-        "ingress": {"default_max_tokens": 16, "max_tokens_limit": 512, "api_keys": [HOG, VICTIM],
-                    "health_cache_s": 0.2, "health_timeout_s": 2.0, "max_body_bytes": 200_000},
-        "router": {"block_size": 16, "client_max_kv_share": 0.5},
-    })
+    cfg = AppConfig.model_validate(tiny_app(
+        paths, MODEL,
+        engine={"reference": {"kv_capacity_tokens": KV, "prefill_chunk_tokens": 256,
+                              "speculation": {"enabled": True}},
+                "step_watchdog_s": WATCHDOG_S, "health_check_period_s": 2.0,
+                "health_check_timeout_s": 10.0},
+        parallelism={"tp": 2},
+        ingress={**INGRESS, "api_keys": [HOG, VICTIM], "health_cache_s": 0.2,
+                 "health_timeout_s": 2.0, "max_body_bytes": 200_000},
+        router={"block_size": 16, "client_max_kv_share": 0.5}))
     with served(cfg) as port:
         yield {"base": f"http://127.0.0.1:{port}", "port": port,
                "metrics_port": shared_serve()["metrics"]}

@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from app_configs import tiny_k3_app
 from ray import serve
-from tiny_models import served, tiny_k3_app
+from tiny_models import served
 
 pytestmark = pytest.mark.slow
 

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from app_configs import INGRESS, tiny_app
 from ray import serve
 from tiny_models import served, write_tiny_serving_pair
 
@@ -24,14 +25,9 @@ MODEL = "tiny-kimi-dspark"
 
 
 def app_config(paths: dict[str, Path], **overrides: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": 4096, "speculation": {"enabled": True}}},
-        "parallelism": {"tp": 2},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
-        "ingress": {"default_max_tokens": 16, "max_tokens_limit": 512},
-    }
+    """The module's app, each of `overrides` updating its section one level deep."""
+    cfg = tiny_app(paths, MODEL, engine={"reference": {"speculation": {"enabled": True}}},
+                   parallelism={"tp": 2}, ingress=INGRESS)
     for key, value in overrides.items():
         cfg[key] = {**cfg.get(key, {}), **value}
     return cfg
