@@ -15,6 +15,8 @@ from tiny_models import trace_spans, traced_cluster, write_tiny_serving_pair
 from serve_app.app import build_app
 from serve_app.config import AppConfig
 
+pytestmark = pytest.mark.ray_cluster("own")
+
 MODEL = "tiny-pd-traced"
 
 

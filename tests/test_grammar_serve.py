@@ -22,6 +22,8 @@ from tiny_models import served, write_k3_format_pair
 
 from serve_app.config import AppConfig
 
+pytestmark = pytest.mark.ray_cluster("shared")
+
 MODEL = "k3-grammar"
 # The load client is the benchmark's (bench/grammar_load.py): the same requests and checks.
 _spec = importlib.util.spec_from_file_location(

@@ -30,7 +30,7 @@ from tiny_models import served, shared_serve, wait_for, write_tiny_serving_pair
 from serve_app.config import AppConfig
 from serve_app.tokenizer import load_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("shared")]
 
 MODEL = "tiny-hardened"
 HOG, VICTIM = "key-hog-000001", "key-victim-0001"

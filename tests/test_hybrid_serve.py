@@ -20,6 +20,8 @@ from serve_app.engines.types import SamplingParams
 from serve_app.models.k3_paged import PagedK3
 from serve_app.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.ray_cluster("shared")
+
 MODEL = "mini-k3-dspark"
 SLOTS = 3
 

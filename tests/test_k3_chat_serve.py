@@ -33,6 +33,8 @@ from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.protocol import ChatCompletionRequest
 from serve_app.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.ray_cluster("shared")
+
 MODEL = "k3-format"
 KEEPALIVE_S = 1.0
 PRODUCTION = Path(__file__).resolve().parents[1] / "deployments" / "kimi_dspark.yaml"

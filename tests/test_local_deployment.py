@@ -19,7 +19,7 @@ from serve_app.netutil import free_port
 from serve_app.serving.protocol import ChatCompletionRequest
 from serve_app.tokenizer import load_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("own")]
 
 
 # Enough for the retrained pair's thinking, then its answer or its forced call.

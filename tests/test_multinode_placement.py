@@ -16,7 +16,7 @@ from serve_app.config import AppConfig, ReferenceEngineConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.types import GenerateRequest, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("own")]
 
 
 @pytest.fixture(scope="module")

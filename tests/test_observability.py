@@ -22,7 +22,7 @@ from serve_app.app import build_app
 from serve_app.config import AppConfig
 from serve_app.netutil import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("own")]
 MODEL = "obs"
 # The usage of every answered request this module sent, whichever test sent it and in whatever
 # order they ran: the metrics test compares the exported counters with their sums exactly.

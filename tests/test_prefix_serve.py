@@ -17,7 +17,7 @@ from app_configs import tiny_k3_app
 from ray import serve
 from tiny_models import served
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("shared")]
 
 MODEL = "tiny-kimi-dspark"
 GRID = 32

@@ -20,6 +20,8 @@ from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.engines.types import SamplingParams
 from serve_app.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.ray_cluster("shared")
+
 MODEL = "tiny-kimi-dspark"
 
 
