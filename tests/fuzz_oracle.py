@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from app_configs import tiny_app
 from fuzz_strategies import COMPLETIONS, MODEL, FuzzRequest
 
 TIMEOUT_S = 60.0
@@ -331,14 +332,8 @@ class FuzzReport:
 
 def app_config(paths: dict[str, Path], model: str = MODEL) -> dict[str, Any]:
     """TP 1 on one CPU rank slot, small token limits, so that valid requests stay cheap."""
-    return {
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": model},
-        "engine": {"reference": {"kv_capacity_tokens": 4096}},
-        "parallelism": {"tp": 1},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
-        "ingress": {"default_max_tokens": 8, "max_tokens_limit": 64},
-    }
+    return tiny_app(paths, model, parallelism={"tp": 1},
+                    ingress={"default_max_tokens": 8, "max_tokens_limit": 64})
 
 
 def k3_app_config(paths: dict[str, Path], model: str = MODEL) -> dict[str, Any]:

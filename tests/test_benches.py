@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+# Three of the benches start a Ray cluster of their own.
+pytestmark = pytest.mark.ray_cluster("own")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from app_configs import INGRESS, tiny_app
 from ray import serve
 from tiny_models import served, wait_for, write_k3_serving_pair
 
@@ -28,6 +29,8 @@ from serve_app.config import AppConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.protocol.generation import SamplingParams
 from serve_app.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.ray_cluster("shared")
 
 MODEL = "mini-k3-pd"
 
@@ -39,16 +42,12 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(paths: dict[str, Path]) -> Any:
-    cfg = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": 4096, "prefill_chunk_tokens": 48,
-                                 "prefix_cache": {"enabled": True}}},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
-        "ingress": {"default_max_tokens": 16, "max_tokens_limit": 512},
-        "disaggregation": {"enabled": True, "prefill": {"parallelism": {"tp": 2}},
-                           "decode": {"parallelism": {"tp": 1}}},
-    })
+    cfg = AppConfig.model_validate(tiny_app(
+        paths, MODEL,
+        engine={"reference": {"prefill_chunk_tokens": 48, "prefix_cache": {"enabled": True}}},
+        ingress=INGRESS,
+        disaggregation={"enabled": True, "prefill": {"parallelism": {"tp": 2}},
+                        "decode": {"parallelism": {"tp": 1}}}))
     with served(cfg) as port:
         url = f"http://127.0.0.1:{port}"
         # Both admission stages know their replica before any test stops one (a stage that

@@ -8,11 +8,14 @@ from typing import Any
 
 import httpx
 import pytest
+from app_configs import tiny_app
 from ray import serve
 from tiny_models import trace_spans, traced_cluster, write_tiny_serving_pair
 
 from serve_app.app import build_app
 from serve_app.config import AppConfig
+
+pytestmark = pytest.mark.ray_cluster("own")
 
 MODEL = "tiny-pd-traced"
 
@@ -20,13 +23,7 @@ MODEL = "tiny-pd-traced"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     paths = write_tiny_serving_pair(tmp_path_factory.mktemp("pdtrace"))
-    config = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": 4096}},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
-        "disaggregation": {"enabled": True},
-    })
+    config = AppConfig.model_validate(tiny_app(paths, MODEL, disaggregation={"enabled": True}))
     with traced_cluster() as http_port:
         serve.run(build_app(config), name="kimi", route_prefix="/")
         yield f"http://127.0.0.1:{http_port}"

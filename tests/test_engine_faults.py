@@ -3,7 +3,8 @@ parameter, requests refused up front, one request's failure isolated from its ba
 faults and a hung step (the watchdog) failing every stream with a client-safe message.
 
 Engine-only: no Ray. Every `asyncio.wait_for(..., HANG_GUARD_S)` below is a guard that turns
-a hang into a failure, not a latency check."""
+a hang into a failure, not a latency check, and the watchdog runs on the test's clock
+(HeldClock): no test depends on how fast this machine is."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -557,11 +559,36 @@ async def test_a_step_exception_fails_every_stream_safely(
         await collect(engine, "later", [1])
 
 
+class HeldClock:
+    """Stands in for the async engine module's `time`: its monotonic() moves only when the test
+    advances it. The watchdog times each busy stretch of the engine loop with it, so a step
+    looks long only when the test says so, however slow the real steps are."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
 async def test_the_watchdog_fails_a_stuck_step(
-        pair: tuple[Path, Path], async_engine: Callable[..., ReferenceAsyncEngine]) -> None:
+        pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        async_engine: Callable[..., ReferenceAsyncEngine]) -> None:
     """A step that never returns (a stopped TP rank: the collective waits forever) fails every
-    stream, later calls and the health check; idle time before it never counts."""
-    watchdog_s = 0.5
+    stream, later calls and the health check; idle time before it never counts. The engine's
+    clock is the test's: four watchdog periods of it pass while the engine is idle, two while
+    a step is stuck. (With an hour's watchdog, only that clock can make a step exceed it.)"""
+    import serve_app.engines.reference.async_engine as async_module
+
+    watchdog_s = 3600.0
+    clock = HeldClock()
+    monkeypatch.setattr(async_module, "time", clock)
     core = engine_from(pair, speculative=False)
     real = core.runner.forward
     stuck, release = threading.Event(), threading.Event()
@@ -575,20 +602,29 @@ async def test_the_watchdog_fails_a_stuck_step(
     core.runner.forward = forward  # type: ignore[method-assign]
     engine = async_engine(core, watchdog_s=watchdog_s)
     try:
-        await asyncio.sleep(4 * watchdog_s)  # idle: no work, so no watchdog
+        clock.advance(4 * watchdog_s)  # idle: no work, so no watchdog
         assert engine.problem() is None
         await asyncio.wait_for(engine.health(HANG_GUARD_S), HANG_GUARD_S)
+        assert engine.problem() is None
 
         params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
-        running = asyncio.ensure_future(collect(engine, "running", [5, 6, 7], params))
-        while not engine.core.sequences.get("running") or not \
-                engine.core.sequences["running"].output_ids:
-            await asyncio.sleep(0.01)
-        results = await gather(running, collect(engine, "stuck", [1, 2, 3]))
-        assert stuck.is_set()
+        running = engine.generate(GenerateRequest("running", [5, 6, 7], params))
+        first = await asyncio.wait_for(anext(running), HANG_GUARD_S)
+        assert first.token_ids and not first.finished  # decoding: in the stuck step's batch
+
+        async def rest() -> None:
+            async for _ in running:
+                pass
+
+        async def stall() -> None:
+            assert await asyncio.to_thread(stuck.wait, HANG_GUARD_S)
+            clock.advance(2 * watchdog_s)  # the stuck step's time on the engine's clock
+
+        *results, stalled = await gather(rest(), collect(engine, "stuck", [1, 2, 3]), stall())
+        assert stalled is None  # the step got stuck, and then the clock moved
         for exc in results:
             assert isinstance(exc, EngineUnavailable)
-            assert str(exc) == ("an engine step exceeded the watchdog (0.5 s); the replica "
+            assert str(exc) == ("an engine step exceeded the watchdog (3600 s); the replica "
                                 "will be replaced")
         problem = engine.problem()
         assert problem is not None and "watchdog" in problem

@@ -32,7 +32,7 @@ from fuzz_strategies import (
 )
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("shared")]
 
 EXAMPLES = {"chat": 150, "completion": 150, "raw": 100}  # named cases included
 # A request that takes the server down costs ~30 s here (Serve replaces the replica): a test

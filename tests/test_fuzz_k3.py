@@ -13,7 +13,7 @@ import pytest
 from fuzz_oracle import check, fuzz, local_server
 from fuzz_strategies import explicit_bodies, explicit_k3_bodies, k3_chat_requests
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("shared")]
 
 EXAMPLES = 150  # named cases included
 _DOWN: list[str] = []

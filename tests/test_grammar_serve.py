@@ -17,9 +17,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from app_configs import tiny_app
 from tiny_models import served, write_k3_format_pair
 
 from serve_app.config import AppConfig
+
+pytestmark = pytest.mark.ray_cluster("shared")
 
 MODEL = "k3-grammar"
 # The load client is the benchmark's (bench/grammar_load.py): the same requests and checks.
@@ -33,15 +36,12 @@ _spec.loader.exec_module(load)
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     paths = write_k3_format_pair(tmp_path_factory.mktemp("k3gs"))
-    config = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": 16384, "max_batch_size": 16,
-                                 "grammar_budget": "close"}},
-        "parallelism": {"tp": 1},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 1},
-        "router": {"policy": "ray_default"},
-        "ingress": {"default_max_tokens": 256, "ingress_cpus": 0.1}})
+    config = AppConfig.model_validate(tiny_app(
+        paths, MODEL,
+        engine={"reference": {"kv_capacity_tokens": 16384, "max_batch_size": 16,
+                              "grammar_budget": "close"}},
+        parallelism={"tp": 1}, placement={"replicas": 1}, router={"policy": "ray_default"},
+        ingress={"default_max_tokens": 256, "ingress_cpus": 0.1}))
     with served(config) as port:
         yield f"http://127.0.0.1:{port}"
 

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from app_configs import INGRESS, tiny_app
 from ray import serve
 from tiny_models import served, write_k3_serving_pair
 
@@ -19,6 +20,8 @@ from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.models.k3_paged import PagedK3
 from serve_app.protocol.generation import SamplingParams
 from serve_app.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.ray_cluster("shared")
 
 MODEL = "mini-k3-dspark"
 SLOTS = 3
@@ -31,16 +34,11 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(paths: dict[str, Path]) -> Any:
-    cfg = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": 4096, "state_slots": SLOTS,
-                                 "prefill_chunk_tokens": 48,
-                                 "speculation": {"kda_rollback": "replay"}}},
-        "parallelism": {"tp": 2},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
-        "ingress": {"default_max_tokens": 16, "max_tokens_limit": 512},
-    })
+    cfg = AppConfig.model_validate(tiny_app(
+        paths, MODEL,
+        engine={"reference": {"state_slots": SLOTS, "prefill_chunk_tokens": 48,
+                              "speculation": {"kda_rollback": "replay"}}},
+        parallelism={"tp": 2}, ingress=INGRESS))
     with served(cfg) as port:
         yield f"http://127.0.0.1:{port}", cfg
 

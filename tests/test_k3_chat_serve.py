@@ -20,6 +20,7 @@ import openai
 import pydantic
 import pytest
 import yaml
+from app_configs import DROP, tiny_app
 from ray import serve
 from tiny_models import delete_apps, shared_serve, write_k3_format_pair
 
@@ -31,6 +32,8 @@ from serve_app.protocol.generation import GenerateRequest, RequestOutput
 from serve_app.protocol.openai import ChatCompletionRequest
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.ray_cluster("shared")
 
 MODEL = "k3-format"
 KEEPALIVE_S = 1.0
@@ -122,13 +125,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(folder: Path) -> Iterator[tuple[str, Any]]:
-    config = AppConfig.model_validate({
-        "models": {"target": str(folder), "served_model_name": MODEL},
-        "engine": {"reference": {"speculation": {"enabled": False}}},
-        "router": {"policy": "ray_default"},
-        "api": {"parameter_policy": "k3", "tool_strict_level": "parameter"},
-        "ingress": {"default_max_tokens": 256, "max_tokens_limit": 4096, "ingress_cpus": 0.1,
-                    "sse_keepalive_s": KEEPALIVE_S}})
+    # The target is scripted: no engine runs, so the engine's defaults and no placement.
+    config = AppConfig.model_validate(tiny_app(
+        {"target": folder}, MODEL,
+        engine={"reference": {"kv_capacity_tokens": DROP, "speculation": {"enabled": False}}},
+        placement=DROP, router={"policy": "ray_default"},
+        api={"parameter_policy": "k3", "tool_strict_level": "parameter"},
+        ingress={"default_max_tokens": 256, "max_tokens_limit": 4096, "ingress_cpus": 0.1,
+                 "sse_keepalive_s": KEEPALIVE_S}))
     # The replicas import this module (the scripted target is defined here): the shared
     # cluster's workers have the tests folder on their path.
     port = shared_serve()["http"]

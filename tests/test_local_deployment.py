@@ -19,7 +19,7 @@ from serve_app.protocol.generation import SamplingParams
 from serve_app.protocol.openai import ChatCompletionRequest
 from serve_app.tokenizer import load_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("own")]
 
 
 # Enough for the retrained pair's thinking, then its answer or its forced call.

@@ -7,6 +7,7 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
+from app_configs import tiny_app
 from ray import serve
 from tiny_models import fake_gpu_cluster, write_tiny_serving_pair
 
@@ -15,7 +16,7 @@ from serve_app.config import AppConfig, ReferenceEngineConfig
 from serve_app.engines.reference.builder import build_engine, build_runner
 from serve_app.protocol.generation import GenerateRequest, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("own")]
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +28,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def test_two_nodes_two_gpus_each(cluster: Any) -> None:
     paths, gpu_nodes = cluster
-    config = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"])},
-        "engine": {"reference": {"kv_capacity_tokens": 2048}},
-        "parallelism": {"tp": 4, "nodes": 2},
+    config = AppConfig.model_validate(tiny_app(
+        paths, model=None, engine={"reference": {"kv_capacity_tokens": 2048}},
+        parallelism={"tp": 4, "nodes": 2},
         # Fake GPUs: Ray schedules by them; the tiny model computes on CPU (its collectives
         # through shared memory: the fake nodes are one host).
-        "placement": {"accelerator": "GPU", "cpus_per_rank": 0.25},
-    })
+        placement={"accelerator": "GPU"}))
     assert config.strategy == "STRICT_SPREAD"
     assert config.bundles() == [{"CPU": 0.5, "GPU": 2.0}, {"CPU": 0.5, "GPU": 2.0}]
     serve.run(build_app(config), name="kimi", route_prefix=None)

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import ray
+from app_configs import tiny_app
 from ray import serve
 from tiny_models import trace_spans, traced_cluster, write_tiny_serving_pair
 
@@ -21,7 +22,7 @@ from serve_app.app import build_app
 from serve_app.config import AppConfig
 from serve_app.netutil import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("own")]
 MODEL = "obs"
 # The usage of every answered request this module sent, whichever test sent it and in whatever
 # order they ran: the metrics test compares the exported counters with their sums exactly.
@@ -40,12 +41,8 @@ def _complete(base: str, body: dict[str, Any], **headers: str) -> httpx.Response
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     paths = write_tiny_serving_pair(tmp_path_factory.mktemp("obs"))
     metrics_port = free_port()
-    config = AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": MODEL},
-        "engine": {"reference": {"kv_capacity_tokens": 4096, "prefix_cache": {"enabled": True}}},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25},
-    })
+    config = AppConfig.model_validate(tiny_app(
+        paths, MODEL, engine={"reference": {"prefix_cache": {"enabled": True}}}))
     with traced_cluster(metrics_port) as http_port:
         serve.run(build_app(config), name="kimi", route_prefix="/")
         yield f"http://127.0.0.1:{http_port}", metrics_port

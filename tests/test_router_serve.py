@@ -11,10 +11,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from app_configs import tiny_k3_app
 from ray import serve
-from tiny_models import served, tiny_k3_app
+from tiny_models import served
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("shared")]
 
 MODEL = "tiny-kimi-dspark"
 KV = 1024  # tokens per replica: two 420-token requests fit, a third does not

@@ -22,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 pytestmark = [
+    pytest.mark.ray_cluster("own"),
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(not (os.environ.get("KIMI_SGLANG_TARGET")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import pytest
+from tiny_models import wait_for
 
 from serve_app.engines.sglang.kv_events import (
     KVEventSubscriber,
@@ -23,6 +24,7 @@ from serve_app.engines.sglang.kv_events import (
 from serve_app.routing.prefix_index import PrefixIndex, block_hashes
 
 B = 16  # the router's block size in these tests
+HANG_GUARD_S = 120.0  # the subscriber's waits: a hang fails, not a slow machine
 
 
 def sg_hash(tokens: list[int], end: int) -> int:
@@ -287,23 +289,24 @@ def test_msgspec_round_trip_of_sglangs_batches() -> None:
 
 
 def test_zmq_subscriber_follows_a_publisher() -> None:
-    """SGLang's ZmqEventPublisher wire format: (topic, 8-byte big-endian seq, payload)."""
+    """SGLang's ZmqEventPublisher wire format: (topic, 8-byte big-endian seq, payload). The
+    test's publisher is an XPUB socket (a PUB that also hears its subscribers), so the batch
+    goes out once the subscriber has subscribed: what a PUB sends before that is dropped."""
     zmq = pytest.importorskip("zmq")
     first, _ = _payloads(doc(64, 11))
     port = free_port_range(1)
     ctx = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)
     pub.bind(f"tcp://127.0.0.1:{port}")
     t = KVEventTranslator(B)
     sub = KVEventSubscriber(t, [f"tcp://127.0.0.1:{port}"]).start()
     try:
         assert sub.running
-        time.sleep(0.5)  # ZMQ's slow joiner
+        assert pub.poll(int(HANG_GUARD_S * 1000)), "the subscriber never subscribed"
+        assert pub.recv() == b"\x01"  # subscribed, to every topic
         pub.send_multipart((b"", (0).to_bytes(8, "big"), first))
-        deadline = time.time() + 10
-        while not t.events and time.time() < deadline:
-            time.sleep(0.05)
-        assert len(ours(t)) == 4 and t.lost == 0
+        assert wait_for(lambda: len(ours(t)) == 4, HANG_GUARD_S, interval=0.05), t.events
+        assert t.lost == 0
     finally:
         sub.stop()
         pub.close(linger=0)

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from sglang_helpers import app_config, rank_plan
 from tiny_models import fake_gpu_cluster
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("own")]
 
 
 @ray.remote(num_cpus=0, num_gpus=1)

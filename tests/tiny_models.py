@@ -433,24 +433,6 @@ def write_k3_serving_pair(folder: Path, seed: int = 0, tiny: bool = False) -> di
     return {"target": target, "draft": draft}
 
 
-def tiny_k3_app(folder: Path, engine: dict[str, Any], ingress: dict[str, Any],
-                router: dict[str, Any], model: str = "tiny-kimi-dspark") -> Any:
-    """The app config the Serve tests run: the tiny K3 serving pair (written into `folder`),
-    TP 1, two target replicas on CPU rank slots; `engine` is engine.reference's fields."""
-    from serve_app.config import AppConfig
-
-    paths = write_k3_serving_pair(folder, tiny=True)
-    return AppConfig.model_validate({
-        "models": {"target": str(paths["target"]), "draft": str(paths["draft"]),
-                   "served_model_name": model},
-        "engine": {"reference": engine},
-        "parallelism": {"tp": 1},
-        "placement": {"accelerator": "CPU", "cpus_per_rank": 0.25, "replicas": 2},
-        "ingress": ingress,
-        "router": router,
-    })
-
-
 DATA = Path(__file__).parent / "data"
 # A K3-style tokenizer folder: the public Kimi BPE (the K2.5 fixture's tiktoken.model, K3's
 # vocabulary) with K3's control tokens (tests/data/kimi-k3-style/tokenizer_config.json).
