@@ -105,7 +105,9 @@ class RequestGrammar:
                  stop_at: int | None) -> None:
         self.shared = shared
         self.matcher = matcher
-        self.length = length  # the request's tokens the matcher has seen (prompt + output)
+        # The request's tokens the matcher has committed (prompt + output; its window not
+        # included).
+        self.length = length
         self.stop_at = stop_at  # its length at max_tokens (with closing; else None)
         # The matcher as of the last commit. A window is rolled back by restarting from a copy
         # of it, not by LLMatcher.rollback: llguidance 1.9.1's masks after rollback() and
@@ -120,11 +122,6 @@ class RequestGrammar:
         self.consumed: list[bool] = []  # per window token: the matcher took it
         self.dead = False  # a window token was not allowed: later masks are never used
         self.closed = False  # a committed token was sampled under a mask the budget narrowed
-
-    @property
-    def committed(self) -> int:
-        """The request's tokens the matcher has committed (its window not included)."""
-        return self.length
 
     # --- masks ----------------------------------------------------------------------------
 

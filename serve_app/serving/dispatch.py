@@ -142,9 +142,6 @@ class Dispatcher:
                 replica = await self.stage.requeue(
                     request.request_id, str(full.info.get("replica") or replica), full.info)
 
-    def node_of(self, replica: str) -> str | None:
-        return self.stage.node_of(replica) if self.stage is not None else None
-
     async def view(self) -> dict[str, Any]:
         """The stage's view for /v1/router (its replicas' KV tokens and state slots, its
         queue, recent decisions)."""

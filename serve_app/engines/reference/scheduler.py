@@ -96,7 +96,8 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Move waiting requests in (FIFO, no overtaking) while their worst case fits."""
         admitted = []
-        while self.waiting:
+        # A full batch admits nothing: no prefix probe on every step while it stays full.
+        while self.waiting and len(self.running) < self.slots_total:
             seq = self.waiting[0]
             need = self.worst_case_tokens(seq)
             newly_pinned = 0

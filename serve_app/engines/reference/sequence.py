@@ -99,7 +99,7 @@ class Sequence:
         verdict = verify_drafts(logits, drafts, draft_probs, self.params, self.generator,
                                 residual_rule, allowed)
         if grammar is not None:
-            grammar.commit(grammar.committed + verdict.accepted)
+            grammar.commit(grammar.length + verdict.accepted)
             grammar.consume(verdict.tokens[-1:])
         return verdict
 
