@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.protocol.grammar import GrammarSpec
+from serve_app.protocol.media import ImageInput
 
 # Which side of a disaggregated app an engine serves ("both": an aggregated one).
 Role = Literal["both", "prefill", "decode"]
@@ -122,6 +123,8 @@ class GenerateRequest:
     # Whose request it is (the API key it used, else its address), for the per-client limits
     # of every admission stage it meets.
     client: str = ""
+    # The prompt's images in prompt order, their pad runs already in prompt_ids (media.py).
+    images: tuple[ImageInput, ...] = ()
 
 
 class EngineUnavailable(RuntimeError):
