@@ -281,29 +281,33 @@ class K3Model(nn.Module):
         state: K3State,
         capture_layers: Sequence[int] = (),
         window: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, K3State | K3WindowStates, dict[int, torch.Tensor]]:
         """input_ids [B, T] -> (h_final [B, T, H] after the final norm, the new state (with
         `window`, the states after every position), taps {layer id: [B, T, H]} for
-        `capture_layers`)."""
+        `capture_layers`). `inputs_embeds` [B, T, H], when given, is the layers' input instead
+        of input_ids' embeddings (an image prompt: its pad positions hold the image's features)."""
         new_state: K3State | K3WindowStates = (
             K3WindowStates(start=state.length) if window
             else K3State(length=state.length + input_ids.shape[1])
         )
-        h, taps = self.run(input_ids, DenseStates(state, new_state), capture_layers)
+        h, taps = self.run(input_ids, DenseStates(state, new_state), capture_layers,
+                           inputs_embeds)
         return h, new_state, taps
 
     def run(
-        self, input_ids: torch.Tensor, states: LayerStates, capture_layers: Sequence[int] = ()
+        self, input_ids: torch.Tensor, states: LayerStates, capture_layers: Sequence[int] = (),
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The layers over input_ids [B, T] with the attention state in `states` -> (h_final
-        [B, T, H], taps {layer id: [B, T, H]})."""
+        """The layers over input_ids [B, T] (or `inputs_embeds` [B, T, H]) with the attention
+        state in `states` -> (h_final [B, T, H], taps {layer id: [B, T, H]})."""
         n = len(self.layers)
         wanted = set(capture_layers)
         bad = sorted(i for i in wanted if not 0 <= i < n)
         if bad:
             raise ValueError(f"capture layer ids {bad} outside 0..{n - 1}")
         taps: dict[int, torch.Tensor] = {}
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if not self.config.uses_attn_res:
             for i, layer in enumerate(self.layers):
                 h = layer.forward_plain(h, states)
