@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sys
 from collections.abc import Callable
 from datetime import date
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from capacity.calibration import evaluate, fit
-from capacity.config import Layout, Speculation, Workload, validated
+from capacity.config import DEFAULT_IMAGE_SIZE, Images, Layout, Speculation, Workload, validated
 from capacity.disagg import ModeRow, Targets, compare
 from capacity.errors import CapacityError
 from capacity.families import describe_model
@@ -27,6 +28,7 @@ from capacity.memory import (
     KDA_ROLLBACKS,
     MAMBA_SLOTS_PER_RUNNING_REQUEST,
     RunningFit,
+    check_context,
     check_kda_rollback,
     max_running_requests,
     memory_per_gpu,
@@ -43,7 +45,8 @@ from capacity.tables import (
     load_gpus,
     load_prices,
 )
-from capacity.timing import DEFAULT_CONSTANTS, decode_rate, prefill_seconds
+from capacity.timing import DEFAULT_CONSTANTS, decode_rate, prefill_seconds, vision_seconds
+from capacity.vision import activation_peak, largest_image, prompt_tokens, request_images
 
 app = typer.Typer(
     add_completion=False,
@@ -142,6 +145,79 @@ RollbackOpt = Annotated[str, typer.Option(
     "(--enable-linear-replayssm-spec, a ring of the window's inputs per state slot)")]
 RingLenOpt = Annotated[int, typer.Option(
     "--replay-ring-len", help="replay's ring length (SGLang's --linear-replayssm-cache-len)")]
+ImagesOpt = Annotated[int, typer.Option(
+    "--images-per-request", help="images each request carries; their tokens join the prompt "
+    "after --context's text tokens, the vision tower's time joins TTFT")]
+ImageSizeOpt = Annotated[str, typer.Option(
+    "--image-size", help="WIDTHxHEIGHT of each image as uploaded, e.g. 1024x768 (K3's resize "
+    "and patch limits then give its tokens)")]
+DEFAULT_IMAGE_SIZE_TEXT = "x".join(str(n) for n in DEFAULT_IMAGE_SIZE)
+_IMAGE_SIZE = re.compile(r"\s*(\d+)\s*[xX]\s*(\d+)\s*")
+
+
+def parse_images(count: int, size: str) -> Images:
+    """`--images-per-request N --image-size WxH` -> Images, one line naming the option on bad
+    input."""
+    if count < 0:
+        raise CapacityError(f"--images-per-request must be 0 or more, got {count}")
+    match = _IMAGE_SIZE.fullmatch(size)
+    if match is None:
+        raise CapacityError(f"--image-size {size!r}: WIDTHxHEIGHT in pixels, e.g. 1024x768")
+    width, height = int(match[1]), int(match[2])
+    if width <= 0 or height <= 0:
+        raise CapacityError(f"--image-size {size!r}: width and height must be at least 1 pixel")
+    try:
+        return validated(Images, per_request=count, width=width, height=height)
+    except CapacityError as exc:
+        raise CapacityError(f"--image-size {size!r}: {str(exc).split(': ', 1)[-1]}") from None
+
+
+def _vision_data(target: ModelDescriptor, layout: Layout, gpu: GpuSpec, images: Images,
+                 text_tokens: int) -> dict[str, Any] | None:
+    """What the vision tower costs on one layout: its weights and activation peak per GPU, and
+    the time of one image and of a request's images (None: the model has no tower)."""
+    vision = target.vision
+    if vision is None or target.media is None:
+        return None
+    largest = largest_image(target.media)
+    peak_patches, peak_bytes = activation_peak(target, images, layout.attention_tp)
+    data: dict[str, Any] = {
+        "tower_params": vision.tower_params, "projector_params": vision.projector_params,
+        "dtype": "bf16", "sharding": "replicated on every GPU",
+        "weights_gb_per_gpu": (vision.tower_bytes + vision.projector_bytes) / 1e9,
+        "largest_image": {"size": largest.label, "patches": largest.patches,
+                          "tokens": largest.tokens},
+        "activation_patches": peak_patches, "activation_gb": peak_bytes / 1e9,
+        "images_per_request": images.per_request,
+    }
+    grid = request_images(target, images)
+    if grid is not None:
+        time = vision_seconds(target, layout, gpu, images)
+        data.update({
+            "image_size": grid.label, "resized": f"{grid.new_width}x{grid.new_height}",
+            "patches_per_image": grid.patches, "tokens_per_image": grid.tokens,
+            "text_tokens": text_tokens,
+            "prompt_tokens": prompt_tokens(target, text_tokens, images),
+            "ms_per_image": time.per_image_s * 1e3, "request_ms": time.request_s * 1e3,
+            "images_on_busiest_rank": time.images_on_busiest_rank,
+        })
+    return data
+
+
+def _vision_line(data: dict[str, Any], gpu: str) -> str:
+    line = (f"vision tower + projector: {data['tower_params']:,} + {data['projector_params']:,} "
+            f"params, {data['weights_gb_per_gpu']:.3f} GB BF16 {data['sharding']}; activation "
+            f"peak {data['activation_gb']:.2f} GB ({data['activation_patches']:,} patches; "
+            f"largest image {data['largest_image']['size']} = "
+            f"{data['largest_image']['tokens']:,} tokens)")
+    if "tokens_per_image" not in data:
+        return line
+    return line + (
+        f"; each {data['image_size']} image -> {data['resized']}, {data['patches_per_image']:,} "
+        f"patches, {data['tokens_per_image']:,} tokens, {data['ms_per_image']:.1f} ms on one "
+        f"{gpu}; prompt {data['text_tokens']:,} text + {data['images_per_request']} x "
+        f"{data['tokens_per_image']:,} image tokens = {data['prompt_tokens']:,}, its images "
+        f"{data['request_ms']:.1f} ms ({data['images_on_busiest_rank']} on the busiest rank)")
 
 
 def _check_rollback(strategy: str, spec: Speculation | None, ring_len: int) -> None:
@@ -331,8 +407,11 @@ def plan_cmd(
         "--ttft", help="--disagg: time to first token target, seconds")] = None,
     itl: Annotated[float | None, typer.Option(
         "--itl", help="--disagg: inter-token latency target, milliseconds")] = None,
+    images_per_request: ImagesOpt = 0,
+    image_size: ImageSizeOpt = DEFAULT_IMAGE_SIZE_TEXT,
 ) -> None:
     """Rank feasible fleets: cheapest per million output tokens first."""
+    images = parse_images(images_per_request, image_size)
     if top <= 0:
         raise CapacityError(f"--top must be positive, got {top}")
     if mem_fraction is not None and not 0 < mem_fraction <= 0.98:
@@ -345,6 +424,9 @@ def plan_cmd(
     for name in allowed or []:
         gpu_spec(gpu_specs, name)
     if disagg:
+        if images.per_request:
+            raise CapacityError("--disagg does not price images yet: plan them without "
+                                "--disagg")
         _plan_modes(target, draft_model, spec, gpu_specs, price_rows, allowed,
                     Targets(parse_tokens(context) - output_tokens, output_tokens, ttft,
                             None if itl is None else itl / 1e3),
@@ -356,12 +438,21 @@ def plan_cmd(
         allowed_gpus=allowed, concurrency=concurrency, target_tokens_s=target_tps,
         min_user_tokens_s=min_user_tps, weight_formats=_formats(weights),
         kv_dtypes=_kv_dtypes(kv), max_nodes=max_nodes, mem_fraction=mem_fraction,
-        speculation=spec, kda_rollback=kda_rollback, ring_len=replay_ring_len,
+        speculation=spec, kda_rollback=kda_rollback, ring_len=replay_ring_len, images=images,
     )
     if not result.rows:
         raise CapacityError(explain_infeasible(result, max_nodes))
     shown = result.top(top, per_gpu)
     dicts = [r.as_dict() for r in shown]
+    # The tower on each GPU type shown (the best row of each): the same on every layout of a
+    # GPU, bar the activation peak when a request's images pack onto fewer ranks.
+    vision_rows: dict[str, dict[str, Any]] = {}
+    for row in shown if images.per_request else []:
+        if row.layout.gpu not in vision_rows:
+            data = _vision_data(target, row.layout, gpu_spec(gpu_specs, row.layout.gpu), images,
+                                result.text_tokens or 0)
+            if data is not None:
+                vision_rows[row.layout.gpu] = data
     used_prices = [r.price for r in shown if r.price]
     if csv_path:
         all_rows = [r.as_dict() for r in result.rows]
@@ -378,6 +469,8 @@ def plan_cmd(
             "model": result.model, "draft": result.draft,
             "context_length": result.context_length, "layouts_evaluated": result.evaluated,
             "feasible": len(result.rows), "prices": _price_age_line(used_prices),
+            **({"text_tokens": result.text_tokens, "images": vision_rows} if vision_rows
+               else {}),
             "rows": dicts,
         }, indent=2))
         return
@@ -389,6 +482,11 @@ def plan_cmd(
     out.print(_plan_rows_table(dicts, f"{what} at {result.context_length:,} tokens "
                                       f"({len(result.rows)} of {result.evaluated} layouts fit)"))
     out.print(_price_age_line(used_prices))
+    for gpu, data in vision_rows.items():
+        out.print(f"{gpu}: {_vision_line(data, gpu)}", soft_wrap=True, highlight=False)
+    if vision_rows:
+        out.print("TTFT includes the vision tower; the context is text + image tokens",
+                  highlight=False)
     if spec:
         out.print(f"speculation: gamma {spec.gamma}, acceptance {spec.acceptance_length}; "
                   "tok/s are steady decode at full context; TTFT is one prompt alone")
@@ -531,8 +629,11 @@ def explain_cmd(
     replay_ring_len: RingLenOpt = DEFAULT_REPLAY_RING_LEN,
     gpu_table: GpusOpt = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    images_per_request: ImagesOpt = 0,
+    image_size: ImageSizeOpt = DEFAULT_IMAGE_SIZE_TEXT,
 ) -> None:
     """Full memory and time breakdown of one layout."""
+    images = parse_images(images_per_request, image_size)
     target = describe_model(model)
     draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
     _check_rollback(kda_rollback, spec, replay_ring_len)
@@ -540,9 +641,13 @@ def explain_cmd(
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
                                   mem_fraction)
     spec_gpu = gpu_spec(gpu_specs, gpu)
-    tokens = parse_tokens(context)
+    text_tokens = parse_tokens(context)
+    tokens = prompt_tokens(target, text_tokens, images)
+    if images.per_request:
+        check_context(target, tokens, f"{text_tokens:,} text tokens + {images.label} images")
     report = memory_per_gpu(target, layout, validated(
-        Workload, context_length=tokens, kda_state_slots=MAMBA_SLOTS_PER_RUNNING_REQUEST),
+        Workload, context_length=tokens, images=images,
+        kda_state_slots=MAMBA_SLOTS_PER_RUNNING_REQUEST),
         spec_gpu, draft_model, spec, kda_rollback, replay_ring_len)
     running = concurrency or min(max(1, report.max_concurrent), max_running_requests(draft_model))
     if concurrency is not None and concurrency <= 0:
@@ -551,8 +656,10 @@ def explain_cmd(
                                running=running, kda_rollback=kda_rollback,
                                ring_len=replay_ring_len)
     rate = decode_rate(target, layout, spec_gpu, running, tokens, draft_model, spec)
-    ttft = prefill_seconds(target, layout, spec_gpu, tokens, 1)
-    data = {
+    vision = _vision_data(target, layout, spec_gpu, images, text_tokens)
+    ttft = prefill_seconds(target, layout, spec_gpu, tokens, 1) + (
+        vision["request_ms"] / 1e3 if vision and "request_ms" in vision else 0.0)
+    data: dict[str, Any] = {
         "layout": layout.label(), "gpu_memory_gb": report.capacity_bytes / 1e9,
         "fits": report.fits, "reasons": list(report.reasons),
         "max_concurrent": report.max_concurrent,
@@ -578,6 +685,8 @@ def explain_cmd(
     rollback = _rollback_data(rollback_fit)
     if rollback is not None:
         data["kda_rollback"] = rollback
+    if vision is not None:
+        data["vision"] = vision
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -605,6 +714,8 @@ def explain_cmd(
     line = _rollback_line(rollback_fit)
     if line:
         out.print(line, soft_wrap=True, highlight=False)
+    if vision is not None:
+        out.print(_vision_line(vision, spec_gpu.gpu), soft_wrap=True, highlight=False)
     t = data["time"]
     out.print(
         f"decode at {running} concurrent: step {t['step_ms']:.2f} ms = max(memory "
@@ -612,6 +723,7 @@ def explain_cmd(
         f"{t['communication_ms']:.2f} + draft {t['draft_ms']:.2f}; {t['tokens_per_step']:.1f} "
         f"tokens/step -> {t['tokens_s_per_user']:.1f} tok/s per user, {t['tokens_s_total']:.0f} "
         f"total; prefill of one {tokens:,}-token prompt {ttft:.1f} s"
+        + (" (its images' tower time included)" if vision and "request_ms" in vision else "")
     )
 
 

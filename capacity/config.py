@@ -128,13 +128,43 @@ class Speculation(BaseModel):
         return cls(gamma=draft.draft.block_size if draft.draft else DEFAULT_GAMMA)
 
 
+# Pillow's Image.MAX_IMAGE_PIXELS: above it Pillow warns of a decompression bomb (and refuses
+# at twice it), so no server decodes a larger image; the planner refuses to price one.
+MAX_IMAGE_PIXELS = 89_478_485
+DEFAULT_IMAGE_SIZE = (1024, 1024)
+
+
+class Images(BaseModel):
+    """The images each request carries: how many, and their size as uploaded (all alike)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    per_request: int = Field(default=0, ge=0, description="images per request")
+    width: int = Field(default=DEFAULT_IMAGE_SIZE[0], gt=0, description="pixels")
+    height: int = Field(default=DEFAULT_IMAGE_SIZE[1], gt=0, description="pixels")
+
+    @model_validator(mode="after")
+    def _decodable(self) -> Images:
+        pixels = self.width * self.height
+        if pixels > MAX_IMAGE_PIXELS:
+            raise ValueError(
+                f"a {self.width}x{self.height} image is {pixels:,} pixels, above "
+                f"{MAX_IMAGE_PIXELS:,} (Pillow's decompression-bomb limit; no server decodes it)")
+        return self
+
+    @property
+    def label(self) -> str:
+        return f"{self.per_request} x {self.width}x{self.height}"
+
+
 class Workload(BaseModel):
-    """What each request holds: its context length, and engine knobs that size per-request
-    memory."""
+    """What each request holds: its context length (image tokens included), its images, and
+    engine knobs that size per-request memory."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     context_length: int = Field(gt=0)
+    images: Images = Field(default_factory=Images)
     kda_state_slots: int = Field(
         default=1, gt=0, description="KDA states kept per request (prefix-cache slots)"
     )

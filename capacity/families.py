@@ -7,6 +7,7 @@ descriptor arithmetic itself (parameters, bytes, KV and state sizes) is capacity
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from importlib import resources
@@ -28,6 +29,7 @@ from capacity.model import (
     MoeShape,
     TensorGroup,
 )
+from capacity.vision import load_media_limits, vision_from_config
 
 # ---- packaged models ---------------------------------------------------------------------
 PACKAGED_MODELS: dict[str, tuple[str, str]] = {
@@ -61,13 +63,22 @@ def describe_model(path_or_name: str | Path) -> ModelDescriptor:
     if not isinstance(config, dict):
         raise CapacityError(f"{path}: config.json must hold a JSON object")
     name = config.get("_name_or_path") or path.parent.name or path.stem
-    return descriptor_from_config(config, name=str(name), source=str(path))
+    return descriptor_from_config(config, name=str(name), source=str(path), folder=path.parent)
 
 
-def descriptor_from_config(config: dict[str, Any], name: str, source: str) -> ModelDescriptor:
+def descriptor_from_config(config: dict[str, Any], name: str, source: str,
+                           folder: Path | None = None) -> ModelDescriptor:
+    """`folder` is where a preprocessor_config.json would sit (None: the packaged K3 one)."""
     text = config.get("text_config")
     if isinstance(text, dict) and "linear_attn_config" in text:
-        return _kimi_k3(text, name, source)
+        model = _kimi_k3(text, name, source)
+        vision = config.get("vision_config")
+        if vision is None:
+            return model
+        if not isinstance(vision, dict):
+            raise CapacityError(f"{source}: vision_config must be a JSON object")
+        return dataclasses.replace(model, vision=vision_from_config(vision, source),
+                                   media=load_media_limits(folder), _bytes_cache={})
     if "linear_attn_config" in config:
         return _kimi_k3(config, name, source)
     if "kv_lora_rank" in config and "n_routed_experts" in config:

@@ -33,6 +33,7 @@ from capacity.model import (
     Sharding,
 )
 from capacity.tables import GIB, GpuSpec
+from capacity.vision import activation_peak
 
 # NVIDIA aiconfigurator's runtime overhead per GPU: about 3.5 GiB "other" + 0.34-0.39 GB NCCL.
 # The upper NCCL figure is used.
@@ -191,12 +192,15 @@ def check_layout(model: ModelDescriptor, layout: Layout) -> None:
             )
 
 
-def check_context(model: ModelDescriptor, context_length: int) -> None:
+def check_context(model: ModelDescriptor, context_length: int, parts: str | None = None
+                  ) -> None:
+    """`parts` says what the context is made of, when it is more than one number."""
     if context_length <= 0:
         raise CapacityError(f"context length must be positive, got {context_length}")
     if model.max_context and context_length > model.max_context:
+        made_of = f" ({parts})" if parts else ""
         raise CapacityError(
-            f"context length {context_length:,} exceeds {model.name}'s maximum "
+            f"context length {context_length:,}{made_of} exceeds {model.name}'s maximum "
             f"{model.max_context:,} (max_position_embeddings)"
         )
 
@@ -267,6 +271,11 @@ def _stage_needs(
             per_request["kda_verify_states"] = ceil(
                 kda_per_layer * kda_here * verify_rows / attention_tp
             )
+        if model.vision is not None:
+            # SGLang builds the tower and projector whole, in BF16, on every rank of every
+            # stage (capacity.vision), images or not.
+            weights["vision_tower"] = model.vision.tower_bytes
+            weights["mm_projector"] = model.vision.projector_bytes
         if draft is not None and index == pipeline_stages - 1:
             weights["draft"] = ceil(_total_bytes(draft) / attention_tp)
             if draft.gqa is not None:
@@ -314,6 +323,11 @@ def memory_per_gpu(
                / layout.tp)
     )
     outside = {"activation_workspace": activation, "runtime_reserve": RUNTIME_OTHER_BYTES + NCCL_BYTES}
+    if model.vision is not None:
+        # The tower runs before the text layers of the same step; counted beside their
+        # workspace rather than inside it, since the caching allocator keeps both sizes.
+        outside["vision_activation"] = activation_peak(model, workload.images,
+                                                       layout.attention_tp)[1]
     needs = _stage_needs(
         model, draft, verify_rows if speculation else None,
         layout.weight_format.value if layout.weight_format else None, layout.pp,

@@ -13,10 +13,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from capacity.errors import CapacityError
 from capacity.formats import KV_DTYPE_BYTES, KvDtype, WeightFormat, matrix_bytes
+
+if TYPE_CHECKING:
+    from capacity.vision import MediaLimits, VisionTower
 
 KDA_STATE_BYTES = 4  # the KDA recurrent state is kept in FP32 by the Kimi Linear kernels
 CONV_STATE_BYTES = 2  # the short-conv state is kept in the model dtype (BF16)
@@ -35,6 +38,8 @@ class Component(StrEnum):
     NORMS = "norms"
     DRAFT_FC = "draft_fc"
     DRAFT_HEADS = "draft_heads"
+    VISION_TOWER = "vision_tower"
+    MM_PROJECTOR = "mm_projector"
 
 
 class Sharding(StrEnum):
@@ -59,6 +64,9 @@ COMPONENT_SHARDING: dict[Component, Sharding] = {
     Component.NORMS: Sharding.REPLICATED,
     Component.DRAFT_FC: Sharding.ATTENTION,
     Component.DRAFT_HEADS: Sharding.ATTENTION,
+    # SGLang builds K3's tower and projector whole on every rank (capacity.vision).
+    Component.VISION_TOWER: Sharding.REPLICATED,
+    Component.MM_PROJECTOR: Sharding.REPLICATED,
 }
 
 
@@ -152,6 +160,10 @@ class ModelDescriptor:
     moe: MoeShape | None = None
     gqa: GqaShape | None = None
     draft: DraftInfo | None = None
+    # K3's image path (config.json's vision_config, preprocessor_config.json's limits): kept
+    # apart from the text model's tensor groups, which the decode-time model streams.
+    vision: VisionTower | None = None
+    media: MediaLimits | None = None
     _bytes_cache: dict[tuple[str, Any], Any] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from functools import cache, cached_property
 
-from capacity.config import Layout, Speculation, Workload
+from capacity.config import Images, Layout, Speculation, Workload
 from capacity.errors import CapacityError
 from capacity.formats import KvDtype, WeightFormat
 from capacity.memory import (
@@ -30,7 +30,9 @@ from capacity.timing import (
     TimeConstants,
     decode_rate,
     prefill_seconds,
+    vision_seconds,
 )
+from capacity.vision import prompt_tokens
 
 DEFAULT_MAX_NODES = 8
 
@@ -45,11 +47,12 @@ class PlanRow:
     total_tokens_s: float
     price: PriceRow | None
     _prefill: Callable[[], float] = field(repr=False, compare=False)
+    vision_ms_per_image: float | None = None  # None: the plan's requests carry no images
 
     @cached_property
     def prefill_s(self) -> float:
-        """Seconds to prefill one full-context prompt alone (time to first token, no queue);
-        computed on demand because a sweep ranks thousands of rows it never prints."""
+        """Seconds to prefill one full-context prompt alone (time to first token, no queue;
+        its images through the vision tower first); computed on demand because a sweep ranks thousands of rows it never prints."""
         return self._prefill()
 
     @property
@@ -93,6 +96,13 @@ class PlanRow:
             "tokens_s_per_user": round(self.per_user_tokens_s, 2),
             "tokens_s_total": round(self.total_tokens_s, 1),
             "prefill_s": round(self.prefill_s, 2),
+            **({} if self.vision_ms_per_image is None else {
+                "vision_ms_per_image": round(self.vision_ms_per_image, 2),
+                "vision_weights_gb_per_gpu": round(
+                    (stage.weights["vision_tower"] + stage.weights["mm_projector"]) / 1e9, 3),
+                "vision_activation_gb_per_gpu": round(
+                    stage.outside_pool["vision_activation"] / 1e9, 3),
+            }),
             "usd_per_hour": None if self.usd_per_hour is None else round(self.usd_per_hour, 2),
             "usd_per_million_tokens": (
                 None if self.usd_per_million_tokens is None
@@ -109,10 +119,12 @@ class PlanRow:
 class PlanResult:
     model: str
     draft: str | None
-    context_length: int
+    context_length: int  # per request, image tokens included
     rows: tuple[PlanRow, ...]
     evaluated: int
     rejected: dict[str, str]  # GPU -> why its best attempt failed
+    images: Images = field(default_factory=Images)
+    text_tokens: int | None = None  # the context without image tokens (None: no images)
 
     def top(self, n: int, per_gpu: int | None = None) -> list[PlanRow]:
         if per_gpu is None:
@@ -232,11 +244,18 @@ def plan(
     require_price: bool = False,
     kda_rollback: str = DEFAULT_KDA_ROLLBACK,
     ring_len: int = DEFAULT_REPLAY_RING_LEN,
+    images: Images | None = None,
 ) -> PlanResult:
     """Ranked feasible fleets (cheapest per million output tokens first). `kda_rollback` is how
     the speculative verify rolls the KDA state back (memory.kda_rollback_costs); the time model
-    does not depend on it."""
-    check_context(model, context_length)
+    does not depend on it. `context_length` is each request's text; its `images` add their
+    tokens to the prompt (KV, KDA and prefill like any prompt token) and the tower's time to
+    its TTFT."""
+    images = images or Images()
+    text_tokens = context_length
+    context_length = prompt_tokens(model, text_tokens, images)
+    check_context(model, context_length, f"{text_tokens:,} text tokens + {images.label} images"
+                  if images.per_request else None)
     if concurrency is not None and concurrency <= 0:
         raise CapacityError(f"concurrency must be positive, got {concurrency}")
     if target_tokens_s is not None and target_tokens_s <= 0:
@@ -251,7 +270,7 @@ def plan(
     best_price = cheapest_prices(prices)
     # Each request holds SGLang's KDA state slots (radix cache + extra_buffer ping-pong) beside
     # its verify scratch, as the emitted deployments size them (memory.running_fit).
-    workload = Workload(context_length=context_length,
+    workload = Workload(context_length=context_length, images=images,
                         kda_state_slots=MAMBA_SLOTS_PER_RUNNING_REQUEST)
     running_cap = max_running_requests(draft)
 
@@ -311,7 +330,10 @@ def plan(
                 price=price,
                 _prefill=lambda layout=layout, spec=spec: prefill_seconds(
                     model, layout, spec, context_length, 1, constants
-                ),
+                ) + vision_seconds(model, layout, spec, images, constants).request_s,
+                vision_ms_per_image=(
+                    vision_seconds(model, layout, spec, images, constants).per_image_s * 1e3
+                    if images.per_request else None),
             ))
     for row in rows:
         rejected.pop(row.layout.gpu, None)
@@ -328,6 +350,8 @@ def plan(
         rows=tuple(rows),
         evaluated=evaluated,
         rejected={gpu: why for gpu, (_, why) in rejected.items()},
+        images=images,
+        text_tokens=text_tokens if images.per_request else None,
     )
 
 

@@ -16,11 +16,12 @@ import math
 from dataclasses import dataclass, replace
 from functools import cache
 
-from capacity.config import Layout, Speculation
+from capacity.config import Images, Layout, Speculation
 from capacity.formats import FOUR_BIT_FORMATS, WeightFormat
 from capacity.memory import _stage_bounds, _stage_component_bytes
 from capacity.model import COMPONENT_SHARDING, Component, ModelDescriptor, Sharding
 from capacity.tables import GpuSpec
+from capacity.vision import images_per_rank, request_images
 
 BF16_BYTES = 2
 # DeepEP dispatches tokens in FP8 (1 byte/element) and combines in BF16 (2 bytes/element).
@@ -455,3 +456,52 @@ def serving_throughput(
 
 def with_constants(constants: TimeConstants, **changes: float) -> TimeConstants:
     return replace(constants, **changes)
+
+
+@dataclass(frozen=True)
+class VisionTime:
+    """Seconds the vision tower + projector add to one request's prefill."""
+
+    per_image_s: float  # one image alone through tower + projector on one GPU
+    request_s: float  # the request's images, split image-wise over the attention-TP ranks
+    images_on_busiest_rank: int
+
+
+def _vision_pass_s(flops: float, weight_bytes: int, layers: int, gpu: GpuSpec,
+                   c: TimeConstants) -> float:
+    """One call of a replicated module on one GPU: the roofline, plus the per-layer launch cost
+    the text model is fitted with."""
+    compute = flops / (gpu.bf16_tflops * 1e12 * c.prefill_compute_efficiency)
+    memory = weight_bytes / (gpu.hbm_tbps * 1e12 * c.hbm_efficiency)
+    return max(compute, memory) + layers * c.layer_overhead_us * 1e-6
+
+
+def vision_seconds(
+    model: ModelDescriptor,
+    layout: Layout,
+    gpu: GpuSpec,
+    images: Images,
+    constants: TimeConstants = DEFAULT_CONSTANTS,
+) -> VisionTime:
+    """The tower's time for one request's images (capacity.vision): each attention-TP rank
+    encodes whole images in one packed call (attention per image, so FLOPs add per image),
+    then every rank projects all of them after the all-gather. The tower's BF16 math runs at
+    the planner's prefill efficiency of the GPU's dense BF16 peak."""
+    grid = request_images(model, images)
+    if grid is None or model.vision is None:
+        return VisionTime(0.0, 0.0, 0)
+    v = model.vision
+    c = constants
+
+    def tower(n: int) -> float:
+        return _vision_pass_s(n * v.tower_flops(grid.patches), v.tower_bytes, v.layers, gpu, c)
+
+    def projector(n: int) -> float:
+        return _vision_pass_s(n * v.projector_flops(grid.tokens), v.projector_bytes, 1, gpu, c)
+
+    busiest = images_per_rank(images, layout.attention_tp)
+    return VisionTime(
+        per_image_s=tower(1) + projector(1),
+        request_s=tower(busiest) + projector(images.per_request),
+        images_on_busiest_rank=busiest,
+    )

@@ -138,11 +138,11 @@ def test_explain_json_breakdown():
     [
         ("scratch", "KDA rollback scratch (SGLang's default, 8 states per request): 224.7 MB per "
                     "running request, 11.01 GB per GPU at 48 running (+ padding); KDA states in "
-                    "all 17.78 GB, leaving 3.18 GB of KV: 1 full-context (131,072-token) requests"),
+                    "all 17.78 GB, leaving 2.28 GB of KV: 1 full-context (131,072-token) requests"),
         ("replay", "KDA rollback replay (--enable-linear-replayssm-spec, ring of 16): 7.6 MB of "
                    "conv windows per running request + a 10.2 MB ring on each of its 5 state "
                    "slots, 2.83 GB per GPU at 48 running (+ padding); KDA states in all 9.60 GB, "
-                   "leaving 11.36 GB of KV: 5 full-context (131,072-token) requests"),
+                   "leaving 10.46 GB of KV: 5 full-context (131,072-token) requests"),
     ],
 )
 def test_explain_prints_the_kda_rollback_line(strategy: str, line: str):
