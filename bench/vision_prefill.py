@@ -94,6 +94,8 @@ def run(target: Path, sizes: list[tuple[int, int]], repeats: int) -> dict[str, A
                 "text": partial(model.model, ids, K3State()),
                 "image": partial(model.model, ids, K3State(), inputs_embeds=embeds),
             }
+            for fn in variants.values():  # warm-up: first calls pay for allocation
+                fn()
             for _ in range(repeats):
                 for name, fn in variants.items():
                     samples[name].append(timed(fn))
