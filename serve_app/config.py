@@ -22,6 +22,7 @@ from pydantic import (
 from capacity.config import Parallelism
 from capacity.sglang_recipe import SGLANG_OPTIONAL as _SGO
 from capacity.sglang_recipe import SGLANG_SECTION as _SG
+from serve_app.models.config_files import read_config_json
 from serve_app.models.dspark_config import DSparkConfig, pair_context
 from serve_app.models.k3_config import K3Config
 from serve_app.models.kimi_config import KimiConfig
@@ -29,6 +30,7 @@ from serve_app.models.target_config import load_target_config
 from serve_app.observability.tracing import TracingConfig
 from serve_app.protocol.grammar import ToolStrictLevel
 from serve_app.routing.settings import RouterSettings
+from serve_app.vision import ImagePolicy, MediaConfig
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -471,6 +473,8 @@ class AppConfig(_Strict):
     observability: ObservabilityConfig = ObservabilityConfig()
     router: RouterConfig = RouterConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    # The limits on the images clients send (a checkpoint without vision takes none).
+    images: ImagePolicy = ImagePolicy()
 
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:
@@ -575,6 +579,22 @@ def model_configs(config: AppConfig) -> tuple[KimiConfig | K3Config, DSparkConfi
             raise ConfigError(f"models.draft: no config.json in {draft_path}")
         draft = DSparkConfig.from_file(draft_path)
     return target, draft
+
+
+def media_config(config: AppConfig) -> MediaConfig | None:
+    """How the served model sees images: `preprocessor_config.json`'s media config, read from
+    the target checkpoint folder (from the tokenizer folder where the target is not on this
+    machine: SGLang's checkpoints may be on the GPU nodes only). None, the model takes no
+    images, where the folder has no preprocessing config or its config.json no
+    `vision_config` (a text-only checkpoint)."""
+    folder = config.models.target_path()
+    if not folder.is_dir():
+        folder = config.models.tokenizer_path()
+    media = MediaConfig.from_folder(folder)
+    if media is None or not (folder / "config.json").exists():
+        return media
+    raw, _ = read_config_json(folder, ConfigError)
+    return media if "vision_config" in raw else None
 
 
 def context_length(config: AppConfig) -> int:

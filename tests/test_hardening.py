@@ -193,7 +193,7 @@ def test_poisoned_sampling_beside_live_streams(server: Any) -> None:
          {"type": "text", "text": 5}]}]}}, 400, "messages[0].content[0].text"),
     ("POST", "/v1/chat/completions",
      {"json": {"model": MODEL, "messages": [{"role": "user", "content": [
-         {"type": "image_url", "image_url": {"url": "x"}}]}]}}, 400, "messages[0].content[0].type"),
+         {"type": "image_url", "image_url": {"url": "x"}}]}]}}, 400, "messages[0].content[0]"),
     ("POST", "/v1/chat/completions",
      {"content": b'{"model": "tiny-hardened", "messages": [{"role": "user", "content": '
                  b'"a\\ud800b"}]}'}, 400, "messages[0].content"),

@@ -1,5 +1,8 @@
 """K3's chat format through the real server: Ray Serve, HTTP, the official openai client.
 
+The checkpoint folder sees (a preprocessing config and a vision_config): image parts are
+loaded, expanded in the prompt and handed to the target with their offsets.
+
 The ingress is the product's; the target is a scripted one whose "model" writes a fixed XTML
 continuation (chosen by `script=NAME/CHUNK` in the last user message, CHUNK token ids per
 event), so that reasoning, tool calls and the finish reasons can be checked whatever a random
@@ -9,8 +12,11 @@ model would write. What the target receives is checked too: the renderer's ids.
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import re
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,17 +27,19 @@ import pydantic
 import pytest
 import yaml
 from app_configs import DROP, tiny_app
+from PIL import Image
 from ray import serve
-from tiny_models import delete_apps, shared_serve, write_k3_format_pair
+from tiny_models import DATA, delete_apps, shared_serve, write_k3_format_pair
 
 from serve_app.chat.formats import K3Format
-from serve_app.chat.segments import encode_segments
+from serve_app.chat.segments import encode_prompt, encode_segments
 from serve_app.chat.xtml_render import MARKERS
 from serve_app.config import AppConfig
 from serve_app.protocol.generation import GenerateRequest, RequestOutput
 from serve_app.protocol.openai import ChatCompletionRequest
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.tokenizer import load_tokenizer
+from serve_app.vision import ImagePolicy, ImageRef, MediaConfig, load_images
 
 pytestmark = pytest.mark.ray_cluster("shared")
 
@@ -88,11 +96,14 @@ class ScriptedTarget:
         self.scripts = {k: xtml_ids(self.tokenizer, v) for k, v in SCRIPTS.items()}
         self.prompts: list[list[int]] = []
         self.grammars: list[Any] = []
+        self.images: list[list[tuple[str, int, int, int, int]]] = []
 
     async def generate(self, request: GenerateRequest,
                        reservation: Any = None) -> AsyncIterator[RequestOutput]:
         self.prompts.append(list(request.prompt_ids))
         self.grammars.append(request.params.grammar)
+        self.images.append([(i.digest, i.width, i.height, i.offset, i.tokens)
+                            for i in request.images])
         prompt = self.tokenizer.decode(request.prompt_ids)
         name, chunk, delay = re.findall(r"script=(\w+)/(\d+)(?:/([\d.]+))?", prompt)[-1]
         ids = self.scripts[name]
@@ -114,13 +125,23 @@ class ScriptedTarget:
     def last_grammar(self) -> Any:
         return self.grammars[-1]
 
+    def last_images(self) -> list[tuple[str, int, int, int, int]]:
+        return self.images[-1]
+
     async def health_status(self) -> dict[str, Any]:
         return {"ok": True, "problem": None}
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_k3_format_pair(tmp_path_factory.mktemp("k3f"))["target"]
+    target = write_k3_format_pair(tmp_path_factory.mktemp("k3f"))["target"]
+    # K3's published preprocessing, and a vision_config (the ingress reads only that it is
+    # there: the scripted target runs no tower).
+    shutil.copyfile(DATA / "vision" / "preprocessor_config.json",
+                    target / "preprocessor_config.json")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "vision_config": {}}))
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +416,67 @@ def test_the_production_ingress_starts_on_a_k3_tokenizer_folder(server: tuple[st
     bad = httpx.post(server[0] + "/prod/v1/chat/completions", json={
         "model": "kimi-k3", "top_p": 0.8, "messages": [{"role": "user", "content": "x"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+
+
+# --- images ------------------------------------------------------------------------------------
+
+
+def png_data_url(width: int, height: int, colour: tuple[int, int, int]) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def expected_image_prompt(folder: Path, body: dict[str, Any]) -> tuple[list[int], list[Any]]:
+    """The ids and images the renderer, the vision package and the encoder give this body,
+    computed here without the server."""
+    tok = load_tokenizer(folder)
+    plan = K3Format(tok, vision=True).plan(ChatCompletionRequest.model_validate(body))
+    media = MediaConfig.from_folder(folder)
+    assert media is not None
+    images = asyncio.run(load_images([ImageRef(p.param, p.url) for p in plan.images],
+                                     ImagePolicy(), media))
+    ids, offsets = encode_prompt(tok, plan.segments, images)
+    return ids, [image.at(offset) for image, offset in zip(images, offsets, strict=True)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_image_reaches_the_target_and_prompt_tokens_count_it(
+        client: openai.OpenAI, server: tuple[str, Any], folder: Path, stream: bool) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "script=think/1000 what colour?"},
+        {"type": "image_url", "image_url": {"url": png_data_url(100, 60, (200, 30, 30))}},
+        {"type": "text", "text": "and this one?"},
+        {"type": "input_image", "image_url": png_data_url(30, 500, (0, 0, 255))}]}]}
+    ids, images = expected_image_prompt(folder, body)
+    if stream:
+        usage = [c.usage for c in client.chat.completions.create(**body, stream=True)
+                 if c.usage is not None][-1]
+    else:
+        usage = client.chat.completions.create(**body).usage
+    assert server[1].last_prompt.remote().result() == ids
+    seen = server[1].last_images.remote().result()
+    assert seen == [(i.digest, i.width, i.height, i.offset, i.tokens) for i in images]
+    # K3's rule: the ids sent to the engine, images expanded, less the 3-token stub.
+    assert usage.prompt_tokens == len(ids) - 3
+    pad = load_tokenizer(folder).special_ids["<|media_pad|>"]
+    assert [i.tokens for i in images] == [12, 36]  # 100x60 -> 112x84 pixels, 30x500 -> 56x504
+    assert ids.count(pad) == 48
+    assert all(ids[i.offset:i.offset + i.tokens] == [pad] * i.tokens for i in images)
+
+
+@pytest.mark.parametrize(("part", "param"), [
+    ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+     "messages[0].content[1].type"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
+     "messages[0].content[1].image_url"),
+    ({"type": "image_url", "image_url": {}}, "messages[0].content[1].image_url.url"),
+])
+def test_a_bad_or_unserved_part_is_a_400_naming_the_field(client: openai.OpenAI,
+                                                          part: dict[str, Any],
+                                                          param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "script=think/1000"}, part]}])
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param, info.value.body

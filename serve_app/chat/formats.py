@@ -14,7 +14,7 @@ from serve_app.chat import k3_request
 from serve_app.chat.jinja_render import template_chat
 from serve_app.chat.k3_request import K3Request
 from serve_app.chat.output import ChatOutput, PlainOutput, XTMLOutput
-from serve_app.chat.segments import Segment
+from serve_app.chat.segments import Segment, has_media_tokens, image_parts
 from serve_app.chat.xtml_output import XTMLControls, XTMLOutputParser
 from serve_app.chat.xtml_render import (
     CLOSE,
@@ -27,7 +27,13 @@ from serve_app.chat.xtml_render import (
     render,
 )
 from serve_app.protocol.grammar import GrammarSpec, ToolStrictLevel
-from serve_app.protocol.openai import CHAT_FORMAT_FIELDS, ChatCompletionRequest, OpenAIError
+from serve_app.protocol.openai import (
+    CHAT_FORMAT_FIELDS,
+    ChatCompletionRequest,
+    ImagePart,
+    OpenAIError,
+    no_vision,
+)
 from serve_app.tokenizer import Tokenizer
 
 
@@ -41,6 +47,8 @@ class ChatPlan:
     stream_usage: bool = False
     k3: K3Request | None = None
     grammar: GrammarSpec | None = None  # what the output must match (serve_app/grammar)
+    # The image parts, in prompt order: the i-th image segment of `segments` is images[i].
+    images: tuple[ImagePart, ...] = ()
 
 
 class ChatFormat(Protocol):
@@ -97,11 +105,15 @@ def _neutral(name: str, value: object) -> bool:
 class K3Format:
     name = "k3"
 
-    def __init__(self, tokenizer: Tokenizer, tool_strict_level: ToolStrictLevel = "off") -> None:
+    def __init__(self, tokenizer: Tokenizer, tool_strict_level: ToolStrictLevel = "off",
+                 vision: bool = False) -> None:
+        """`vision`: the served model takes images (its checkpoint has a vision tower and a
+        preprocessing config); it needs the tokenizer's media tokens too."""
         ids = tokenizer.special_ids
         self.controls = XTMLControls(ids[OPEN], ids[CLOSE], ids[SEP], ids[END_OF_MSG])
         self.tokenizer = tokenizer
         self.tool_strict_level = tool_strict_level
+        self.vision = vision and has_media_tokens(ids)
 
     def plan(self, body: ChatCompletionRequest) -> ChatPlan:
         request = k3_request.parse(body, tool_strict_level=self.tool_strict_level)
@@ -109,8 +121,11 @@ class K3Format:
             segments = render(request.messages, request.options)
         except RenderError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
+        images = image_parts(segments)
+        if images and not self.vision:
+            raise no_vision(images[0])
         return ChatPlan(segments, GENERATION_STUB_TOKENS, stream_usage=True, k3=request,
-                        grammar=request.grammar)
+                        grammar=request.grammar, images=images)
 
     def output(self, plan: ChatPlan) -> ChatOutput:
         assert plan.k3 is not None
@@ -122,12 +137,13 @@ class K3Format:
         return XTMLOutput(parser, plan.k3.thinking, frozenset(plan.k3.tool_names))
 
 
-def chat_format_for(tokenizer: Tokenizer, tool_strict_level: ToolStrictLevel = "off"
-                    ) -> ChatFormat:
+def chat_format_for(tokenizer: Tokenizer, tool_strict_level: ToolStrictLevel = "off",
+                    vision: bool = False) -> ChatFormat:
     """The tokenizer folder's chat format (`tool_strict_level`: the server's, for K3; a Jinja
-    template's format declares no tools)."""
+    template's format declares no tools; `vision`: the model takes images, for K3 only: a
+    Jinja template's images are refused)."""
     if all(m in tokenizer.special_ids for m in MARKERS):
-        return K3Format(tokenizer, tool_strict_level)
+        return K3Format(tokenizer, tool_strict_level, vision)
     if tokenizer.chat_template is not None:
         return JinjaFormat(tokenizer)
     raise ValueError("the tokenizer folder declares neither K3's XTML control tokens "

@@ -18,7 +18,13 @@ from jsonschema.exceptions import SchemaError
 
 from serve_app.chat.xtml_render import EFFORTS, HistoryCall, Message, RenderOptions
 from serve_app.protocol.grammar import GrammarSpec, ToolSpec, ToolStrictLevel
-from serve_app.protocol.openai import ChatCompletionRequest, ChatMessage, OpenAIError, quote
+from serve_app.protocol.openai import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ImagePart,
+    OpenAIError,
+    quote,
+)
 
 TOOL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_-]{0,255}")
 # OpenAI's documented limit for one request's functions; dynamic declarations count too.
@@ -26,6 +32,14 @@ MAX_TOOLS = 128
 # Deeper JSON than this in a tool schema or an argument object is refused (the renderer and
 # the schema checker recurse; a 10^4-deep schema must be a 400, not a RecursionError).
 MAX_JSON_DEPTH = 64
+# K3's renderer replaces this literal in message text with the next image prompt whenever it
+# is given image prompts, so client text could claim an image slot: every client text that
+# SGLang 0.5.23 rewrites (srt/entrypoints/openai/serving_chat.py,
+# neutralize_kimi_k3_image_placeholder in _prepare_kimi_k3_messages: message content,
+# reasoning and tool-call arguments) is rewritten here the same way, so both backends see
+# the same ids.
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
+IMAGE_PLACEHOLDER_AS_TEXT = "<| kimi_image_placeholder |>"
 # reasoning_effort values beyond K3's three map to the nearest level (sglang #39896).
 _EFFORT_ALIASES = {"minimal": "low", "low": "low", "medium": "high", "high": "high",
                    "xhigh": "max", "max": "max"}
@@ -216,9 +230,10 @@ def _history_call(param: str, call: Any) -> HistoryCall:
         return HistoryCall(fn["name"], call_id, {})
     if isinstance(args, dict):
         _check_json(f"{param}.function.arguments", args)
-        return HistoryCall(fn["name"], call_id, args)
+        return HistoryCall(fn["name"], call_id, _unclaimed_values(args))
     if not isinstance(args, str):
         raise _bad(f"{param}.function.arguments", "must be a JSON string")
+    args = unclaimed(args)
     try:
         parsed = json.loads(args)
     except (ValueError, RecursionError):
@@ -228,8 +243,25 @@ def _history_call(param: str, call: Any) -> HistoryCall:
     return HistoryCall(fn["name"], call_id, None, raw=args)
 
 
-def _parts(m: ChatMessage, where: str) -> tuple[str, ...]:
-    return tuple(m.text_parts(where))
+def unclaimed(value: str) -> str:
+    """Client text with K3's image placeholder spelled so that it claims no image."""
+    return value.replace(IMAGE_PLACEHOLDER, IMAGE_PLACEHOLDER_AS_TEXT)
+
+
+def _unclaimed_values(value: Any) -> Any:
+    """Every string value of a JSON value unclaimed (keys as sent, as SGLang does); the
+    depth is bounded by the caller."""
+    if isinstance(value, str):
+        return unclaimed(value)
+    if isinstance(value, list):
+        return [_unclaimed_values(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _unclaimed_values(v) for k, v in value.items()}
+    return value
+
+
+def _parts(m: ChatMessage, where: str) -> tuple[str | ImagePart, ...]:
+    return tuple(p if isinstance(p, ImagePart) else unclaimed(p) for p in m.parts(where))
 
 
 def _message(i: int, m: ChatMessage, declared: dict[str, dict[str, Any]]) -> Message:
@@ -241,7 +273,7 @@ def _message(i: int, m: ChatMessage, declared: dict[str, dict[str, Any]]) -> Mes
         if role != "system":
             raise _bad(f"{where}.tools", "tools may only be declared in a system message")
         tools = _tool_list(f"{where}.tools", m.tools)
-        if any(p.strip() for p in _parts(m, where)):
+        if any(isinstance(p, ImagePart) or p.strip() for p in _parts(m, where)):
             raise _bad(f"{where}.content", "a system message that declares tools must have "
                        "empty content (its content would not be shown to the model)")
         _add_names(declared, tools, f"{where}.tools")
@@ -254,6 +286,8 @@ def _message(i: int, m: ChatMessage, declared: dict[str, dict[str, Any]]) -> Mes
         reasoning = m.reasoning_content if m.reasoning_content else m.reasoning
         if reasoning is not None and not isinstance(reasoning, str):
             raise _bad(f"{where}.reasoning_content", "must be a string")
+        if reasoning is not None:
+            reasoning = unclaimed(reasoning)
         calls: tuple[HistoryCall, ...] = ()
         if m.tool_calls is not None:
             if not isinstance(m.tool_calls, list):

@@ -9,6 +9,10 @@ ends with `<|end_of_msg|>`. The four markers are control tokens; tag names, attr
 (each attribute as four text segments: ` key`, `="`, the escaped value, `"`) and every body are
 text segments, so no client string can become a marker.
 
+An image part renders as an image segment exactly where K3's renderer puts its image prompt:
+in the content of a user, system, tool or assistant message (the checkpoint's
+`encoding_k3.py`, `_render_content_segments`), in the order of the content's parts.
+
 Prompt order: request-level tool declaration, thinking effort, the messages (a system message
 with `tools` declares them in place), tool_choice, response_format, the generation prompt.
 """
@@ -20,7 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.chat.segments import Segment, control, text
+from serve_app.chat.segments import Segment, control, image, text
+from serve_app.protocol.openai import ImagePart
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MARKERS = (OPEN, CLOSE, SEP, END_OF_MSG)
@@ -45,7 +50,7 @@ class HistoryCall:
 @dataclass(frozen=True)
 class Message:
     role: str  # system, user, assistant or tool (developer is mapped to system earlier)
-    parts: tuple[str, ...] = ()  # the content's text parts, in order
+    parts: tuple[str | ImagePart, ...] = ()  # the content's text and image parts, in order
     name: str | None = None
     reasoning: str | None = None
     tool_calls: tuple[HistoryCall, ...] = ()
@@ -121,8 +126,8 @@ def _role(role: str, name: str | None) -> list[tuple[str, str]]:
     return [("role", role)] + ([("name", name)] if name else [])
 
 
-def _parts(parts: Sequence[str]) -> list[Segment]:
-    return [text(p) for p in parts if p]
+def _parts(parts: Sequence[str | ImagePart]) -> list[Segment]:
+    return [image(p) if isinstance(p, ImagePart) else text(p) for p in parts if p]
 
 
 def tool_declaration(tools: Sequence[dict[str, Any]], dynamic: bool) -> list[Segment]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -205,19 +206,85 @@ class OpenAIRequest(_Strictish):
         )
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# A content part's URL may be a data URL of OpenAI's 20 MB per-image limit (base64: 4/3 of
+# it, plus its header); longer is refused here, before anything decodes it. The deployment's
+# own limits (serve_app/vision: bytes, pixels, images per request) are checked on the image.
+MAX_IMAGE_URL_CHARS = 20 * 2**20 * 4 // 3 + 1024
+IMAGE_PART_TYPES = ("image_url", "input_image")
+# Parts of media this server does not take: refused by name (not silently dropped).
+_MEDIA_PART_TYPES = {"video_url": "video", "input_video": "video", "video": "video",
+                     "audio_url": "audio", "input_audio": "audio", "audio": "audio",
+                     "file": "file", "input_file": "file"}
+_DETAILS = ("auto", "low", "high")
 
-    type: Literal["text", "input_text"]
-    text: Text
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image content part as sent: its URL (a data URL, or http(s) where the deployment
+    fetches) and the field it came from, which every error about the image names."""
+
+    where: str  # the part: messages[i].content[j]
+    url: str
+    detail: str | None = None  # OpenAI's hint; K3's processor has no use for it
+
+    @property
+    def param(self) -> str:
+        """The field an error about the image names."""
+        return f"{self.where}.image_url"
 
 
 class ContentPart(BaseModel):
-    """Any content part: only text parts are served; others are refused by name."""
+    """Any content part: its fields are read by `ChatMessage.parts`, which names the field
+    of every malformed one."""
 
     model_config = ConfigDict(extra="allow")
 
     type: Text = Field(max_length=64)
+
+
+def _part_text(param: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise OpenAIError(400, "a text content part needs a string `text`", param=param)
+    try:
+        return _valid_unicode(value)
+    except ValueError as exc:
+        raise OpenAIError(400, f"{param}: {exc}", param=param) from None
+
+
+def _image_part(where: str, part: ContentPart) -> ImagePart:
+    """`{"type": "image_url", "image_url": {"url": ..., "detail": ...}}` (Chat Completions) or
+    `{"type": "input_image", "image_url": "...", "detail": ...}` (Responses): either type
+    with either form of `image_url`, as SGLang 0.5.23 normalises them for K3
+    (srt/entrypoints/openai/serving_chat.py, _prepare_kimi_k3_messages)."""
+    fields = part.model_extra or {}
+    image = fields.get("image_url")
+    param = f"{where}.image_url"
+    detail = fields.get("detail")
+    detail_param = f"{where}.detail"
+    if isinstance(image, dict):
+        url, url_param = image.get("url"), f"{param}.url"
+        if "detail" in image:
+            detail, detail_param = image["detail"], f"{param}.detail"
+    elif isinstance(image, str):
+        url, url_param = image, param
+    elif image is None:
+        raise OpenAIError(400, f"an {part.type} content part needs `image_url`", param=param)
+    else:
+        raise OpenAIError(400, 'image_url must be an object {"url": ...} or a URL string',
+                          param=param)
+    if not isinstance(url, str) or not url:
+        raise OpenAIError(400, "the image URL must be a non-empty string", param=url_param)
+    if len(url) > MAX_IMAGE_URL_CHARS:
+        raise OpenAIError(400, f"the image URL has {len(url)} characters; at most "
+                          f"{MAX_IMAGE_URL_CHARS} (a 20 MB image as a data URL)", param=url_param)
+    try:
+        _valid_unicode(url)
+    except ValueError as exc:
+        raise OpenAIError(400, f"{url_param}: {exc}", param=url_param) from None
+    if detail is not None and detail not in _DETAILS:
+        raise OpenAIError(400, f"detail {quote(detail)} is not one of auto, low, high",
+                          param=detail_param)
+    return ImagePart(where, url, detail)
 
 
 class ChatMessage(BaseModel):
@@ -227,7 +294,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart | ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = Field(default=None, max_length=256)
     tool_calls: Any = None
     tool_call_id: Any = None
@@ -235,20 +302,45 @@ class ChatMessage(BaseModel):
     reasoning: Text | None = None
     tools: Any = None
 
-    def text_parts(self, where: str) -> list[str]:
+    def parts(self, where: str) -> list[str | ImagePart]:
+        """The content's text and image parts in order (`where`: this message's field,
+        `messages[i]`); any other part, or a malformed one, is a 400 naming its field."""
         if not isinstance(self.content, list):
             return [self.content] if self.content else []
+        out: list[str | ImagePart] = []
         for j, part in enumerate(self.content):
-            if not isinstance(part, TextPart):
-                if part.type in ("text", "input_text"):  # its text is missing or not a string
-                    raise OpenAIError(400, "a text content part needs a string `text`",
-                                      param=f"{where}.content[{j}].text")
+            at = f"{where}.content[{j}]"
+            if part.type in ("text", "input_text"):
+                out.append(_part_text(f"{at}.text", (part.model_extra or {}).get("text")))
+            elif part.type in IMAGE_PART_TYPES:
+                out.append(_image_part(at, part))
+            elif part.type in _MEDIA_PART_TYPES:
+                raise OpenAIError(400, f"{_MEDIA_PART_TYPES[part.type]} content parts "
+                                  f"({quote(part.type)}) are not supported by this server; "
+                                  "send text and image parts", param=f"{at}.type")
+            else:
                 raise OpenAIError(400, f"content part type {quote(part.type)} is not "
-                                  "supported; only \"text\"", param=f"{where}.content[{j}].type")
-        return [p.text for p in self.content if isinstance(p, TextPart)]
+                                  "supported; only text, image_url and input_image",
+                                  param=f"{at}.type")
+        return out
+
+    def text_parts(self, where: str) -> list[str]:
+        """The content's text parts, for a model without vision input: an image part is a
+        400 naming it."""
+        out = []
+        for part in self.parts(where):
+            if isinstance(part, ImagePart):
+                raise no_vision(part)
+            out.append(part)
+        return out
 
     def text(self, where: str) -> str:
         return "".join(self.text_parts(where))
+
+
+def no_vision(part: ImagePart) -> OpenAIError:
+    """An image part sent to a model without vision input: a 400 naming the part."""
+    return OpenAIError(400, "the served model has no vision input", param=part.where)
 
 
 # Chat fields whose meaning the chat format decides (K3's contract, or a 400 where a

@@ -20,6 +20,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.protocol.generation import GenerateRequest, Prefilled, RequestOutput
+from serve_app.protocol.media import cache_keys
 from serve_app.routing.admission import AdmissionStage
 from serve_app.routing.reservation import ReplicaFull
 from serve_app.routing.settings import RouterSettings
@@ -100,8 +101,11 @@ class Dispatcher:
         try:
             replica = None
             if self.stage is not None:
-                replica = await self.stage.admit(request.request_id, request.prompt_ids,
-                                                  max_tokens, request.client, near)
+                # Keyed by content: an image's pad run by its pixels (the prefix index must
+                # not send two prompts with different images to one cached prefix).
+                replica = await self.stage.admit(
+                    request.request_id, cache_keys(request.prompt_ids, request.images),
+                    max_tokens, request.client, near)
                 lease.hold()
             lease.first = await self._first(request, replica, lease)
             # A prefill replica's hand-over is the last thing its stream sends.

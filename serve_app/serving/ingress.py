@@ -35,11 +35,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from serve_app.chat.formats import chat_format_for
+from serve_app.chat.formats import ChatPlan, chat_format_for
 from serve_app.chat.output import PlainOutput
 from serve_app.chat.parameters import sampling_values
-from serve_app.chat.segments import encode_segments, text_bytes
-from serve_app.config import AppConfig, context_length
+from serve_app.chat.segments import encode_prompt, text_bytes
+from serve_app.config import AppConfig, context_length, media_config
 from serve_app.observability.logs import get_logger, install_trace_ids
 from serve_app.observability.request_telemetry import RequestTelemetry
 from serve_app.protocol.generation import GenerateRequest
@@ -63,6 +63,7 @@ from serve_app.serving.errors import error_for, unavailable
 from serve_app.serving.health import HealthProbe
 from serve_app.serving.responses import Answer, LeasedStream, Prompt, collect, sse
 from serve_app.tokenizer import load_tokenizer
+from serve_app.vision import ImageRef, ImageRejected, PreparedImage, load_images
 
 logger = get_logger("ingress")
 
@@ -147,7 +148,10 @@ class OpenAIIngress:
         has its requests prefilled on the prefill side itself)."""
         self.config = AppConfig.model_validate(config)
         self.tokenizer = load_tokenizer(self.config.models.tokenizer_path())
-        self.chat = chat_format_for(self.tokenizer, self.config.api.tool_strict_level)
+        # How the model sees images (None: it takes none, and the chat format refuses them).
+        self.media = media_config(self.config)
+        self.chat = chat_format_for(self.tokenizer, self.config.api.tool_strict_level,
+                                    vision=self.media is not None)
         self.model_name = self.config.models.served_model_name
         self.max_model_len = context_length(self.config)
         ing = self.config.ingress
@@ -236,13 +240,13 @@ class OpenAIIngress:
                               code="model_not_found")
 
     async def _tokenize(self, body: OpenAIRequest) -> Prompt:
-        """Token ids of the prompt, computed off the event loop (a long prompt must not stall
-        /health or other requests). A text that cannot fit the context even at the
-        tokenizer's most bytes per token is refused without tokenizing it."""
+        """Token ids of the prompt (a chat's images loaded and expanded in it), computed off
+        the event loop (a long prompt must not stall /health or other requests). A text that
+        cannot fit the context even at the tokenizer's most bytes per token is refused
+        without tokenizing it."""
         if isinstance(body, ChatCompletionRequest):
             plan = self.chat.plan(body)
             param, size = "messages", text_bytes(plan.segments)
-            work: Callable[[], list[int]] = lambda: encode_segments(self.tokenizer, plan.segments)  # noqa: E731
         else:
             assert isinstance(body, CompletionRequest)
             plan, param = None, "prompt"
@@ -254,16 +258,32 @@ class OpenAIIngress:
                                       param="prompt")
                 return Prompt(text)
             size = len(text.encode("utf-8"))
-            work = lambda: self.tokenizer.encode_text(text)  # noqa: E731
         if size > self.max_model_len * self.tokenizer.max_token_bytes:
             raise OpenAIError(400, f"This model's maximum context length is "
                               f"{self.max_model_len} tokens; the {param} ({size} bytes of "
                               f"text) is longer than that", param=param,
                               code="context_length_exceeded")
-        if size <= INLINE_TOKENIZE_BYTES:
-            return Prompt(work(), plan)
-        return Prompt(await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work),
-                      plan)
+        images = await self._load_images(plan) if plan is not None and plan.images else []
+        work: Callable[[], tuple[list[int], list[int]]] = (
+            functools.partial(encode_prompt, self.tokenizer, plan.segments, images)
+            if plan is not None else lambda: (self.tokenizer.encode_text(text), []))
+        if size <= INLINE_TOKENIZE_BYTES and not images:
+            ids, offsets = work()
+        else:  # an image prompt's pad runs are long lists: off the loop too
+            ids, offsets = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, work)
+        return Prompt(ids, plan, tuple(image.at(offset)
+                                       for image, offset in zip(images, offsets, strict=True)))
+
+    async def _load_images(self, plan: ChatPlan) -> list[PreparedImage]:
+        """The plan's images decoded and preprocessed (serve_app/vision), in prompt order; a
+        bad one is the client's 400 (413: too many bytes) naming its field."""
+        assert self.media is not None  # the chat format refuses images without it
+        refs = [ImageRef(part.param, part.url) for part in plan.images]
+        try:
+            return await load_images(refs, self.config.images, self.media)
+        except ImageRejected as exc:
+            raise OpenAIError(exc.status, exc.message, param=exc.param) from None
 
     def _limits(self, body: OpenAIRequest, prompt_ids: list[int], chat: bool) -> int:
         """max_tokens against this server's limit and the context: the request's max_tokens."""
@@ -296,7 +316,7 @@ class OpenAIIngress:
         telemetry.span.set_attribute("max_tokens", max_tokens)
         telemetry.span.set_attribute("stream", body.stream)
         request = GenerateRequest(rid, prompt.ids, params, caller=self.dispatcher.caller,
-                                  client=client)
+                                  client=client, images=prompt.images)
         try:
             # Waits for the first output, so that a refused request gets its 4xx/5xx.
             lease: Lease | None = await self.dispatcher.dispatch(request, max_tokens)

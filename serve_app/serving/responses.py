@@ -20,6 +20,7 @@ from serve_app.chat.formats import ChatPlan
 from serve_app.chat.output import ChatOutput
 from serve_app.observability.request_telemetry import RequestTelemetry
 from serve_app.protocol.generation import RequestOutput
+from serve_app.protocol.media import ImageInput
 from serve_app.protocol.openai import now, usage
 from serve_app.serving.dispatch import Lease
 from serve_app.serving.errors import error_for
@@ -29,6 +30,7 @@ from serve_app.serving.errors import error_for
 class Prompt:
     ids: list[int]
     plan: ChatPlan | None = None  # None: a /v1/completions prompt
+    images: tuple[ImageInput, ...] = ()  # their pad runs are in `ids`
 
 
 @dataclass

@@ -35,6 +35,7 @@ from serve_app.protocol.generation import (
     RequestOutput,
     Role,
 )
+from serve_app.protocol.media import cache_keys
 from serve_app.routing.reservation import ReplicaFull, ReplicaLedger, Reservation
 from serve_app.serving.dispatch import Dispatcher, serve_caller
 from serve_app.serving.errors import error_for
@@ -243,7 +244,8 @@ class TargetReplica:
         caller = request.caller
         # A prefill replica samples one token of each request.
         max_tokens = 1 if self.role == "prefill" else request.params.max_tokens
-        self._reserve(request.request_id, caller, reservation, request.prompt_ids, max_tokens)
+        self._reserve(request.request_id, caller, reservation,
+                      cache_keys(request.prompt_ids, request.images), max_tokens)
         self._track(caller, request.request_id)
         try:
             if self.role == "both":
@@ -294,15 +296,16 @@ class TargetReplica:
         return {"replica": self._replica_id(), "view": view}
 
     def _reserve(self, request_id: str, caller: tuple[str, str] | None,
-                 reservation: Reservation | None, prompt_ids: list[int], max_tokens: int
+                 reservation: Reservation | None, prompt_keys: list[int], max_tokens: int
                  ) -> None:
         """Reserve a request on this replica's ledger: the facts its ingress computed, or for
-        a call that carries none (sent by Serve's own routing) the same facts computed here.
+        a call that carries none (sent by Serve's own routing) the same facts computed here
+        (`prompt_keys`: the prompt's `cache_keys`, as the ingress's stage keys it).
         Refused before any engine work with ReplicaFull, which carries this ledger's numbers
         and this replica's id."""
         if self.ledger is None:
             return
-        r = reservation or self.ledger.reservation_for(prompt_ids, max_tokens)
+        r = reservation or self.ledger.reservation_for(prompt_keys, max_tokens)
         try:
             self.ledger.reserve(request_id, caller[1] if caller else "", r)
         except ReplicaFull as exc:
