@@ -30,7 +30,7 @@ _MANAGED = frozenset({
     "linear_replayssm_cache_len", "moe_runner_backend", "decode_attention_backend",
     "enable_metrics", "incremental_streaming_output", "enable_dp_lm_head", "kv_events_config",
     "disaggregation_mode", "disaggregation_transfer_backend", "disaggregation_bootstrap_port",
-    "disaggregation_ib_device",
+    "disaggregation_ib_device", "limit_mm_data_per_request",
 })
 # A PD prefill server's bootstrap port when disaggregation.bootstrap_port is 0 and no port was
 # picked yet (each prefill replica picks a free one at start); SGLang's own default.
@@ -122,12 +122,31 @@ def sglang_server_args(config: AppConfig, kv_events_port: int | None = None,
             s.kv_events_port or kv_events_port or KV_EVENTS_DEFAULT_PORT)
     if role != "both":
         args |= disaggregation_args(config, role, bootstrap_port)
+    args |= image_args(config)
     clash = sorted(set(s.extra_server_args) & _MANAGED)
     if clash:
         raise ValueError(f"engine.sglang.extra_server_args may not set {', '.join(clash)}: "
                          "they come from models/parallelism/engine.sglang fields")
     args.update(s.extra_server_args)
     return args
+
+
+def image_args(config: AppConfig) -> dict[str, Any]:
+    """K3 images through SGLang 0.5.23. Its K3 processor and tower are on by default for
+    KimiK3ForConditionalGeneration (configs/model_config.py:690-717: `enable_multimodal`
+    None -> True; `language_model_only` false), with its own K3 defaults kept: GPU
+    preprocessing in the tokenizer manager's process when it sees a GPU, else the
+    checkpoint's CPU processor (kimi_k3.py:207-212; `image_processor_backend` plays no part in
+    K3's path), and a 256 MiB content-addressed preprocessing cache (kimi_k3.py:387). Set
+    here: the deployment's images-per-request bound as SGLang's own limit
+    (`limit_mm_data_per_request`, checked by tokenizer_manager.py:1470-1483), a second line
+    behind the ingress's 400."""
+    # AppConfig.images (the ingress's ImagePolicy) comes with issue 45's request unit; a
+    # config without it sets no limit (SGLang's default: none).
+    policy = getattr(config, "images", None)
+    if policy is None:
+        return {}
+    return {"limit_mm_data_per_request": {"image": int(policy.max_images_per_request)}}
 
 
 def disaggregation_args(config: AppConfig, role: Role, bootstrap_port: int | None
@@ -165,6 +184,8 @@ def server_args_cli(args: dict[str, Any]) -> list[str]:
         if isinstance(value, bool):
             if value:
                 argv.append(flag)
+        elif isinstance(value, dict):  # SGLang parses these flags with json.loads
+            argv += [flag, json.dumps(value, separators=(",", ":"))]
         elif value is not None:
             argv += [flag, str(value)]
     return argv

@@ -136,6 +136,33 @@ def _full_context_problems(model: Any, layout: Any, gpu: Any, draft: Any, s: Any
     return problems
 
 
+# extra_server_args that would leave images to fail per request: SGLang would not load K3's
+# processor and tower (tokenizer_manager.py:612, 1150-1154), or would preprocess with other
+# settings than the ingress's (the prompt's token counts come from preprocessor_config.json).
+_IMAGE_BREAKERS = {
+    "enable_multimodal": (False, "SGLang would not load K3's image processor and tower"),
+    "language_model_only": (True, "SGLang would not load K3's vision tower and refuses "
+                                  "image requests"),
+}
+
+
+def image_problems(args: Mapping[str, Any]) -> list[str]:
+    """Server arguments that break image requests the deployment accepts (its
+    `limit_mm_data_per_request` image bound, when set, is above 0)."""
+    limit = (args.get("limit_mm_data_per_request") or {}).get("image")
+    if limit == 0:
+        return []
+    problems = [f"engine.sglang.extra_server_args.{name}={value!r}: {why}; images are "
+                "accepted (images.max_images_per_request)"
+                for name, (value, why) in _IMAGE_BREAKERS.items() if args.get(name) is value]
+    if args.get("mm_process_config"):
+        problems.append("engine.sglang.extra_server_args.mm_process_config: SGLang would "
+                        "preprocess images with other settings than the checkpoint's "
+                        "preprocessor_config.json, which the ingress counts the prompt's image "
+                        "tokens from")
+    return problems
+
+
 def sglang_problems(config: AppConfig, role: Role = "both") -> list[str]:
     """Cross-checks for backend 'sglang', each naming the field; empty when the deployment is
     valid (a disaggregated app's side: that side's config and `role`). Model facts come from
@@ -215,8 +242,9 @@ def sglang_problems(config: AppConfig, role: Role = "both") -> list[str]:
         except (CapacityError, ValidationError) as exc:
             problems.append(f"layout: {exc}")
     try:
-        problems += [f"engine.sglang: {x}"
-                     for x in check_server_args(sglang_server_args(config, role=role))]
+        args = sglang_server_args(config, role=role)
+        problems += [f"engine.sglang: {x}" for x in check_server_args(args)]
+        problems += image_problems(args)
     except ValueError as exc:
         problems.append(str(exc))
     return problems

@@ -8,10 +8,11 @@ translation (`output`) are pure Python beside it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +24,10 @@ from serve_app.engines.sglang.checks import startup_problems
 from serve_app.engines.sglang.kv_events import (
     KVEventSubscriber,
     free_port_range,
+    learn_sentinels,
     start_subscriber,
 )
+from serve_app.engines.sglang.media import K3MediaIds, collapse_image_prompt, image_data
 from serve_app.engines.sglang.output import OutputTracker
 from serve_app.engines.spec_stats import EngineTotals, SpecStats
 from serve_app.netutil import free_port
@@ -41,6 +44,7 @@ from serve_app.protocol.generation import (
     Role,
     SamplingParams,
 )
+from serve_app.protocol.media import ImageInput
 
 if TYPE_CHECKING:
     from serve_app.config import AppConfig
@@ -50,6 +54,62 @@ logger = logging.getLogger("serve_app.sglang")
 # SGLang 0.5.23's srt/disaggregation/utils.py: a request with this bootstrap host is moved by
 # the fake transfer backend (no peer), as its /health_generate does on PD servers.
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+def sglang_inputs(prompt_ids: Sequence[int], images: Sequence[ImageInput],
+                  ids: K3MediaIds | None,
+                  expand: Callable[[list[int], Sequence[ImageInput]], list[int]] | None = None
+                  ) -> dict[str, Any]:
+    """The `async_generate` inputs of a prompt: its ids as they are without images; with
+    images, the ids collapsed to one `<|media_pad|>` per image and the images' PNGs
+    (serve_app/engines/sglang/media.py has the reasons, from SGLang's source). `expand`:
+    SGLang's own expansion of collapsed ids (its K3 processor's), which must give `prompt_ids`
+    back, token for token, or the request is refused here (ValueError) rather than prefilled
+    with another prompt than the one counted."""
+    if not images:
+        return {"input_ids": list(prompt_ids)}
+    if ids is None:
+        raise ValueError("this SGLang server has no K3 image processor (a checkpoint without "
+                         "vision_config, or the tower disabled): it cannot take images")
+    collapsed = collapse_image_prompt(prompt_ids, images, ids)
+    if expand is not None and expand(collapsed, images) != list(prompt_ids):
+        raise ValueError("SGLang's K3 processor would expand this prompt's images to other ids "
+                         "than the ingress rendered (the image framing differs)")
+    return {"input_ids": collapsed, "image_data": image_data(images)}
+
+
+def _k3_media(engine: Any) -> tuple[K3MediaIds | None,
+                                   Callable[[list[int], Sequence[ImageInput]], list[int]] | None]:
+    """This server's K3 image processor, as `sglang_inputs` uses it: the media ids its
+    tokenizer gives (`_encode_k3_special_tokens`, 0.5.23 multimodal/processors/kimi_k3.py:
+    72-78) and its expansion (`_expand_k3_image_prompt_token_ids`, :81-127) with the token
+    counts its NaViT resize gives each image's size (`navit_resize_config`, kimi_k25.py:34-74,
+    the same call as kimi_k3.py:222-232). (None, None) when the server has no K3 processor."""
+    processor = getattr(engine.tokenizer_manager, "mm_processor", None)
+    if processor is None:
+        return None, None
+    from sglang.srt.multimodal.processors import kimi_k3  # GPU nodes only
+
+    if not isinstance(processor, kimi_k3.KimiK3ImageProcessor):
+        return None, None
+    tokenizer = processor._tokenizer
+    ids = K3MediaIds.from_encode(
+        lambda text: kimi_k3._encode_k3_special_tokens(tokenizer, text))
+    if ids.pad != processor.mm_tokens.image_token_id:
+        raise EngineUnavailable("the served tokenizer's <|media_pad|> is not the checkpoint's "
+                                "media_placeholder_token_id")
+    config = processor._processor.preprocess_config
+
+    def expand(collapsed: list[int], images: Sequence[ImageInput]) -> list[int]:
+        counts = [kimi_k3.navit_resize_config(
+            i.width, i.height, config.patch_size, config.merge_kernel_size,
+            config.in_patch_limit, config.patch_limit_on_one_side,
+            config.fixed_output_tokens)["num_tokens"] for i in images]
+        return kimi_k3._expand_k3_image_prompt_token_ids(
+            collapsed, ids.pad, counts, [(i.width, i.height) for i in images],
+            tokenizer).flatten().tolist()
+
+    return ids, expand
 
 
 def _bootstrap(handoff: SGLangHandoff) -> dict[str, Any]:
@@ -114,6 +174,9 @@ class SGLangHandoff:
     bootstrap_host: str
     bootstrap_port: int
     bootstrap_room: int
+    # The decode server tokenizes the same request (its K3 processor expands the same ids
+    # from the same PNGs, so both sides hold prompts of one length); the patches stay behind.
+    images: tuple[ImageInput, ...] = ()
 
 
 class SGLangEngine(Engine):
@@ -150,6 +213,31 @@ class SGLangEngine(Engine):
             metrics.kv_tokens_capacity.set(self.kv_tokens_total, tags=self._metric_tags)
         self._export_slots()
         self._stopped = False
+        # Images: SGLang's media ids and its K3 expansion (its processor's own functions),
+        # and the images of requests whose sentinels are being learned (kv_events doc).
+        self.media_ids, self._expand = _k3_media(engine)
+        self._learning: dict[str, tuple[ImageInput, ...]] = {}
+        self._learn_sentinels_from(engine)
+
+    def _learn_sentinels_from(self, engine: Any) -> None:
+        """Wrap this server's K3 processor (it runs in this process: RayEngine's tokenizer
+        manager, tokenizer_manager.py:1202-1208) so that each image request's pad sentinels
+        are learned from its output, before the scheduler sees the request."""
+        processor = getattr(engine.tokenizer_manager, "mm_processor", None)
+        if processor is None or self.kv_events is None:
+            return
+        process = processor.process_mm_data_async
+
+        async def process_and_learn(*args: Any, **kwargs: Any) -> Any:
+            out = await process(*args, **kwargs)
+            rid = getattr(kwargs.get("request_obj"), "rid", None)
+            images = self._learning.pop(rid, None) if isinstance(rid, str) else None
+            if images and self.kv_events is not None and out is not None:
+                learn_sentinels(self.kv_events.translator.images,
+                                getattr(out, "mm_items", None) or (), images)
+            return out
+
+        processor.process_mm_data_async = process_and_learn
 
     def _export_slots(self) -> None:
         metrics = app_metrics()
@@ -261,7 +349,9 @@ class SGLangEngine(Engine):
         handoff = SGLangHandoff(request.request_id, list(request.prompt_ids), request.params,
                                 ray.util.get_node_ip_address(),
                                 int(self.server_args["disaggregation_bootstrap_port"]),
-                                secrets.randbits(63))
+                                secrets.randbits(63),
+                                tuple(dataclasses.replace(i, patches=None)
+                                      for i in request.images))
         task = asyncio.get_running_loop().create_task(self._prefill(request, handoff))
         self._prefills[request.request_id] = task
         task.add_done_callback(lambda _: self._prefills.pop(request.request_id, None))
@@ -278,7 +368,8 @@ class SGLangEngine(Engine):
         """A PD decode server's part: the request joins its prefill server's room, SGLang
         receives the caches into pages it pre-allocated and decodes; the stream carries the
         whole answer from the first token (sampled on the prefill side)."""
-        request = GenerateRequest(handoff.request_id, handoff.prompt_ids, handoff.params)
+        request = GenerateRequest(handoff.request_id, handoff.prompt_ids, handoff.params,
+                                  images=handoff.images)
         async for out in self._stream(request, **_bootstrap(handoff)):
             yield out
 
@@ -289,15 +380,20 @@ class SGLangEngine(Engine):
         if rid in self._active:
             raise ValueError(f"request id {rid!r} is already in use")
         await self._resolve_slots()
+        inputs = sglang_inputs(request.prompt_ids, request.images, self.media_ids,
+                               self._expand)
         tracker = OutputTracker(rid, len(request.prompt_ids), self.speculative, self.incremental)
         self._active[rid] = tracker
         self._export_slots()
         finished = False
         try:
-            # The ingress tokenized already: pass ids, SGLang detokenizes the output.
+            if request.images:
+                self._learning[rid] = tuple(request.images)
+            # The ingress tokenized already: pass ids (and images, `sglang_inputs`), SGLang
+            # detokenizes the output.
             stream = await self.engine.async_generate(
-                input_ids=list(request.prompt_ids), sampling_params=sampling_params(
-                    request.params), stream=True, rid=rid, **bootstrap)
+                **inputs, sampling_params=sampling_params(request.params), stream=True,
+                rid=rid, **bootstrap)
             async for chunk in stream:
                 out = tracker.update(chunk)
                 finished = out.finished
@@ -311,6 +407,7 @@ class SGLangEngine(Engine):
                     return
         finally:
             self._active.pop(rid, None)
+            self._learning.pop(rid, None)
             self._export_slots()
             # Client gone (generator closed/cancelled) or an error: free the KV at once.
             if not finished:

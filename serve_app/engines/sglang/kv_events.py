@@ -12,6 +12,24 @@ carries its pages' token ids and its parent block's hash, so the chain is recomp
   resync, as `serve_app/engines/reference/prefix_cache.py` keeps them.
 - `KVEventSubscriber`: the thread that reads the publisher (pyzmq and msgspec, imported lazily:
   they come with SGLang on GPU nodes; without them the engine runs without events).
+
+Images. SGLang's radix cache does not key an image's positions on the `<|media_pad|>` id: it
+keys them on the image's pad sentinels, four values >= `MM_PAD_SHIFT_VALUE` derived from a
+SHA-256 identity of the image's bytes, K3's preprocessing config and its grid, repeated over
+the pad run (0.5.23 managers/schedule_batch.py:167, 268-276, 422-446; mm_utils.py:313-352;
+kimi_common.py:48-57), and its `BlockStored` events carry those sentinels as token ids
+(mem_cache/events.py:240-270). The router keys the same positions on
+`serve_app.protocol.media.cache_keys` (a negative key from our digest of the decoded image).
+The translator maps every sentinel back to our key (`ImageSentinels`) before it chains, so an
+engine's events and the router's own hashes of a request are one chain and agree block for
+block. Keying the router SGLang's way instead is not possible from outside SGLang: the
+identity hashes a fingerprint of the processor's loaded config (multimodal/cache/), and K3
+refuses caller-supplied `mm_hashes` (kimi_common.py:106-118), the hook other routers use.
+So the engine learns each image's sentinels from SGLang's own processor output in its process
+(`SGLangEngine`, `learn_sentinels`) before the scheduler sees the request (so before any event
+that holds them). A sentinel never learned (the registry's bound, a path that sets no identity
+in the tokenizer) maps to a key of its own, outside our keys' range: the router then misses a
+hit it could have had, and two different images still never share a block.
 """
 
 from __future__ import annotations
@@ -24,6 +42,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from serve_app.protocol.media import ImageInput
 from serve_app.routing.prefix_index import chain_hashes
 
 logger = logging.getLogger(__name__)
@@ -33,6 +52,12 @@ CHAIN_SEED = 0x9E3779B97F4A7C15
 MAX_EVENTS = 4096  # kept for the router to read (oldest dropped first; it then resyncs)
 MAX_RETIRED = 65_536  # evicted SGLang pages whose chain state is kept (a page stored again)
 GPU_MEDIA = (None, "GPU")  # BlockStored/BlockRemoved.medium of the device cache
+# 0.5.23 managers/schedule_batch.py:167: every image pad sentinel is at least this (above any
+# vocabulary id; SGLang refuses a vocabulary that reaches it).
+MM_PAD_SHIFT_VALUE = 1_000_000
+MAX_IMAGES = 65_536  # images whose sentinels are kept (least recently seen dropped first)
+# Our image keys lie in [-2**62, -1] (protocol/media.py); unlearned sentinels go below that.
+_UNLEARNED_BASE = -(1 << 62) - 1
 
 
 def _field(event: Any, name: str, default: Any = None) -> Any:
@@ -53,6 +78,67 @@ def _token(t: Any) -> int:
     # Bigram pages (EAGLE's bigram keys) publish (token, next token) pairs: the token is the
     # first one.
     return int(t[0]) if isinstance(t, (list, tuple)) else int(t)
+
+
+class ImageSentinels:
+    """SGLang's image pad sentinels -> our image keys (`ImageInput.key`), bounded (the least
+    recently seen image first out). Thread-safe: the engine learns on its event loop, the
+    subscriber thread reads."""
+
+    def __init__(self, max_images: int = MAX_IMAGES) -> None:
+        self.max_images = max_images
+        self._keys: OrderedDict[int, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self.unlearned = 0  # sentinel tokens met that were never learned
+
+    def learn(self, sentinels: Sequence[int], key: int) -> None:
+        with self._lock:
+            for s in sentinels:
+                self._keys[int(s)] = key
+                self._keys.move_to_end(int(s))
+            # Each image holds up to four sentinels.
+            while len(self._keys) > 4 * self.max_images:
+                self._keys.popitem(last=False)
+
+    def key(self, token: int) -> int:
+        """The cache key of a token id as SGLang's radix cache holds it: itself for text,
+        our image key for a learned sentinel, a key of its own for an unlearned one."""
+        if token < MM_PAD_SHIFT_VALUE:
+            return token
+        with self._lock:
+            key = self._keys.get(token)
+        if key is None:
+            self.unlearned += 1
+            return _UNLEARNED_BASE - token
+        return key
+
+
+def item_sentinels(item: Any) -> tuple[int, ...] | None:
+    """One SGLang MultimodalDataItem's pad sentinels (`padding_values()`, schedule_batch.py:
+    438-439), None when SGLang has not set them yet."""
+    values = getattr(item, "pad_values", None) or (getattr(item, "pad_value", None),)
+    if values[0] is None:
+        return None
+    return tuple(int(v) for v in values)
+
+
+def learn_sentinels(registry: ImageSentinels, mm_items: Sequence[Any],
+                    images: Sequence[ImageInput]) -> int:
+    """Learn the sentinels of one request's images from SGLang's processor output (its
+    `mm_items`, one per image in `image_data` order = prompt order, kimi_k3.py:642-665).
+    Returns how many images were learned (0 when the counts disagree: nothing is guessed)."""
+    items = [i for i in mm_items if str(getattr(i, "modality", "IMAGE")).endswith("IMAGE")]
+    if len(items) != len(images):
+        logger.warning("SGLang returned %d image items for %d images: their sentinels are not "
+                       "learned", len(items), len(images))
+        return 0
+    learned = 0
+    for item, image in zip(items, images, strict=True):
+        values = item_sentinels(item)
+        if values is not None:
+            registry.learn(values, image.key)
+            learned += 1
+    return learned
 
 
 class _Page:
@@ -76,10 +162,11 @@ class KVEventTranslator:
     its own cache and publisher; a router block held by several counts until the last goes."""
 
     def __init__(self, block_size: int, max_events: int = MAX_EVENTS,
-                 max_retired: int = MAX_RETIRED) -> None:
+                 max_retired: int = MAX_RETIRED, images: ImageSentinels | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size={block_size} must be > 0")
         self.block_size = block_size
+        self.images = images or ImageSentinels()
         self.max_events = max_events
         self.max_retired = max_retired
         self.lock = threading.RLock()
@@ -171,7 +258,8 @@ class KVEventTranslator:
             self.ignored += 1
             return
         hashes = list(_field(event, "block_hashes") or ())
-        tokens = [_token(t) for t in (_field(event, "token_ids") or ())]
+        # Image positions: SGLang's sentinels -> our image keys (the module doc).
+        tokens = [self.images.key(_token(t)) for t in (_field(event, "token_ids") or ())]
         page = int(_field(event, "block_size") or 0)
         if not hashes:
             return
