@@ -141,12 +141,7 @@ def image_args(config: AppConfig) -> dict[str, Any]:
     here: the deployment's images-per-request bound as SGLang's own limit
     (`limit_mm_data_per_request`, checked by tokenizer_manager.py:1470-1483), a second line
     behind the ingress's 400."""
-    # AppConfig.images (the ingress's ImagePolicy) comes with issue 45's request unit; a
-    # config without it sets no limit (SGLang's default: none).
-    policy = getattr(config, "images", None)
-    if policy is None:
-        return {}
-    return {"limit_mm_data_per_request": {"image": int(policy.max_images_per_request)}}
+    return {"limit_mm_data_per_request": {"image": config.images.max_images_per_request}}
 
 
 def disaggregation_args(config: AppConfig, role: Role, bootstrap_port: int | None
