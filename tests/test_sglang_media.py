@@ -377,7 +377,6 @@ async def _no_resolve(self: Any) -> None:
 
 
 def test_image_args_and_checks() -> None:
-    assert image_args(SimpleNamespace()) == {}  # no image policy in the config yet
     config = SimpleNamespace(images=SimpleNamespace(max_images_per_request=8))
     args = image_args(config)
     assert args == {"limit_mm_data_per_request": {"image": 8}}
