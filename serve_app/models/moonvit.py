@@ -84,6 +84,7 @@ __all__ = [
     "VisionConfig",
     "VisionConfigError",
     "is_vision_tensor",
+    "k3_vision_tensors",
     "load_k3_vision",
     "merged_tokens",
     "rope_2d_table",
