@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from spec_helpers import (
     engine_from,
     run_tensor_parallel,
 )
-from tiny_models import tiny_k3_config, write_random_k3_pair
+from tiny_models import DATA, tiny_k3_config, write_random_k3_pair
 
 from serve_app.config import ReferenceEngineConfig, SpeculationConfig
 from serve_app.engines.reference.engine import EngineCore
@@ -40,6 +41,7 @@ from serve_app.models.k3_weights import load_k3
 from serve_app.models.moonvit import K3Vision, VisionConfig, load_k3_vision, save_k3_vision
 from serve_app.protocol.media import ImageInput, cache_keys
 from serve_app.routing.prefix_index import block_hashes
+from serve_app.vision import MediaConfig, normalise
 
 VOCAB = 64
 PAD = VOCAB - 1  # the tiny config's media placeholder id (<|media_pad|>)
@@ -62,6 +64,7 @@ def write_seeing_pair(folder: Path, seed: int = 0) -> tuple[Path, Path]:
             else:
                 p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1] if p.dim() > 1 else 1))
     save_k3_vision(tower, target)
+    shutil.copy(DATA / "vision" / "preprocessor_config.json", target)  # K3's published values
     return target, draft
 
 
@@ -126,13 +129,13 @@ def run(eng: EngineCore, requests: list[tuple[list[int], tuple[ImageInput, ...]]
 def oracle(pair: tuple[Path, Path], ids: list[int], images: tuple[ImageInput, ...],
            n: int) -> list[int]:
     """The plain model: the prompt's embeddings with each image's features over its pad run
-    (the tower on the whole image, normalised as K3's processor does), then greedy decode."""
+    (the tower on the whole image, normalised by the folder's media config), then greedy decode."""
     model = load_k3(pair[0]).eval()
     tower = load_k3_vision(pair[0])
     assert tower is not None
     embeds = model.model.embed_tokens(torch.tensor([ids]))
     for img in images:
-        pixels = (img.patches.float() / 255 - 0.5) / 0.5
+        pixels = normalise(img.patches, MediaConfig.from_folder(pair[0]))
         embeds[0, img.offset:img.offset + img.tokens] = tower(pixels, [img.grid_thw])
     h, state, _ = model.model(torch.tensor([ids]), K3State(), inputs_embeds=embeds)
     out = [int(model.logits(h)[0, -1].argmax())]
@@ -221,7 +224,7 @@ def image_marginal(pair: tuple[Path, Path], ids: list[int], images: tuple[ImageI
     embeds = model.model.embed_tokens(torch.tensor([ids]))
     for img in images:
         embeds[0, img.offset:img.offset + img.tokens] = tower(
-            (img.patches.float() / 255 - 0.5) / 0.5, [img.grid_thw])
+            normalise(img.patches, MediaConfig.from_folder(pair[0])), [img.grid_thw])
     h, _, _ = model.model(torch.tensor([ids]), K3State(), inputs_embeds=embeds)
     p1 = target_probs(model.logits(h)[:, -1], params)[0]
     v = model.config.vocab_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from datetime import timedelta
@@ -31,6 +32,7 @@ from serve_app.models.moonvit import load_k3_vision
 from serve_app.models.target import Collectives, TPContext
 from serve_app.models.target_config import is_hybrid
 from serve_app.tokenizer import Tokenizer
+from serve_app.vision import MediaConfig, normalise
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,21 +94,21 @@ def load_target(
                    snapshot_slots=snapshots)
 
 
-def normalise_patches(patches: torch.Tensor) -> torch.Tensor:
-    """uint8 patches -> the tower's input: (x / 255 - 0.5) / 0.5."""
-    # TODO(vision-input): vision.normalise(patches, MediaConfig.from_folder(target)).
-    return (patches.float() / 255.0 - 0.5) / 0.5
-
-
 def load_prompt_images(target_path: str | os.PathLike[str], dtype: torch.dtype,
                        device: torch.device | str) -> PromptImages | None:
     """The target's vision tower and projector, when its config.json has a vision_config
-    (None: a text model, which refuses images). Every tensor-parallel rank loads all of it
-    (docs/hybrid-engine.md, "Images")."""
+    (None: a text model, which refuses images), normalising the patches by the folder's
+    preprocessor_config.json as K3's processor does. Every tensor-parallel rank loads all of
+    it (docs/hybrid-engine.md, "Images")."""
     tower = load_k3_vision(target_path, dtype=dtype, device=device)
     if tower is None:
         return None
-    return PromptImages(tower, normalise_patches, torch.device(device), dtype)
+    media = MediaConfig.from_folder(target_path)
+    if media is None:
+        raise ValueError(f"{target_path}: config.json has a vision_config but the folder has no "
+                         "preprocessor_config.json (its image mean and std)")
+    return PromptImages(tower, functools.partial(normalise, media=media), torch.device(device),
+                        dtype)
 
 
 def build_runner(
