@@ -18,8 +18,6 @@ MoonViT-V2 tower (models/moonvit.py) in one checkpoint folder, as the builder lo
 from __future__ import annotations
 
 import hashlib
-import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +29,20 @@ from spec_helpers import (
     engine_from,
     run_tensor_parallel,
 )
-from tiny_models import DATA, tiny_k3_config, write_random_k3_pair
+from tiny_models import (
+    K3_BOS,
+    tiny_k3_config,
+    write_k3_format_pair,
+    write_random_k3_pair,
+    write_random_vision,
+)
 
 from serve_app.config import ReferenceEngineConfig, SpeculationConfig
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.sampling import SamplingParams, target_probs
 from serve_app.models.k3 import K3State
 from serve_app.models.k3_weights import load_k3
-from serve_app.models.moonvit import K3Vision, VisionConfig, load_k3_vision, save_k3_vision
+from serve_app.models.moonvit import load_k3_vision
 from serve_app.protocol.media import ImageInput, cache_keys
 from serve_app.routing.prefix_index import block_hashes
 from serve_app.vision import MediaConfig, normalise
@@ -46,25 +50,13 @@ from serve_app.vision import MediaConfig, normalise
 VOCAB = 64
 PAD = VOCAB - 1  # the tiny config's media placeholder id (<|media_pad|>)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-VISION = {"patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4,
-          "vt_hidden_size": 32, "vt_num_hidden_layers": 2, "vt_num_attention_heads": 2,
-          "qkv_hidden_size": 32, "vt_intermediate_size": 64, "text_hidden_size": 64}
 
 
 def write_seeing_pair(folder: Path, seed: int = 0) -> tuple[Path, Path]:
     """A random tiny K3 target with a random tiny tower and projector in its folder, and a
     DSpark draft."""
     target, draft = write_random_k3_pair(folder, tiny_k3_config(VOCAB), seed)
-    torch.manual_seed(seed + 7)
-    tower = K3Vision(VisionConfig.from_dict(VISION))
-    with torch.no_grad():
-        for name, p in tower.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape))
-            else:
-                p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1] if p.dim() > 1 else 1))
-    save_k3_vision(tower, target)
-    shutil.copy(DATA / "vision" / "preprocessor_config.json", target)  # K3's published values
+    write_random_vision(target, seed)
     return target, draft
 
 
@@ -346,3 +338,17 @@ def test_tp2_gives_tp1_tokens(pair: tuple[Path, Path]) -> None:
     tp1 = _tp_job(engine(pair, draft=True, **settings), requests)
     cfg = ReferenceEngineConfig(**settings, speculation=SpeculationConfig(enabled=True))
     assert run_tensor_parallel(pair, cfg, 2, _tp_job, (requests,)) == tp1
+
+
+def test_the_k3_format_pair_sees_with_k3s_media_ids(tmp_path: Path) -> None:
+    """tools/k3_format_deployment.py's checkpoint (K3's vocabulary, a random tiny tower, K3's
+    preprocessor_config.json): an image prompt in K3's media ids, spliced as the plain model
+    splices it."""
+    paths = write_k3_format_pair(tmp_path)
+    pair = (paths["target"], paths["draft"])
+    begin, content, end, pad = 163602, 163603, 163604, 163605
+    img = image(8, 4, 4, offset=4)
+    ids = [K3_BOS, 1000, begin, content, *[pad] * img.tokens, end, 2000]
+    want = oracle(pair, ids, (img,), GREEDY.max_tokens)
+    (out,) = run(engine(pair, draft=True), [(ids, (img,))])
+    assert out.token_ids == want
