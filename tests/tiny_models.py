@@ -475,13 +475,50 @@ def write_k3_style_tokenizer(folder: Path) -> Path:
     return folder
 
 
+# A random mini `vision_config`: K3's structure (MoonViT-V2, divided_fixed positions, sd2_tpool
+# 2x2 merge, patchmergerv2), tiny sizes (K3: 27 layers, hidden 1024, 16 heads, 64x64 table).
+MINI_VISION = {"patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4,
+               "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed",
+               "vt_hidden_size": 32, "vt_num_hidden_layers": 2, "vt_num_attention_heads": 2,
+               "qkv_hidden_size": 32, "vt_intermediate_size": 64, "merge_type": "sd2_tpool",
+               "merge_kernel_size": [2, 2], "mm_projector_type": "patchmergerv2",
+               "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5}
+
+
+def write_random_vision(target: Path, seed: int = 0) -> Path:
+    """A random tiny tower + projector (MINI_VISION, projecting to the target's hidden size)
+    saved into the K3 target folder `target` (config.json's vision_config, the
+    `vision_tower.*` / `mm_projector.*` tensors), with K3's published preprocessor_config.json
+    (tests/data/vision). The folder then loads with load_k3 and load_k3_vision."""
+    import json
+    import math
+    import shutil
+
+    from serve_app.models.moonvit import K3Vision, VisionConfig, save_k3_vision
+
+    hidden = json.loads((target / "config.json").read_text())["text_config"]["hidden_size"]
+    torch.manual_seed(seed + 7)
+    tower = K3Vision(VisionConfig.from_dict({**MINI_VISION, "text_hidden_size": hidden}))
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape))
+            else:
+                p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1] if p.dim() > 1 else 1))
+    save_k3_vision(tower, target)
+    shutil.copy(DATA / "vision" / "preprocessor_config.json", target)
+    return target
+
+
 def write_k3_format_pair(folder: Path, seed: int = 0, tiny: bool = True) -> dict[str, Path]:
     """A random mini K3 pair in K3's chat format: K3's vocabulary (163,840) and special ids,
-    the K3-style tokenizer in the target folder; `tiny` at the test widths (the embedding
-    and head are most of its ~21 M parameters)."""
+    the K3-style tokenizer in the target folder, and a random tiny vision tower
+    (`write_random_vision`: images reach the tower with K3's real media ids); `tiny` at the
+    test widths (the embedding and head are most of its ~21 M parameters)."""
     make = tiny_k3_config if tiny else mini_k3_config
     config = make(vocab_size=163_840, eos_token_id=K3_EOS, bos_token_id=K3_BOS,
                   pad_token_id=K3_PAD)
     target, draft = write_random_k3_pair(folder, config, seed, mask_token_id=K3_MASK)
     write_k3_style_tokenizer(target)
+    write_random_vision(target, seed)
     return {"target": target, "draft": draft}

@@ -7,7 +7,10 @@ Vendor Verifier (docs/chat-format.md, "Checking against the Kimi Vendor Verifier
 What it writes under OUT:
   - `target/`: a random mini Kimi K3 (the test suite's widths; K3's vocabulary of 163,840 and its
     special ids) with a K3-style tokenizer: the public Kimi BPE (tests/data/kimi-k25-tokenizer/
-    tiktoken.model) and K3's control tokens (tests/data/kimi-k3-style/tokenizer_config.json);
+    tiktoken.model) and K3's control tokens (tests/data/kimi-k3-style/tokenizer_config.json),
+    and a random tiny vision tower + projector (K3's `vision_config` structure at tiny sizes,
+    `vision_tower.*` / `mm_projector.*` tensors) with K3's published preprocessor_config.json,
+    so an image request goes the whole way with K3's media ids (163602-163605);
   - `draft/`: a random DSpark draft for it;
   - `k3_format.yaml`: deployments/local.yaml with these folders, TP 1, K3's parameter policy
     (the server's tool strictness off, as in production), speculation at every batch size

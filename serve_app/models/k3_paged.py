@@ -393,9 +393,12 @@ class PagedK3:
         capture_layers: Sequence[int] = (),
         verify: bool = False,
         last_only: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Append num_new[b] tokens (row b of input_ids [B, T], right-padded) to each request;
-        with `verify`, keep the KDA window for `cache.truncate` to commit from."""
+        with `verify`, keep the KDA window for `cache.truncate` to commit from.
+        `inputs_embeds` [B, T, H]: the layers' input instead of input_ids' embeddings (an image
+        prompt's prefill chunk, its pad positions holding the image's features)."""
         b, t = input_ids.shape
         counts = [int(n) for n in torch.as_tensor(num_new).tolist()]
         if len(rids) != b or len(counts) != b or any(not 0 <= n <= t for n in counts):
@@ -409,7 +412,9 @@ class PagedK3:
         states = PagedStates(cache, rids, counts, batch, verify)
         ids = torch.where(batch.valid, input_ids.to(dev), 0)
         layers = list(capture_layers)
-        h, taps = self.model.model.run(ids, states, layers)
+        if inputs_embeds is not None:
+            inputs_embeds = inputs_embeds.to(dev, self.embed_weight.dtype)
+        h, taps = self.model.model.run(ids, states, layers, inputs_embeds)
         cat = torch.cat([taps[i] for i in layers], dim=-1) if layers else None
         if last_only:
             h = last_new(h, num_new)

@@ -277,6 +277,7 @@ class KimiForCausalLM(nn.Module):
         capture_layers: Sequence[int] = (),
         verify: bool = False,
         last_only: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Append num_new[b] tokens (row b of input_ids, right-padded) to each request at
         positions cache.length(rids[b]) + arange(num_new[b]); attend causally over the cached
@@ -303,7 +304,7 @@ class KimiForCausalLM(nn.Module):
         batch = self._attention_batch(cache, rids, starts, counts, slots, t)
 
         ids = torch.where(batch.valid, input_ids.to(dev), 0)
-        x = self.model.embed_tokens(ids)
+        x = self.model.embed_tokens(ids) if inputs_embeds is None else inputs_embeds.to(dev)
         pool = cache.buffers["latent"]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):

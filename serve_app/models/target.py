@@ -171,10 +171,13 @@ class Target(Protocol):
 
     def __call__(self, input_ids: torch.Tensor, cache: TargetCache, rids: Sequence[Hashable],
                  num_new: torch.Tensor, capture_layers: Sequence[int] = (),
-                 verify: bool = False, last_only: bool = False) -> TargetOutput:
+                 verify: bool = False, last_only: bool = False,
+                 inputs_embeds: torch.Tensor | None = None) -> TargetOutput:
         """Append num_new[b] tokens (row b of input_ids [B, T], right-padded) to each request
         in `cache` and return their logits; `verify` marks a speculative window, of which the
-        next `cache.commit` keeps a prefix. With `last_only`, the logits of each row's last new
+        next `cache.commit` keeps a prefix. `inputs_embeds` [B, T, hidden], when given, is the
+        layers' input in place of input_ids' embeddings (an image prompt's prefill: its pad
+        positions hold the image's features, engines/reference/images.py). With `last_only`, the logits of each row's last new
         token alone (`last_new`): a prefill chunk samples from nothing else, and every
         position's would cost [T, vocab] (an 8,192-token chunk of a 163,840-token vocabulary:
         5 GiB in fp32). A KVCapacityError leaves the cache untouched."""

@@ -157,7 +157,8 @@ class ReferenceAsyncEngine(Engine):
                         self.core.adopt(request)
                     else:
                         self.core.add_request(request.prompt_ids, request.params,
-                                              request.request_id, hand_off=op == "prefill")
+                                              request.request_id, hand_off=op == "prefill",
+                                              images=tuple(request.images))
                 except (ValueError, KVCapacityError) as exc:  # refused: nothing was queued
                     self._refuse(request.request_id, stream, exc)
                 except Exception:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from datetime import timedelta
@@ -13,6 +14,7 @@ from capacity.families import describe_model
 from serve_app.config import ReferenceEngineConfig
 from serve_app.engines.reference.collectives import TorchGroup, host_collectives
 from serve_app.engines.reference.engine import EngineCore
+from serve_app.engines.reference.images import PromptImages
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.proposer import DSparkProposer
 from serve_app.engines.reference.sequence import Detokenize
@@ -26,9 +28,11 @@ from serve_app.models.k3_weights import load_k3
 from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_cache import PagedAllocator
+from serve_app.models.moonvit import load_k3_vision
 from serve_app.models.target import Collectives, TPContext
 from serve_app.models.target_config import is_hybrid
 from serve_app.tokenizer import Tokenizer
+from serve_app.vision import MediaConfig, normalise
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +94,23 @@ def load_target(
                    snapshot_slots=snapshots)
 
 
+def load_prompt_images(target_path: str | os.PathLike[str], dtype: torch.dtype,
+                       device: torch.device | str) -> PromptImages | None:
+    """The target's vision tower and projector, when its config.json has a vision_config
+    (None: a text model, which refuses images), normalising the patches by the folder's
+    preprocessor_config.json as K3's processor does. Every tensor-parallel rank loads all of
+    it (docs/hybrid-engine.md, "Images")."""
+    tower = load_k3_vision(target_path, dtype=dtype, device=device)
+    if tower is None:
+        return None
+    media = MediaConfig.from_folder(target_path)
+    if media is None:
+        raise ValueError(f"{target_path}: config.json has a vision_config but the folder has no "
+                         "preprocessor_config.json (its image mean and std)")
+    return PromptImages(tower, functools.partial(normalise, media=media), torch.device(device),
+                        dtype)
+
+
 def build_runner(
     target_path: str | os.PathLike[str],
     draft_path: str | os.PathLike[str] | None,
@@ -104,6 +125,7 @@ def build_runner(
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = DTYPES[config.dtype]
     target = load_target(target_path, config, device, tp_rank, tp_size, group)
+    images = load_prompt_images(target_path, dtype, device) if is_hybrid(target_path) else None
     allocator = PagedAllocator(config.kv_capacity_tokens, config.page_size)
     proposer = None
     if draft_path is not None:
@@ -112,7 +134,8 @@ def build_runner(
         draft = shard_dspark(draft, tp_rank, tp_size, group)
         proposer = DSparkProposer(draft, target.embed_weight, target.lm_head_weight, allocator)
     return ModelRunner(target, proposer, allocator, tp_rank, tp_size, group,
-                       prefix_cache=config.prefix_cache if config.prefix_cache.enabled else None)
+                       prefix_cache=config.prefix_cache if config.prefix_cache.enabled else None,
+                       images=images)
 
 
 def build_engine(

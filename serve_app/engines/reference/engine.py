@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from serve_app.config import SpeculationConfig
-from serve_app.engines.reference.handoff import RequestHandoff
+from serve_app.engines.reference.handoff import RequestHandoff, image_keys
+from serve_app.engines.reference.images import check_image_shapes
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.observer import EngineObserver, StepReport
 from serve_app.engines.reference.sampling import (
@@ -39,6 +40,7 @@ from serve_app.grammar.compiler import GrammarCompiler
 from serve_app.grammar.matchers import GrammarStates, RequestGrammar
 from serve_app.models.dspark import survival_draft_count
 from serve_app.protocol.generation import RequestOutput, is_int
+from serve_app.protocol.media import ImageInput, check_images
 
 logger = logging.getLogger(__name__)
 
@@ -113,17 +115,26 @@ class EngineCore:
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        hand_off: bool = False,
+        hand_off: bool = False, images: tuple[ImageInput, ...] = (),
     ) -> str:
         """Queue a request; raises ValueError (naming the field) / KVCapacityError (nothing
         queued) if it can never be served. Everything that can be checked here is, so that a
         bad request is refused rather than failing inside a step. `hand_off`: prefill it and
         sample its first token only; a step output with `prefilled` set then says it waits
-        for `export` to a decode engine (a request that ends on its first token just ends)."""
+        for `export` to a decode engine (a request that ends on its first token just ends).
+        `images`: the prompt's images, their pad runs in `prompt_ids` (protocol/media.py); an
+        engine without a vision tower refuses them rather than running the pads as text."""
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.sequences:
             raise ValueError(f"request id {rid!r} is already in use")
         self._validate(prompt_ids, params)
+        images = tuple(images)
+        if images:
+            if self.runner.images is None:
+                raise ValueError("images: this engine's model has no vision tower; it cannot "
+                                 "take image input")
+            check_images(len(prompt_ids), images)
+            check_image_shapes(images)
         total = len(prompt_ids) + params.max_tokens
         if self.max_model_len is not None and total > self.max_model_len:
             raise ValueError(
@@ -131,7 +142,7 @@ class EngineCore:
                 f"exceeds the model's context length {self.max_model_len}"
             )
         seq = Sequence(rid, list(prompt_ids), params, self.eos_token_ids, self.detokenize,
-                       hand_off=hand_off)
+                       hand_off=hand_off, images=images)
         # A GrammarError (a ValueError naming the field) leaves nothing queued.
         seq.grammar = self._grammar(params, len(prompt_ids))
         self.scheduler.add(seq)
@@ -185,7 +196,8 @@ class EngineCore:
             raise ValueError(f"request {request_id!r} is not a prefilled hand-off request")
         handoff = RequestHandoff(
             request_id, list(seq.prompt_ids), list(seq.output_ids), seq.params, seq.num_cached,
-            seq.cached_tokens, seq.generator.get_state(), self.runner.export(request_id))
+            seq.cached_tokens, seq.generator.get_state(), self.runner.export(request_id),
+            images=tuple(image_keys(seq.images)))
         self._retire(seq, "handoff")
         return handoff
 
@@ -199,10 +211,11 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         params = handoff.params
         self._validate(handoff.prompt_ids, params)
+        check_images(len(handoff.prompt_ids), handoff.images)
         if not handoff.output_ids or handoff.num_cached != len(handoff.prompt_ids):
             raise ValueError("a hand-over carries a prefilled prompt and its first token")
         seq = Sequence(rid, list(handoff.prompt_ids), params, self.eos_token_ids,
-                       self.detokenize)
+                       self.detokenize, images=tuple(handoff.images))
         seq.output_ids = list(handoff.output_ids)
         seq.num_cached = handoff.num_cached
         seq.cached_tokens = handoff.cached_tokens
@@ -236,8 +249,9 @@ class EngineCore:
         request whose own processing raised gets a final output with `error` instead."""
         self._failed = []
         for seq in self.scheduler.admit():
-            prompt = seq.prompt_ids if self.runner.prefix is not None else ()
-            seq.num_cached = seq.cached_tokens = self.runner.add(seq.request_id, prompt)
+            prompt = seq.prompt_keys if self.runner.prefix is not None else ()
+            seq.num_cached = seq.cached_tokens = self.runner.add(seq.request_id, prompt,
+                                                                 seq.images)
             self._notify("on_admitted", seq, time.time_ns())
         plan = self.scheduler.schedule()
         touched: list[Sequence] = []
@@ -305,7 +319,7 @@ class EngineCore:
         prefix = self.runner.prefix
         keep = prefix.finish_point(seq.num_cached) if prefix is not None and \
             reason in _DONATES else 0
-        self.runner.free(seq.request_id, seq.all_ids[:keep])
+        self.runner.free(seq.request_id, seq.all_keys[:keep])
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         if reason == "error":
@@ -457,7 +471,7 @@ class EngineCore:
         for seq, start, end in moved:
             line = prefix.cache_point(start, end, len(seq.prompt_ids))
             if line:
-                cache_at[seq.request_id] = seq.all_ids[:line]
+                cache_at[seq.request_id] = seq.all_keys[:line]
         return cache_at or None
 
     # --- conveniences -------------------------------------------------------------------------

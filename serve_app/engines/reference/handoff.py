@@ -7,15 +7,22 @@ parallel rank's share of its caches (`ModelRunner.export`): the target's (for K3
 latents of every prompt token, and every KDA layer's conv window and recurrent state) and the
 DSpark draft's context rows. The decode engine `adopt`s it and decodes exactly as if it had
 prefilled the prompt itself; the grammar matcher, if any, is rebuilt there from the tokens.
+
+An image prompt travels as it is (the pad runs in its ids) with its images' descriptors, whose
+digests key the pad runs in the decode side's prefix cache as on the prefill side; their
+pixels stay behind (`image_keys`): the features were needed only to prefill, and the caches
+carry what the prompt's images did to every later position.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from serve_app.protocol.generation import SamplingParams
+from serve_app.protocol.media import ImageInput
 
 # One rank's share: {"target": named tensors, "draft": named tensors (with a draft)}.
 RankShare = dict[str, dict[str, torch.Tensor]]
@@ -31,12 +38,19 @@ class RequestHandoff:
     cached_tokens: int  # prompt tokens the prefill side's prefix cache supplied (usage)
     generator_state: torch.Tensor
     shares: list[RankShare]  # per tensor-parallel rank of the prefill engine, in rank order
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, without pixels (`image_keys`)
 
     @property
     def nbytes(self) -> int:
         """What the hand-over moves (every rank's cache share)."""
         return sum(t.nbytes for share in self.shares for part in share.values()
                    for t in part.values())
+
+
+def image_keys(images: Sequence[ImageInput]) -> list[ImageInput]:
+    """The images as a decode side needs them: where each pad run is and its digest (the
+    prefix cache's key), not its pixels."""
+    return [replace(image, patches=None, png=b"") for image in images]
 
 
 # How a request's cache entries are split across tensor-parallel ranks, by entry name, so a

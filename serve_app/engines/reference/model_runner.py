@@ -11,14 +11,17 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from serve_app.config import PrefixCacheConfig
 from serve_app.engines.reference.handoff import RankShare, reshard
+from serve_app.engines.reference.images import PromptImages
 from serve_app.engines.reference.prefix_cache import PrefixCache
 from serve_app.engines.reference.proposer import Proposer
 from serve_app.grammar.matchers import DraftMasks
 from serve_app.models.kv_cache import PagedAllocator
 from serve_app.models.target import Collectives, Target, TargetCache, WindowedState
+from serve_app.protocol.media import ImageInput
 
 
 class ModelRunner:
@@ -31,9 +34,13 @@ class ModelRunner:
         tp_size: int = 1,
         group: Collectives | None = None,
         prefix_cache: PrefixCacheConfig | None = None,
+        images: PromptImages | None = None,
     ) -> None:
-        """`prefix_cache`: its settings, or None for no prefix cache."""
+        """`prefix_cache`: its settings, or None for no prefix cache. `images`: the target's
+        vision tower and the image features of requests in prefill (images.py), or None: this
+        runner takes no images."""
         self.target = target
+        self.images = images
         self.proposer = proposer
         self.allocator = allocator
         self.cache: TargetCache = target.new_cache(
@@ -83,13 +90,23 @@ class ModelRunner:
 
     # --- operations (public = rank 0 entry point, _private = what every rank runs) ----------
 
-    def add(self, rid: Hashable, prompt: Sequence[int] = ()) -> int:
+    def add(self, rid: Hashable, prompt: Sequence[int] = (),
+            images: Sequence[ImageInput] = ()) -> int:
         """A new request; with the prefix cache, its prompt's longest usable cached prefix
-        starts its caches. Returns how many prompt tokens are cached (to skip in prefill)."""
-        self._broadcast("add", rid, list(prompt))
-        return self._add(rid, prompt)
+        starts its caches (`prompt`: its cache keys, protocol/media.py's `cache_keys`: an
+        image's pad run keyed on its pixels). `images`: its images, which every rank's tower
+        turns into features at its first prefill chunk. Returns how many prompt tokens are
+        cached (to skip in prefill)."""
+        if images and self.images is None:
+            raise ValueError("images: this engine's model has no vision tower")
+        self._broadcast("add", rid, list(prompt), tuple(images))
+        return self._add(rid, prompt, images)
 
-    def _add(self, rid: Hashable, prompt: Sequence[int] = ()) -> int:
+    def _add(self, rid: Hashable, prompt: Sequence[int] = (),
+             images: Sequence[ImageInput] = ()) -> int:
+        if images:
+            assert self.images is not None
+            self.images.add(rid, images)
         match = self.prefix.match(prompt, rid) if self.prefix is not None and prompt else None
         cached = match.length if match is not None else 0
         self.allocator.add(rid, match.pages if match is not None else ())
@@ -105,6 +122,8 @@ class ModelRunner:
         self._free(rid, donate)
 
     def _free(self, rid: Hashable, donate: Sequence[int] = ()) -> None:
+        if self.images is not None:
+            self.images.free(rid)
         if rid not in self.allocator:
             if self.prefix is not None:
                 self.prefix.unlock(rid)
@@ -194,9 +213,16 @@ class ModelRunner:
                 {rid: self.cache.length(rid) + len(r) for rid, r in zip(rids, rows, strict=True)})
             if short:
                 self.prefix.evict(short)
+        embeds = None
+        if self.images is not None and self.images.any(rids):
+            # A prefill chunk of an image prompt: the pad positions take the image's features.
+            embeds = F.embedding(ids.to(self.device), self.target.embed_weight)
+            self.images.splice(embeds, rids, [self.cache.length(r) for r in rids],
+                               num_new.tolist())
         layers = self.proposer.tap_layers if capture and self.proposer is not None else ()
         out = self.target(ids.to(self.device), self.cache, list(rids), num_new.to(self.device),
-                          capture_layers=layers, verify=verify, last_only=last_only)
+                          capture_layers=layers, verify=verify, last_only=last_only,
+                          inputs_embeds=embeds)
         self._taps = out.taps
         self._tap_rids = list(rids)
         return out.logits

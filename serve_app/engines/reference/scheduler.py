@@ -102,7 +102,7 @@ class Scheduler:
             need = self.worst_case_tokens(seq)
             newly_pinned = 0
             if self.prefix is not None:
-                hit, newly_pinned = self.prefix.probe(seq.prompt_ids)
+                hit, newly_pinned = self.prefix.probe(seq.prompt_keys)
                 need -= hit
             if self._shortfall(need, newly_pinned) is not None:
                 break

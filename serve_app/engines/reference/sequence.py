@@ -18,6 +18,7 @@ from serve_app.engines.reference.sampling import (
 )
 from serve_app.engines.spec_stats import SpecStats
 from serve_app.grammar.matchers import RequestGrammar
+from serve_app.protocol.media import ImageInput, cache_keys
 
 Detokenize = Callable[[list[int]], str]
 
@@ -50,13 +51,19 @@ class Sequence:
     text: str = ""
     reported_tokens: int = 0  # output tokens already handed out in step outputs
     hand_off: bool = False  # stop after prefill, to be exported to a decode engine
+    # The prompt's images, their pad runs inside prompt_ids (protocol/media.py).
+    images: tuple[ImageInput, ...] = ()
     # The output's constraint (a matcher that has consumed exactly the committed outputs, plus
     # a verify window's drafts); None: free.
     grammar: RequestGrammar | None = None
     _streamed_text: int = 0
     generator: torch.Generator = field(init=False)
+    # What the prefix cache keys the prompt on: the ids, each image's pad run replaced by its
+    # pixels' key, so two prompts share a cached prefix only where their images are the same.
+    prompt_keys: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.prompt_keys = cache_keys(self.prompt_ids, self.images)
         self.generator = torch.Generator()
         if self.params.seed is not None:
             self.generator.manual_seed(self.params.seed)
@@ -66,6 +73,11 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def all_keys(self) -> list[int]:
+        """`all_ids` as the prefix cache keys them (`prompt_keys`, then the outputs)."""
+        return self.prompt_keys + self.output_ids
 
     @property
     def anchor(self) -> int:
