@@ -16,7 +16,6 @@ import base64
 import io
 import json
 import re
-import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import yaml
 from app_configs import DROP, tiny_app
 from PIL import Image
 from ray import serve
-from tiny_models import DATA, delete_apps, shared_serve, write_k3_format_pair
+from tiny_models import delete_apps, shared_serve, write_k3_format_pair
 
 from serve_app.chat.formats import K3Format
 from serve_app.chat.segments import encode_prompt, encode_segments
@@ -134,13 +133,8 @@ class ScriptedTarget:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The pair sees (a tower and K3's preprocessing config): the ingress takes image parts.
     target = write_k3_format_pair(tmp_path_factory.mktemp("k3f"))["target"]
-    # K3's published preprocessing, and a vision_config (the ingress reads only that it is
-    # there: the scripted target runs no tower).
-    shutil.copyfile(DATA / "vision" / "preprocessor_config.json",
-                    target / "preprocessor_config.json")
-    config = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**config, "vision_config": {}}))
     return target
 
 

@@ -62,7 +62,7 @@ def image(url: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_k3_format_pair(tmp_path_factory.mktemp("k3v"), vision=True)["target"]
+    return write_k3_format_pair(tmp_path_factory.mktemp("k3v"))["target"]
 
 
 def _config(folder: Path, speculation: bool) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def test_greedy_answers_with_images_are_identical_with_speculation_on_and_off(
     ids, images = expected_image_prompt(folder, {"model": MODEL, "messages": messages})
     assert len(images) == len(messages[0]["content"]) // 2
     assert spec_usage.prompt_tokens == plain_usage.prompt_tokens == len(ids) - 3
-    assert spec_usage.completion_tokens == GREEDY["max_tokens"] or spec_usage.completion_tokens
+    assert spec_usage.completion_tokens == plain_usage.completion_tokens > 0
 
 
 def test_the_answer_depends_on_the_image(clients: dict[str, openai.OpenAI]) -> None:
