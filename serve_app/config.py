@@ -100,7 +100,8 @@ class IngressConfig(_Strict):
     ingress_cpus: float = Field(default=0.1, ge=0)
     max_body_bytes: int | None = Field(default=None, gt=0, description="larger request bodies "
                                        "get 413; default: 16 bytes per token of the context "
-                                       "length + 64 KiB (JSON-escaped text or token ids)")
+                                       "length + 64 KiB (JSON-escaped text or token ids), "
+                                       "+ 64 MiB when the model takes images")
     api_keys: list[str] = Field(default_factory=list, description="bearer keys accepted "
                                 "(empty, and no keys in api_keys_env: no authentication); "
                                 "prefer api_keys_env, files in a repo leak")

@@ -50,6 +50,19 @@ class EdgeSettings:
 
 EDGE = EdgeSettings()
 
+# What a model that sees adds to the default body limit: base64 of three images at the default
+# 20 MB per-image limit. A larger request (more, or larger, images) needs
+# ingress.max_body_bytes raised beside images.max_image_bytes; the limit bounds the memory one
+# request's body can take before any field is read.
+IMAGE_BODY_BYTES = 64 << 20
+
+
+def default_body_bytes(context_tokens: int, sees: bool) -> int:
+    """The body limit when ingress.max_body_bytes is unset: 16 bytes per token of the context
+    (JSON-escaped text or token ids) + 64 KiB, and IMAGE_BODY_BYTES when the model takes
+    images."""
+    return 16 * context_tokens + 65_536 + (IMAGE_BODY_BYTES if sees else 0)
+
 
 def configure_edge(keys: list[str], max_body_bytes: int, expose_docs: bool) -> EdgeSettings:
     """Set the process's edge settings. A function of this module on purpose: Serve pickles

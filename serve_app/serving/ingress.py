@@ -57,6 +57,7 @@ from serve_app.serving.edge import (
     EdgeGuard,
     OpenAIJSONResponse,
     configure_edge,
+    default_body_bytes,
     error_response,
 )
 from serve_app.serving.errors import error_for, unavailable
@@ -156,7 +157,8 @@ class OpenAIIngress:
         self.max_model_len = context_length(self.config)
         ing = self.config.ingress
         edge = configure_edge(_api_keys(self.config),
-                              ing.max_body_bytes or 16 * self.max_model_len + 65_536,
+                              ing.max_body_bytes or default_body_bytes(self.max_model_len,
+                                                                       self.media is not None),
                               ing.expose_docs)
         self.retry_after_s = ing.retry_after_s
         self.keepalive_s = ing.sse_keepalive_s
