@@ -43,7 +43,8 @@ from serve_app.embedded import TARGET  # noqa: E402
 from serve_app.models.k3 import K3State  # noqa: E402
 from serve_app.models.k3_weights import load_k3  # noqa: E402
 from serve_app.models.moonvit import load_k3_vision  # noqa: E402
-from serve_app.vision import MediaConfig, normalise, preprocess  # noqa: E402
+from serve_app.vision import MediaConfig, normalise  # noqa: E402
+from serve_app.vision.preprocess import preprocess  # noqa: E402
 
 
 def synthetic(width: int, height: int) -> Image.Image:

@@ -24,10 +24,10 @@ from serve_app.vision import (
     image_grid,
     normalise,
     prepare_image,
-    preprocess,
     resize_for,
 )
 from serve_app.vision.decode import to_rgb_or_rgba
+from serve_app.vision.preprocess import preprocess
 
 DATA = Path(__file__).parent / "data" / "vision"
 FIXTURE = json.loads((DATA / "k3_processor.json").read_text())

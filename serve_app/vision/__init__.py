@@ -1,26 +1,31 @@
 """Images in requests: from a client's reference (a data URL, or a download the deployment
 allows) to a `PreparedImage` that K3's tower takes, preprocessed exactly as K3's own processor
-does. Imports only serve_app.protocol."""
+does. Imports only serve_app.protocol.
 
-from .config import FetchPolicy, ImagePolicy, MediaConfig, MediaConfigError, TransparentBackground
-from .errors import ImageRejected
-from .images import ImageRef, PreparedImage, load_images, prepare_image
-from .preprocess import Resize, image_grid, normalise, preprocess, resize_for
+The names below load their module on first use: the app's config reads `ImagePolicy` and
+`MediaConfig` (pydantic only) without importing Pillow and torch, which only the ingress's and
+the engine's image work needs. The function `preprocess` is imported from its module
+(`serve_app.vision.preprocess`), whose name it shares."""
 
-__all__ = [
-    "FetchPolicy",
-    "ImagePolicy",
-    "ImageRef",
-    "ImageRejected",
-    "MediaConfig",
-    "MediaConfigError",
-    "PreparedImage",
-    "Resize",
-    "TransparentBackground",
-    "image_grid",
-    "load_images",
-    "normalise",
-    "prepare_image",
-    "preprocess",
-    "resize_for",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOME = {
+    "FetchPolicy": "config", "ImagePolicy": "config", "MediaConfig": "config",
+    "MediaConfigError": "config", "TransparentBackground": "config",
+    "ImageRejected": "errors",
+    "ImageRef": "images", "PreparedImage": "images", "load_images": "images",
+    "prepare_image": "images",
+    "Resize": "preprocess", "image_grid": "preprocess", "normalise": "preprocess",
+    "resize_for": "preprocess",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
