@@ -38,7 +38,7 @@ from serve_app.protocol.generation import GenerateRequest, RequestOutput
 from serve_app.protocol.openai import ChatCompletionRequest
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.tokenizer import load_tokenizer
-from serve_app.vision import ImagePolicy, ImageRef, MediaConfig, load_images
+from serve_app.vision import ImagePolicy, MediaConfig, load_images
 
 pytestmark = pytest.mark.ray_cluster("shared")
 
@@ -428,7 +428,7 @@ def expected_image_prompt(folder: Path, body: dict[str, Any]) -> tuple[list[int]
     plan = K3Format(tok, vision=True).plan(ChatCompletionRequest.model_validate(body))
     media = MediaConfig.from_folder(folder)
     assert media is not None
-    images = asyncio.run(load_images([ImageRef(p.param, p.url) for p in plan.images],
+    images = asyncio.run(load_images(plan.images,
                                      ImagePolicy(), media))
     ids, offsets = encode_prompt(tok, plan.segments, images)
     return ids, [image.at(offset) for image, offset in zip(images, offsets, strict=True)]

@@ -12,17 +12,19 @@ import pytest
 from fuzz_images import data_url, encoded, png_header_only
 from PIL import Image
 
-from serve_app.vision import ImagePolicy, ImageRef, ImageRejected, MediaConfig, load_images
+from serve_app.protocol.openai import ImagePart
+from serve_app.vision import ImagePolicy, ImageRejected, MediaConfig, load_images
 from serve_app.vision.decode import decode_image
 
 MEDIA = MediaConfig.from_folder(Path(__file__).parent / "data" / "vision")
 POLICY = ImagePolicy()
-PARAM = "messages[0].content[1].image_url"
+WHERE = "messages[0].content[1]"
+PARAM = f"{WHERE}.image_url"
 
 
 async def _rejected(url: str, policy: ImagePolicy = POLICY) -> ImageRejected:
     with pytest.raises(ImageRejected) as error:
-        await load_images([ImageRef(PARAM, url)], policy, MEDIA)
+        await load_images([ImagePart(WHERE, url)], policy, MEDIA)
     rejected = error.value
     assert rejected.param == PARAM and rejected.status in (400, 413)
     # Safe for a client: no reprs of bytes or objects, no paths.
@@ -31,7 +33,7 @@ async def _rejected(url: str, policy: ImagePolicy = POLICY) -> ImageRejected:
 
 
 async def _decoded(url: str, policy: ImagePolicy = POLICY):
-    [prepared] = await load_images([ImageRef(PARAM, url)], policy, MEDIA)
+    [prepared] = await load_images([ImagePart(WHERE, url)], policy, MEDIA)
     return prepared, Image.open(io.BytesIO(prepared.png))
 
 
@@ -170,7 +172,7 @@ async def test_exif_orientation_is_applied() -> None:
 async def test_too_many_images() -> None:
     url = data_url(encoded(PHOTO, "PNG"))
     policy = ImagePolicy(max_images_per_request=2)
-    refs = [ImageRef(f"messages[0].content[{i}].image_url", url) for i in range(3)]
+    refs = [ImagePart(f"messages[0].content[{i}]", url) for i in range(3)]
     with pytest.raises(ImageRejected) as error:
         await load_images(refs, policy, MEDIA)
     assert error.value.status == 400 and error.value.param == "messages[0].content[2].image_url"
@@ -190,10 +192,10 @@ async def test_too_many_bytes_is_413() -> None:
 
 async def test_images_come_back_in_order_and_the_first_bad_one_is_named() -> None:
     small = Image.new("RGB", (30, 20), (1, 2, 3))
-    refs = [ImageRef("a", data_url(encoded(PHOTO, "PNG"))), ImageRef("b", data_url(encoded(small, "PNG")))]
+    refs = [ImagePart("a", data_url(encoded(PHOTO, "PNG"))), ImagePart("b", data_url(encoded(small, "PNG")))]
     prepared = await load_images(refs, POLICY, MEDIA)
     assert [(p.width, p.height) for p in prepared] == [(64, 48), (30, 20)]
-    bad = [refs[0], ImageRef("b", "data:image/png;base64,AAAA"), ImageRef("c", "ftp://x")]
+    bad = [refs[0], ImagePart("b", "data:image/png;base64,AAAA"), ImagePart("c", "ftp://x")]
     with pytest.raises(ImageRejected) as error:
         await load_images(bad, POLICY, MEDIA)
-    assert error.value.param == "b"
+    assert error.value.param == "b.image_url"

@@ -14,12 +14,14 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from serve_app.vision import FetchPolicy, ImagePolicy, ImageRef, ImageRejected, MediaConfig
+from serve_app.protocol.openai import ImagePart
+from serve_app.vision import FetchPolicy, ImagePolicy, ImageRejected, MediaConfig
 from serve_app.vision import load_images as _load_images
 from serve_app.vision.fetch import address_allowed, host_allowed
 
 MEDIA = MediaConfig.from_folder(Path(__file__).parent / "data" / "vision")
-PARAM = "messages[0].content[0].image_url"
+WHERE = "messages[0].content[0]"
+PARAM = f"{WHERE}.image_url"
 PHOTO = Image.fromarray(np.random.default_rng(1).integers(0, 256, (30, 40, 3), dtype=np.uint8))
 _buffer = io.BytesIO()
 PHOTO.save(_buffer, "PNG")
@@ -89,7 +91,7 @@ LOOPBACK_1 = {"allow_hosts": ("127.0.0.1",), "allow_networks": ("127.0.0.1/32",)
 
 
 async def load(url: str, policy: ImagePolicy):
-    return await _load_images([ImageRef(PARAM, url)], policy, MEDIA)
+    return await _load_images([ImagePart(WHERE, url)], policy, MEDIA)
 
 
 async def rejected(url: str, policy: ImagePolicy) -> ImageRejected:

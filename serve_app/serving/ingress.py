@@ -64,7 +64,7 @@ from serve_app.serving.errors import error_for, unavailable
 from serve_app.serving.health import HealthProbe
 from serve_app.serving.responses import Answer, LeasedStream, Prompt, collect, sse
 from serve_app.tokenizer import load_tokenizer
-from serve_app.vision import ImageRef, ImageRejected, PreparedImage, load_images
+from serve_app.vision import ImageRejected, PreparedImage, load_images
 
 logger = get_logger("ingress")
 
@@ -281,9 +281,8 @@ class OpenAIIngress:
         """The plan's images decoded and preprocessed (serve_app/vision), in prompt order; a
         bad one is the client's 400 (413: too many bytes) naming its field."""
         assert self.media is not None  # the chat format refuses images without it
-        refs = [ImageRef(part.param, part.url) for part in plan.images]
         try:
-            return await load_images(refs, self.config.images, self.media)
+            return await load_images(plan.images, self.config.images, self.media)
         except ImageRejected as exc:
             raise OpenAIError(exc.status, exc.message, param=exc.param) from None
 

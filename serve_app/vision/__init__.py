@@ -16,7 +16,7 @@ _HOME = {
     "FetchPolicy": "config", "ImagePolicy": "config", "MediaConfig": "config",
     "MediaConfigError": "config", "TransparentBackground": "config",
     "ImageRejected": "errors",
-    "ImageRef": "images", "PreparedImage": "images", "load_images": "images",
+    "PreparedImage": "images", "load_images": "images",
     "prepare_image": "images",
     "Resize": "preprocess", "image_grid": "preprocess", "normalise": "preprocess",
     "resize_for": "preprocess",

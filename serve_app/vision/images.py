@@ -14,20 +14,12 @@ from typing import Any
 from PIL import Image
 
 from ..protocol.media import ImageInput
+from ..protocol.openai import ImagePart
 from .config import ImagePolicy, MediaConfig
 from .decode import data_url_bytes, decode_image
 from .errors import ImageRejected
 from .fetch import fetch_image
 from .preprocess import preprocess
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """One image a client sent: `param` names its field (e.g.
-    `messages[1].content[2].image_url`), `url` is a data URL or an http(s) URL."""
-
-    param: str
-    url: str
 
 
 @dataclass(frozen=True)
@@ -65,7 +57,7 @@ def prepare_image(data: bytes, policy: ImagePolicy, media: MediaConfig,
                          png.getvalue())
 
 
-async def load_images(refs: Sequence[ImageRef], policy: ImagePolicy,
+async def load_images(refs: Sequence[ImagePart], policy: ImagePolicy,
                       media: MediaConfig) -> list[PreparedImage]:
     """The request's images, in order. Raises `ImageRejected` naming the first bad ref's field
     (by position, whichever finished first)."""
@@ -81,7 +73,7 @@ async def load_images(refs: Sequence[ImageRef], policy: ImagePolicy,
     return list(results)  # type: ignore[arg-type]
 
 
-async def _load(ref: ImageRef, policy: ImagePolicy, media: MediaConfig) -> PreparedImage:
+async def _load(ref: ImagePart, policy: ImagePolicy, media: MediaConfig) -> PreparedImage:
     scheme = ref.url[:8].lower()
     if scheme.startswith("data:"):
         data = data_url_bytes(ref.url, policy, ref.param)
