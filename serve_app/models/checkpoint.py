@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
+from serve_app.protocol.problems import ProblemsError
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -52,13 +54,10 @@ _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_SCALE_SUFFIX = "_scale_inv"  # "weight" -> "weight_scale_inv"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ProblemsError):
     """A checkpoint folder or file that cannot be loaded; the message lists every problem."""
 
-    def __init__(self, where: str | os.PathLike[str], problems: list[str]) -> None:
-        self.problems = problems
-        count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
-        super().__init__(f"checkpoint {where}: {count}:\n  - " + "\n  - ".join(problems))
+    label = "checkpoint "
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, IPvAnyNetwork, model_validator
 
+from serve_app.protocol.problems import ProblemsError
+
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 BackgroundPattern = Literal["white", "black", "gray", "chessboard"]
@@ -26,13 +28,8 @@ _PATTERNS = ("white", "black", "gray", "chessboard")
 _FILL_STAGES = ("before_resize", "after_resize")
 
 
-class MediaConfigError(ValueError):
+class MediaConfigError(ProblemsError):
     """A preprocessor_config.json that cannot be served; the message lists every bad key."""
-
-    def __init__(self, where: str | os.PathLike[str], problems: list[str]) -> None:
-        self.problems = problems
-        count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
-        super().__init__(f"{where}: {count}:\n  - " + "\n  - ".join(problems))
 
 
 @dataclass(frozen=True)
