@@ -57,6 +57,9 @@ class SyntheticExample:
     question: str
     answer: str
     image: Image.Image  # RGB, IMAGE_SIZE x IMAGE_SIZE
+    # What the image shows, by kind of question it answers: a shape image {"colour", "shape"},
+    # a digit image {"digit"}, a word image {"word"}.
+    attributes: tuple[tuple[str, str], ...] = ()
 
 
 def _jitter(rgb: tuple[int, int, int], rng: random.Random, amount: int) -> tuple[int, ...]:
@@ -123,15 +126,14 @@ def example(kind: str, rng: random.Random) -> SyntheticExample:
         shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
         img = draw_shape(shape, colour, rng)
         answer = colour if kind == "colour" else shape
-    elif kind == "digit":
-        answer = rng.choice(DIGITS)
+        attributes = (("colour", colour), ("shape", shape))
+    elif kind in ("digit", "word"):
+        answer = rng.choice(DIGITS if kind == "digit" else WORDS)
         img = draw_text(answer, rng)
-    elif kind == "word":
-        answer = rng.choice(WORDS)
-        img = draw_text(answer, rng)
+        attributes = ((kind, answer),)
     else:
         raise ValueError(f"unknown kind {kind!r}")
-    return SyntheticExample(kind, QUESTIONS[kind], answer, img)
+    return SyntheticExample(kind, QUESTIONS[kind], answer, img, attributes)
 
 
 def examples(seed: int, count: int, kinds: tuple[str, ...] = KINDS) -> list[SyntheticExample]:
