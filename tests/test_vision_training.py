@@ -143,3 +143,31 @@ def test_the_response_channel_is_what_is_compared(tok: HFTokenizer) -> None:
         ids = encode_segments(tok, assistant_completion(Message("assistant", ("red",)), thinking))
         assert tv.response_text(tok, ids, thinking) == "red"
     assert tv.is_correct("red", " Red.") and not tv.is_correct("red", "reddish")
+
+
+def test_the_committed_target_has_its_tower_and_records_its_heldout_accuracy(
+        tok: HFTokenizer) -> None:
+    """The shipped target folder: the tower loads strictly beside the text model, config.json
+    names the pad id, preprocessor_config.json holds K3's keys, and training_metrics.json the
+    held-out accuracy per kind at K3's two sampling modes."""
+    from serve_app.models.k3_weights import load_k3
+    from serve_app.models.moonvit import VISION_SHARD, load_k3_vision
+
+    vision = load_k3_vision(TARGET)
+    assert vision is not None
+    assert vision.config.text_hidden_size == load_k3(TARGET).config.hidden_size
+    config = json.loads((TARGET / "config.json").read_text())
+    assert config["media_placeholder_token_id"] == tok.special_ids["<|media_pad|>"] == 4092
+    index = json.loads((TARGET / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {f for n, f in index.items() if n.startswith(("vision_tower.", "mm_projector."))} \
+        == {VISION_SHARD}
+    assert VISION_SHARD not in {f for n, f in index.items()
+                                if not n.startswith(("vision_tower.", "mm_projector."))}
+    media = json.loads((TARGET / "preprocessor_config.json").read_text())["media_proc_cfg"]
+    assert media == tv.MEDIA_PROC_CFG
+    vm = json.loads((TARGET / "training_metrics.json").read_text())["vision"]
+    for mode, temperature in (("thinking", 1.0), ("instant", 0.6)):
+        held = vm["heldout"][mode]
+        assert (held["temperature"], held["top_p"]) == (temperature, 0.95)
+        assert held["questions_by_kind"] == dict.fromkeys(si.KINDS, 50)
+    assert "## Vision" in (TARGET / "MODEL_CARD.md").read_text()

@@ -232,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd_target(args, text_s * _TARGET_SHARE)
         cmd_draft(args, text_s - (time.monotonic() - t0))
         cmd_vision(args, budget_s - (time.monotonic() - t0))
-    if args.command in ("train-draft", "train-vision", "all", "evaluate"):
+    if args.command == "train-vision":
+        from serve_app.training.cards import write_vision_section
+
+        write_vision_section(args.out)
+    if args.command in ("train-draft", "all", "evaluate"):
         from serve_app.training.cards import write_cards
 
         write_cards(args.out)
