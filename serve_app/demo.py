@@ -1,7 +1,7 @@
 """The main job on the embedded CPU default: serve `deployments/local.yaml` with Ray Serve, stream
 a K3 conversation through the OpenAI API (the reasoning, then the answer; then a request with
-tools and tool_choice required, answered by a tool call), and print the speculative-decoding
-statistics after each."""
+tools and tool_choice required, answered by a tool call; then a question about an image), and
+print the speculative-decoding statistics after each."""
 
 from __future__ import annotations
 
@@ -82,6 +82,42 @@ def _stream(client: Any, model: str, request: dict[str, Any], max_tokens: int) -
             "usage": usage, "elapsed": elapsed, "first": first, "t0": t0}
 
 
+def image_request(seed: int = 0) -> tuple[dict[str, Any], Any]:
+    """A chat request with one image, as a client sends it: a held-out synthetic image (never
+    trained on) of a coloured shape as a PNG data URL, after the question the embedded tower
+    was trained to answer (the question first, as in training). Returns (request, example)."""
+    from serve_app.synthetic_images import heldout_examples, png_data_url, user_content
+
+    example = heldout_examples(seed, 1, ("shape",))[0]
+    request = {"messages": [{"role": "user",
+                             "content": user_content(example, png_data_url(example.image))}],
+               "seed": 1}
+    return request, example
+
+
+def _image_turn(client: Any, model: str, max_tokens: int, gamma: int) -> dict[str, Any]:
+    """The image question, streamed; a server without image input answers 400, which is
+    printed (with what the image shows) instead of an answer."""
+    import openai
+
+    request, example = image_request()
+    url = request["messages"][0]["content"][1]["image_url"]["url"]
+    print(f"\nuser> {example.question}\n[image] {example.image.width}x{example.image.height} "
+          f"PNG, {len(url):,}-character data URL (held-out synthetic image; drawn: a "
+          f"{example.answer})", end="")
+    try:
+        turn = _stream(client, model, request, max_tokens)
+    except openai.BadRequestError as exc:
+        print(f"\nthe server refused the image ({exc.status_code}): {exc.message}\n")
+        return {"request": request, "expected": example.answer, "refused": exc.message}
+    if turn["usage"] is not None:
+        _stats(turn["usage"], turn["elapsed"], turn["first"], turn["t0"], gamma)
+    right = turn["text"].strip().rstrip(".").lower() == example.answer
+    print(f"  answer {'matches' if right else 'differs from'} the drawn shape "
+          f"({example.answer})\n")
+    return {"request": request, "expected": example.answer, **turn}
+
+
 def run_demo(max_tokens: int = 256, port: int | None = None,
              result: dict[str, Any] | None = None) -> int:
     """Returns the exit status; `result`, if given, receives each turn's request and what came
@@ -139,8 +175,9 @@ def run_demo(max_tokens: int = 256, port: int | None = None,
                 print("no usage returned", file=sys.stderr)
                 return 1
             _stats(turn["usage"], turn["elapsed"], turn["first"], turn["t0"], gamma)
+        image = _image_turn(client, config.models.served_model_name, max_tokens, gamma)
         if result is not None:
-            result.update(turns=got, config=config)
+            result.update(turns=got, image_turn=image, config=config)
         return 0
     finally:
         try:

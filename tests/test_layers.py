@@ -15,7 +15,7 @@ PACKAGE = ROOT / "serve_app"
 # Bottom first. A unit is a sub-package or a top-level module of serve_app.
 LAYERS: list[set[str]] = [
     {"protocol"},
-    {"netutil", "observability", "models", "vision", "tokenizer_tiktoken"},
+    {"netutil", "observability", "models", "vision", "tokenizer_tiktoken", "synthetic_images"},
     {"tokenizer"},
     {"grammar", "chat", "routing"},
     {"config"},

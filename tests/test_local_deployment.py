@@ -44,7 +44,14 @@ def test_demo_streams_a_k3_conversation_with_acceptance_stats(
     result: dict[str, Any] = {}
     assert run_demo(max_tokens=MAX_TOKENS, port=free_port(), result=result) == 0
     printed = capsys.readouterr().out
-    assert printed.count("spec_accept_length") == 2
+    image = result["image_turn"]
+    # Then a question about a held-out synthetic image: answered, with its statistics, once
+    # the server takes image input; refused with the API's 400 by a server that does not.
+    assert printed.count("spec_accept_length") == 2 + ("refused" not in image)
+    question, picture = image["request"]["messages"][0]["content"]
+    assert question["type"] == "text" and picture["type"] == "image_url"
+    assert picture["image_url"]["url"].startswith("data:image/png;base64,")
+    assert f"drawn: a {image['expected']}" in printed
     config = result["config"]
     tokenizer = load_tokenizer(config.models.tokenizer_path())
     fmt = chat_format_for(tokenizer, config.api.tool_strict_level)  # as the ingress plans

@@ -133,9 +133,10 @@ def test_loop_detection_tells_a_loop_from_code() -> None:
 @pytest.mark.slow
 def test_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
     """The committed training command, short: the same code (`all`: the K3 target, then its
-    DSpark draft, then the cards) on 24 training files for 6 steps each. It must learn
-    (held-out perplexity clearly under its initial ~4,200), write loadable folders that record how
-    they were made, and yield a lossless speculative pair."""
+    DSpark draft, then the target's vision tower, then the cards) on 24 training files for 6
+    steps each. It must learn (held-out perplexity clearly under its initial ~4,200), write
+    loadable folders that record how they were made, and yield a lossless speculative pair and
+    a target whose tower loads and was measured on the held-out images."""
     import json
     import shutil
     import subprocess
@@ -154,7 +155,8 @@ def test_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
     # One thread: beside the other xdist workers a second one mostly spins (measured alone:
     # 41 s wall / 66 CPU-s at 2 threads, 55 s / 55 CPU-s at 1; the same perplexity).
     argv = ["all", "--budget-minutes", "20", "--max-steps", "6", "--max-files", "24",
-            "--eval-prompts", "2", "--seed", "3", "--threads", "1", "--out", str(tmp_path)]
+            "--eval-prompts", "2", "--vision-heldout-per-kind", "2", "--seed", "3",
+            "--threads", "1", "--out", str(tmp_path)]
     run = subprocess.run([sys.executable, "-m", "serve_app.training", *argv],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -172,6 +174,21 @@ def test_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
     assert dm["engine_heldout_greedy"]["identical_to_target_only"] is True
     card = (tmp_path / TARGET.name / "MODEL_CARD.md").read_text()
     assert tm["provenance"]["command"] in card and str(tm["heldout_perplexity"]) in card
+    from serve_app.models.moonvit import load_k3_vision
+
+    vm = tm["vision"]
+    assert "vision   [" in run.stdout and vm["steps"] == 6
+    assert vm["provenance"]["command"] == tm["provenance"]["command"]
+    for mode, temperature in (("thinking", 1.0), ("instant", 0.6)):
+        held = vm["heldout"][mode]
+        assert (held["temperature"], held["top_p"]) == (temperature, 0.95)
+        assert held["questions_by_kind"] == {"colour": 2, "shape": 2, "digit": 2, "word": 2}
+    vision = load_k3_vision(tmp_path / TARGET.name)
+    assert vision is not None and vision.config.text_hidden_size == target.config.hidden_size
+    config = json.loads((tmp_path / TARGET.name / "config.json").read_text())
+    assert config["media_placeholder_token_id"] == 4092
+    assert (tmp_path / TARGET.name / "preprocessor_config.json").exists()
+    assert "## Vision" in card
 
 
 def test_thread_tuner_keeps_the_faster_count() -> None:

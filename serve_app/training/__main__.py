@@ -1,10 +1,11 @@
 """`python -m serve_app.training COMMAND`: train-tokenizer, heldout, train-target, train-draft,
-all, evaluate, cards.
+train-vision, all, evaluate, cards.
 
 Trains the embedded CPU default from the Python standard library's source on this machine:
 the tokenizer, the mini Kimi K3 target and its DSpark draft, each under a wall-time budget, and
-writes the asset folders (default: `serve_app/assets/`). `all` trains the target then the draft
-with the committed tokenizer (`train-tokenizer` remakes it) and held-out prompts (`heldout`);
+writes the asset folders (default: `serve_app/assets/`); `train-vision` then trains the target's
+vision tower (tower + projector, the text model frozen) on synthetic images it draws. `all`
+trains the target, the draft, then the vision tower with the committed tokenizer (`train-tokenizer` remakes it) and held-out prompts (`heldout`);
 `evaluate` measures a trained pair in the engine again and `cards` rewrites the model cards. CI
 runs a short version of the same recipe (tests/test_training.py).
 
@@ -32,6 +33,10 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # 39); the target gets the larger share because the draft learns from its features.
 _TARGET_MINUTES, _DRAFT_MINUTES = 78.0, 52.0
 _TARGET_SHARE = _TARGET_MINUTES / (_TARGET_MINUTES + _DRAFT_MINUTES)
+# The vision tower learns against the frozen target (the draft is not involved); `all` gives it
+# this share of its budget, after the draft.
+_VISION_MINUTES = 22.0
+_VISION_SHARE = _VISION_MINUTES / (_TARGET_MINUTES + _DRAFT_MINUTES + _VISION_MINUTES)
 
 
 def _paths(out: Path) -> tuple[Path, Path, Path]:
@@ -137,6 +142,17 @@ def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
                 markov_rank=args.markov_rank, max_steps=args.max_steps)
 
 
+def cmd_vision(args: argparse.Namespace, budget_s: float) -> None:
+    """The target's vision tower, trained against the target already in `--out`."""
+    from serve_app.tokenizer import load_tokenizer
+    from serve_app.training.train_vision import train_vision
+
+    tok_dir, target_dir, _ = _paths(args.out)
+    train_vision(load_tokenizer(tok_dir), target_dir, args.seed, budget_s,
+                 threads=args.threads, provenance=args.provenance, max_steps=args.max_steps,
+                 heldout_per_kind=args.vision_heldout_per_kind)
+
+
 def cmd_evaluate(args: argparse.Namespace) -> None:
     """Measures the committed pair again, as `train-draft` does after training, into the
     draft's training_metrics.json (the training fields stay; `evaluated_by` says what made the
@@ -157,10 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve_app.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["train-tokenizer", "heldout", "train-target",
-                                            "train-draft", "all", "evaluate", "cards"])
+                                            "train-draft", "train-vision", "all", "evaluate",
+                                            "cards"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-minutes", type=float, default=None,
-                        help=f"wall-time budget of this command (all: {round(100 * _TARGET_SHARE)}%% target)")
+                        help=f"wall-time budget of this command (all: {round(100 * _VISION_SHARE)}%% vision, the rest "
+                             f"{round(100 * _TARGET_SHARE)}%% target)")
     parser.add_argument("--out", type=Path, default=ASSETS, help="assets folder to write")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--vocab-size", type=int, default=4096)
@@ -176,13 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-prompts", type=int, default=None,
                         help="held-out prompts the draft's engine measurement decodes "
                              "(default all)")
+    parser.add_argument("--vision-heldout-per-kind", type=int, default=50,
+                        help="train-vision: held-out images per question kind")
     parser.add_argument("--bench-json", type=Path, default=None,
                         help="cards: a bench/spec_decode.py --json report to include")
     args = parser.parse_args(argv)
     args.provenance = provenance(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     defaults = {"train-tokenizer": 2.0, "heldout": 0.0, "train-target": _TARGET_MINUTES,
-                "train-draft": _DRAFT_MINUTES, "all": _TARGET_MINUTES + _DRAFT_MINUTES,
+                "train-draft": _DRAFT_MINUTES, "train-vision": _VISION_MINUTES,
+                "all": _TARGET_MINUTES + _DRAFT_MINUTES + _VISION_MINUTES,
                 "evaluate": 0.0, "cards": 0.0}
     budget_s = 60 * (args.budget_minutes if args.budget_minutes is not None
                      else defaults[args.command])
@@ -202,11 +223,19 @@ def main(argv: list[str] | None = None) -> int:
         cmd_target(args, budget_s)
     elif args.command == "train-draft":
         cmd_draft(args, budget_s)
+    elif args.command == "train-vision":
+        cmd_vision(args, budget_s)
     elif args.command == "evaluate":
         cmd_evaluate(args)
     else:
-        cmd_target(args, budget_s * _TARGET_SHARE)
-        cmd_draft(args, budget_s - (time.monotonic() - t0))
+        text_s = budget_s * (1 - _VISION_SHARE)
+        cmd_target(args, text_s * _TARGET_SHARE)
+        cmd_draft(args, text_s - (time.monotonic() - t0))
+        cmd_vision(args, budget_s - (time.monotonic() - t0))
+    if args.command == "train-vision":
+        from serve_app.training.cards import write_vision_section
+
+        write_vision_section(args.out)
     if args.command in ("train-draft", "all", "evaluate"):
         from serve_app.training.cards import write_cards
 

@@ -14,10 +14,13 @@ from serve_app.training.corpus import SourceFile
 # them: a block at the top of the vocabulary (K3: 256 ids from 163,584; here 16 from
 # vocab_size - 16), the named ones in K3's order and at K3's offsets in the block ([BOS] +0,
 # [EOS] +1, <|end_of_msg|> +2, the XTML markers +3..+5, the header ids, [EOT] +9), [UNK] and
-# [PAD] last; the DSpark draft's MASK is a reserved token, as in K3's draft.
+# [PAD] last; the DSpark draft's MASK is a reserved token, as in K3's draft. K3's four image
+# prompt tokens (its ids 163602-163605, +18..+21 in its block) take the spare ids +8 and
+# +10..+12 here: the block has 16 ids, not 256, and they were reserved names no text encodes to.
 CONTROL_TOKENS = 16
 _NAMED = {0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>",
-          5: "<|sep|>", 6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]",
+          5: "<|sep|>", 6: "[start_header_id]", 7: "[end_header_id]", 8: "<|media_begin|>",
+          9: "[EOT]", 10: "<|media_content|>", 11: "<|media_end|>", 12: "<|media_pad|>",
           14: "[UNK]", 15: "[PAD]"}
 MASK_OFFSET = 13
 
