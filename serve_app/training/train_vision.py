@@ -66,6 +66,8 @@ from serve_app.synthetic_images import (
 )
 from serve_app.tokenizer import HFTokenizer
 from serve_app.training.common import Progress, ThreadTuner, cosine_lr, seed_everything
+from serve_app.vision import MediaConfig, normalise
+from serve_app.vision.preprocess import preprocess
 
 MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = (
     "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
@@ -86,6 +88,7 @@ MEDIA_PROC_CFG: dict[str, Any] = {
     "transparent_bg_fill_stage": "after_resize",
     "in_patch_limit_each_frame": 256, "sample_fps": 8.0, "temporal_merge_kernel_size": 4,
 }
+MEDIA = MediaConfig.from_dict(MEDIA_PROC_CFG)
 
 
 def mini_vision_config(text_hidden_size: int) -> VisionConfig:
@@ -105,21 +108,11 @@ def mini_vision_config(text_hidden_size: int) -> VisionConfig:
     })
 
 
-def patchify(img: Image.Image, media: dict[str, Any] = MEDIA_PROC_CFG
-             ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """An RGB image whose sides are multiples of 28 (so K3's resize and pad leave it as it is)
-    -> normalised patches [h*w, 3, 14, 14] in row-major grid order, and its grid_thw."""
-    p = int(media["patch_size"])
-    w, h = img.size
-    if w % (2 * p) or h % (2 * p) or img.mode != "RGB":
-        raise ValueError(f"expected an RGB image with sides multiple of {2 * p}, got "
-                         f"{img.mode} {w}x{h}")
-    x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(h, w, 3)
-    x = x.float() / 255.0
-    x = (x - torch.tensor(media["image_mean"])) / torch.tensor(media["image_std"])
-    gh, gw = h // p, w // p
-    patches = x.view(gh, p, gw, p, 3).permute(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
-    return patches.contiguous(), (1, gh, gw)
+def patchify(img: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An image as the served tower sees it (serve_app/vision: K3's resize, pad and patch
+    order, then its normalisation) -> normalised patches [h*w, 3, 14, 14], and its grid_thw."""
+    grid, _, patches = preprocess(img, MEDIA)
+    return normalise(patches, MEDIA), grid
 
 
 def image_prompt(width: int, height: int, tokens: int) -> Segment:
