@@ -106,6 +106,20 @@ def test_k3_model(tmp_path: Path) -> None:
     assert 0 < state["k3_kv_bytes_per_token"] < state["k2_kv_bytes_per_token"]
 
 
+def test_vision_prefill(tmp_path: Path) -> None:
+    """The embedded target's tower on two image sizes, beside text prefill of as many tokens."""
+    out = tmp_path / "out.json"
+    report = line_and_file(run_bench("bench/vision_prefill.py", "--sizes", "56x56,112x84",
+                                     "--repeats", "1", "--json", str(out)), out)
+    rows = report["rows"]
+    assert [r["size"] for r in rows] == ["56x56", "112x84"]
+    # K3's resize leaves multiples of 28 as they are: 4 and 12 tokens (2x2 patches each).
+    assert [(r["grid_thw"], r["tokens"]) for r in rows] == [([1, 4, 4], 4), ([1, 6, 8], 12)]
+    for r in rows:
+        assert all(positive(r[k]) for k in ("preprocess_ms", "tower_ms", "text_prefill_ms",
+                                            "image_prefill_ms", "tower_vs_text")), r
+
+
 def test_dspark_load(tmp_path: Path) -> None:
     """The full-size run's steps (write, strict memory-mapped load, one draft step) on the
     mini draft's config instead of the 4.5 GB published one."""
