@@ -43,6 +43,7 @@ from serve_app.protocol.generation import (
     RequestFailed,
     RequestOutput,
 )
+from serve_app.protocol.media import ImageInput
 
 HANG_GUARD_S = 120.0
 VOCAB = 64
@@ -513,10 +514,10 @@ async def test_an_add_request_crash_refuses_only_that_request(
     real = core.add_request
 
     def add_request(prompt: list[int], params: SamplingParams, rid: str | None = None,
-                    hand_off: bool = False) -> str:
+                    hand_off: bool = False, images: tuple[ImageInput, ...] = ()) -> str:
         if rid == "boom":
             raise RuntimeError("an unexpected bug at /srv/engine.py")
-        return real(prompt, params, rid, hand_off=hand_off)
+        return real(prompt, params, rid, hand_off=hand_off, images=images)
 
     core.add_request = add_request  # type: ignore[method-assign]
     engine = async_engine(core)

@@ -21,6 +21,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from spec_helpers import (
@@ -72,9 +73,8 @@ def text_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def image(seed: int, h: int = 4, w: int = 6, offset: int = 0) -> ImageInput:
     """A random image of grid (1, h, w) patches whose pad run starts at `offset`."""
-    patches = torch.randint(0, 256, (h * w, 3, 14, 14), dtype=torch.uint8,
-                            generator=torch.Generator().manual_seed(seed))
-    digest = hashlib.sha256(patches.numpy().tobytes()).hexdigest()
+    patches = np.random.default_rng(seed).integers(0, 256, (h * w, 3, 14, 14), dtype=np.uint8)
+    digest = hashlib.sha256(patches.tobytes()).hexdigest()
     return ImageInput(digest, w * 14, h * 14, (1, h, w), offset, h * w // 4, patches, b"")
 
 

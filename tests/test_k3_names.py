@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 from collections.abc import Callable
 from itertools import product
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sglang_source import SGLANG_SRC, sglang_file
 
 from serve_app.models.k3_config import K3Config, k3_layer_tensors, k3_tensor_shapes
 
@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 EXTRACT = ROOT / "tests" / "data" / "sglang_k3_names_0_5_23.json"
 CONFIGS = {"real": ROOT / "capacity" / "data" / "kimi-k3-config.json",
            "mini": ROOT / "tests" / "data" / "mini-k3-config.json"}
-SGLANG_SRC = Path(os.environ.get("SGLANG_SRC", "/tmp/pkgs/sg/sglang"))
 
 # Every `if` test guarding a parameter in the extract, as a function of our config. A new SGLang
 # condition fails `test_every_condition_is_known` until it is mapped here.
@@ -170,8 +169,7 @@ def test_names_survive_the_loader_rewrites(extract: dict[str, Any], which: str) 
 
 
 def test_vendored_extract_matches_the_wheel_source(tmp_path: Path) -> None:
-    if not (SGLANG_SRC / "srt" / "models" / "kimi_k3.py").exists():
-        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    sglang_file("srt/models/kimi_k3.py")
     spec = importlib.util.spec_from_file_location(
         "extract_k3", ROOT / "tools" / "extract_sglang_k3_names.py")
     assert spec and spec.loader

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 from sglang_helpers import GOLDEN, ROOT, app_config, rank_plan, serve_files
+from sglang_source import SGLANG_SRC, sglang_file
 
 from capacity.sglang_flags import FLAGS_FILE, sglang_fields
 from serve_app.app import ConfigError, validate
@@ -34,7 +35,6 @@ from serve_app.engines.spec_stats import SpecStats
 from serve_app.protocol.generation import SamplingParams
 
 PRODUCTION = "deployments/kimi_dspark.yaml"
-SGLANG_SRC = Path(os.environ.get("SGLANG_SRC", "/tmp/pkgs/sg/sglang"))
 
 
 def _golden_name(rel: str) -> Path:
@@ -78,8 +78,7 @@ def test_h200_recipe_values() -> None:
 
 
 def test_vendored_flags_match_the_wheel_source() -> None:
-    if not (SGLANG_SRC / "srt" / "server_args.py").exists():
-        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    sglang_file("srt/server_args.py")
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("extract", ROOT / "tools" /
@@ -267,9 +266,7 @@ def test_extra_server_args_may_not_set_the_replayssm_fields() -> None:
 
 def test_replayssm_rules_are_sglangs_own() -> None:
     """The rules SGLangSettings applies are in the 0.5.23 source (line numbers as cited)."""
-    hook = SGLANG_SRC / "srt" / "arg_groups" / "attention_hook.py"
-    if not hook.exists():
-        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    hook = sglang_file("srt/arg_groups/attention_hook.py")
     pool = (SGLANG_SRC / "srt" / "mem_cache" / "memory_pool.py").read_text()
     assert "if L & (L - 1) != 0:" in pool
     assert "and L < 2 * speculative_num_draft_tokens" in pool
@@ -414,9 +411,7 @@ def test_kv_events_config_is_passed_and_managed() -> None:
 
 def test_kv_events_config_is_one_sglang_parses() -> None:
     """The JSON is a valid 0.5.23 KVEventsConfig and binds where the replica connects."""
-    source = SGLANG_SRC / "srt" / "disaggregation" / "kv_events.py"
-    if not source.exists():
-        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    source = sglang_file("srt/disaggregation/kv_events.py")
     text = source.read_text()
     config = json.loads(sglang_server_args(app_config(PRODUCTION))["kv_events_config"])
     for name in config:  # every key a KVEventsConfig field
@@ -436,14 +431,13 @@ def test_the_pd_request_fields_are_sglangs_own() -> None:
     """What the PD path sends SGLang, against 0.5.23's source: the bootstrap fields are
     parameters of `Engine.async_generate`, the health probe's fake host is SGLang's
     FAKE_BOOTSTRAP_HOST, and each transfer backend's package is the module SGLang imports."""
-    if not (SGLANG_SRC / "srt" / "entrypoints" / "engine.py").exists():
-        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    engine = sglang_file("srt/entrypoints/engine.py")
     import ast
 
     from capacity.sglang_recipe import TRANSFER_BACKENDS
     from serve_app.engines.sglang.engine import FAKE_BOOTSTRAP_HOST, SGLangHandoff, _bootstrap
 
-    tree = ast.parse((SGLANG_SRC / "srt" / "entrypoints" / "engine.py").read_text())
+    tree = ast.parse(engine.read_text())
     [generate] = [f for f in ast.walk(tree) if isinstance(f, ast.AsyncFunctionDef)
                   and f.name == "async_generate"]
     params = {a.arg for a in generate.args.args + generate.args.kwonlyargs}

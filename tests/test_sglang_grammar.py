@@ -9,12 +9,11 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sglang_helpers import app_config
+from sglang_source import sglang_file
 
 from capacity.sglang_flags import sglang_fields
 from capacity.sglang_recipe import SGLANG_GRAMMAR_ARGS
@@ -26,7 +25,6 @@ from serve_app.engines.sglang.grammar import sglang_constraint
 from serve_app.protocol.generation import SamplingParams
 from serve_app.protocol.grammar import GrammarSpec, ToolSpec
 
-SGLANG_SRC = Path(os.environ.get("SGLANG_SRC", "/tmp/pkgs/sg/sglang"))
 PRODUCTION = "deployments/kimi_dspark.yaml"
 
 THINK_CLOSE = "<|close|>think<|sep|>"
@@ -280,9 +278,7 @@ def test_production_names_the_grammar_backend() -> None:
 # --- SGLang's source, when unpacked ---
 
 def test_markers_are_sglangs() -> None:
-    source = SGLANG_SRC / "srt" / "function_call" / "kimik3_format.py"
-    if not source.exists():
-        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    source = sglang_file("srt/function_call/kimik3_format.py")
     constants = {node.targets[0].id: node.value.value
                  for node in ast.parse(source.read_text()).body
                  if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import pytest
+from sglang_source import sglang_file
 from tiny_models import wait_for
 
 from serve_app.engines.sglang.kv_events import (
@@ -356,15 +357,10 @@ def test_sglangs_own_structs_decode_with_the_mirrors(monkeypatch: pytest.MonkeyP
     """0.5.23's srt/disaggregation/kv_events.py itself (SGLANG_SRC), its two sglang imports
     stubbed: what its publisher encodes, this module decodes and translates."""
     import importlib.util
-    import os
     import sys
     import types
-    from pathlib import Path
 
-    source = Path(os.environ.get("SGLANG_SRC", "/tmp/pkgs/sg/sglang")) / "srt" / \
-        "disaggregation" / "kv_events.py"
-    if not source.exists():
-        pytest.skip(f"SGLang 0.5.23 source not at {source.parent.parent.parent} (set SGLANG_SRC)")
+    source = sglang_file("srt/disaggregation/kv_events.py")
     msgspec = pytest.importorskip("msgspec")
     pytest.importorskip("zmq")
     from serve_app.engines.sglang.kv_events import decoder

@@ -8,7 +8,6 @@ import ast
 import asyncio
 import hashlib
 import io
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from sglang_source import sglang_file
 
 from serve_app.engines.sglang import engine as engine_module
 from serve_app.engines.sglang.args import image_args, server_args_cli
@@ -44,7 +44,6 @@ from tiny_models import write_k3_style_tokenizer
 
 # SGLang's package source, where it is unpacked (never in CI; the same variable as
 # test_k3_names.py): the copy below is checked against it.
-SGLANG_SRC = Path(os.environ.get("SGLANG_SRC", "/tmp/src/sgl/sglang"))
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +90,7 @@ def sglang_expand(input_ids: list[int], image_token_id: int, counts: list[int],
 
 def _sglang_source_functions() -> dict[str, Any]:
     """The two functions exec'd from SGLang's own kimi_k3.py (skipped where it is absent)."""
-    path = SGLANG_SRC / "srt" / "multimodal" / "processors" / "kimi_k3.py"
-    if not path.is_file():
-        pytest.skip(f"SGLang 0.5.23 source not at {SGLANG_SRC} (set SGLANG_SRC)")
+    path = sglang_file("srt/multimodal/processors/kimi_k3.py")
     tree = ast.parse(path.read_text())
     wanted = {"_encode_k3_special_tokens", "_expand_k3_image_prompt_token_ids"}
     body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]

@@ -27,7 +27,7 @@ class ImageInput:
     grid_thw: tuple[int, int, int]  # patches (t, h, w) after K3's resize and pad
     offset: int  # where its pad run starts in the prompt ids
     tokens: int  # the pad run's length: (h / 2) * (w / 2)
-    patches: Any  # torch.Tensor uint8 [h * w, 3, 14, 14], row-major grid order, not normalised
+    patches: Any  # numpy uint8 [h * w, 3, 14, 14], row-major grid order, not normalised
     png: bytes  # the decoded image (orientation applied, frame 0) re-encoded losslessly
 
     @property

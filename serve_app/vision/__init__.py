@@ -18,7 +18,7 @@ _HOME = {
     "ImageRejected": "errors",
     "PreparedImage": "images", "load_images": "images",
     "prepare_image": "images",
-    "Resize": "preprocess", "image_grid": "preprocess", "normalise": "preprocess",
+    "Resize": "preprocess", "image_grid": "preprocess", "normalise": "tower_input",
     "resize_for": "preprocess",
 }
 

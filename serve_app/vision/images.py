@@ -31,7 +31,7 @@ class PreparedImage:
     height: int
     grid_thw: tuple[int, int, int]
     tokens: int
-    patches: Any  # torch.Tensor uint8 [h * w, 3, p, p]
+    patches: Any  # numpy uint8 [h * w, 3, p, p]
     png: bytes  # the decoded image, lossless
 
     def at(self, offset: int) -> ImageInput:

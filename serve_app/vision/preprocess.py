@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from PIL import Image
 
 from .config import MediaConfig, TransparentBackground
@@ -60,8 +59,9 @@ def image_grid(width: int, height: int, media: MediaConfig) -> tuple[tuple[int, 
 
 
 def preprocess(image: Image.Image, media: MediaConfig) -> tuple[tuple[int, int, int], int,
-                                                                   torch.Tensor]:
-    """(grid_thw, tokens, patches) of an RGB or RGBA image: patches uint8 [h * w, 3, p, p]."""
+                                                                   np.ndarray]:
+    """(grid_thw, tokens, patches) of an RGB or RGBA image: patches uint8 [h * w, 3, p, p]
+    (numpy: the ingress prepares images without torch; `normalise` hands the engine a tensor)."""
     if image.mode not in ("RGB", "RGBA"):
         raise ValueError(f"preprocess takes RGB or RGBA images, not {image.mode}")
     r = resize_for(image.width, image.height, media)
@@ -77,8 +77,7 @@ def preprocess(image: Image.Image, media: MediaConfig) -> tuple[tuple[int, int, 
     gh, gw = padded.shape[0] // p, padded.shape[1] // p
     patches = padded.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(-1, 3, p, p)
     merge = media.merge_kernel_size
-    return (1, gh, gw), (gh // merge) * (gw // merge), torch.from_numpy(
-        np.ascontiguousarray(patches))
+    return (1, gh, gw), (gh // merge) * (gw // merge), np.ascontiguousarray(patches)
 
 
 def _fill_background(image: Image.Image, background: TransparentBackground | None
@@ -114,23 +113,3 @@ def _chessboard(height: int, width: int, square: int, white_on_top_left: bool, w
     board = np.repeat(board[:, :, None], 3, axis=2)
     board.flags.writeable = False  # shared by the cache
     return board
-
-
-def normalise(patches: torch.Tensor, media: MediaConfig) -> torch.Tensor:
-    """uint8 patches [P, 3, p, p] -> float32 `(x / 255 - mean) / std`, rounded as K3's processor
-    rounds it (x / 255 in float64 to float32, then each step in float64 back to float32)."""
-    table = _normalise_table(media.image_mean, media.image_std)
-    index = patches.long() + torch.arange(3).view(1, 3, 1, 1) * 256
-    return table.flatten()[index]
-
-
-@functools.lru_cache(maxsize=4)
-def _normalise_table(mean: tuple[float, float, float], std: tuple[float, float, float]
-                     ) -> torch.Tensor:
-    """[3, 256]: every uint8 value's normalised float32, per channel."""
-    x = (np.arange(256, dtype=np.float64) / 255.0).astype(np.float32)
-    rows = []
-    for m, s in zip(mean, std, strict=True):
-        y = (x.astype(np.float64) - m).astype(np.float32)
-        rows.append((y.astype(np.float64) * (1.0 / s)).astype(np.float32))
-    return torch.from_numpy(np.stack(rows))

@@ -19,13 +19,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from serve_app.models.moonvit import ROPE_MAX_SIDE
 from serve_app.protocol.media import ImageInput
 
 # uint8 patches [P, 3, 14, 14] -> the tower's normalised float input (K3's media_proc_cfg).
-Normalise = Callable[[torch.Tensor], torch.Tensor]
+Normalise = Callable[[np.ndarray], torch.Tensor]
 
 
 class VisionEncoder(Protocol):
@@ -123,9 +124,9 @@ def check_image_shapes(images: Sequence[ImageInput]) -> None:
             raise ValueError(f"images[{i}]: grid {image.grid_thw} is not a still image of at "
                              f"most {ROPE_MAX_SIDE} patches a side (the tower's bound)")
         patches = image.patches
-        if not isinstance(patches, torch.Tensor) or patches.dtype != torch.uint8 or \
+        if not isinstance(patches, np.ndarray) or patches.dtype != np.uint8 or \
                 tuple(patches.shape) != (t * h * w, 3, 14, 14):
-            shape = tuple(patches.shape) if isinstance(patches, torch.Tensor) else type(patches)
+            shape = tuple(patches.shape) if isinstance(patches, np.ndarray) else type(patches)
             raise ValueError(f"images[{i}]: patches {shape} are not uint8 "
                              f"[{t * h * w}, 3, 14, 14] for grid {image.grid_thw}")
         if h % 2 or w % 2 or image.tokens * 4 != t * h * w:
