@@ -3,8 +3,8 @@ allows) to a `PreparedImage` that K3's tower takes, preprocessed exactly as K3's
 does. Imports only serve_app.protocol.
 
 The names below load their module on first use: the app's config reads `ImagePolicy` and
-`MediaConfig` (pydantic only) without importing Pillow and torch, which only the ingress's and
-the engine's image work needs. The function `preprocess` is imported from its module
+`MediaConfig` (pydantic only) without importing Pillow, which only the ingress's image work
+needs; only `normalise` (the engine's side) imports torch. The function `preprocess` is imported from its module
 (`serve_app.vision.preprocess`), whose name it shares."""
 
 from __future__ import annotations
