@@ -27,37 +27,9 @@ from typing import Any
 
 from capacity.config import Images
 from capacity.errors import CapacityError
-from capacity.model import Component, ModelDescriptor, TensorGroup
+from capacity.model import Component, MediaLimits, ModelDescriptor, TensorGroup, VisionTower
 
-VISION_WEIGHT_BYTES = 2  # BF16, the checkpoint dtype (config.json "dtype": "bfloat16")
 PACKAGED_MEDIA = "kimi-k3-preprocessor-config.json"
-MEDIA_KEYS = ("patch_size", "merge_kernel_size", "in_patch_limit", "patch_limit_on_one_side")
-
-
-@dataclass(frozen=True)
-class MediaLimits:
-    """`media_proc_cfg`'s image keys: what an image becomes before the tower."""
-
-    patch_size: int
-    merge_kernel_size: int
-    in_patch_limit: int
-    patch_limit_on_one_side: int
-    fixed_output_tokens: int | None
-    source: str
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any], source: str) -> MediaLimits:
-        bad = [k for k in MEDIA_KEYS
-               if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] <= 0]
-        if bad:
-            raise CapacityError(f"{source}: media_proc_cfg needs positive integers for: "
-                                f"{', '.join(bad)}")
-        fixed = cfg.get("fixed_output_tokens")
-        if fixed is not None and (not isinstance(fixed, int) or fixed <= 0):
-            raise CapacityError(f"{source}: media_proc_cfg.fixed_output_tokens must be null or a "
-                                f"positive integer, got {fixed!r}")
-        return cls(cfg["patch_size"], cfg["merge_kernel_size"], cfg["in_patch_limit"],
-                   cfg["patch_limit_on_one_side"], fixed, source)
 
 
 def load_media_limits(folder: Path | None) -> MediaLimits:
@@ -139,70 +111,6 @@ def largest_image(media: MediaLimits) -> ImageGrid:
             if patches > best_patches:
                 best, best_patches = (p * a + p - 1, p * b + p - 1), patches
     return image_grid(*best, media)
-
-
-@dataclass(frozen=True)
-class VisionTower:
-    """MoonViT-V2 + patchmergerv2, every tensor as TensorGroups (counted from vision_config)."""
-
-    hidden: int  # D, vt_hidden_size
-    layers: int
-    heads: int
-    qkv_hidden: int  # attention width (heads x head dim), 1536 for K3: not D
-    intermediate: int
-    patch_size: int
-    merge_area: int  # merge_kernel_size h x w
-    projector_in: int  # mm_hidden_size x merge area
-    text_hidden: int
-    tower_groups: tuple[TensorGroup, ...]
-    projector_groups: tuple[TensorGroup, ...]
-
-    @property
-    def tower_params(self) -> int:
-        return sum(g.params for g in self.tower_groups)
-
-    @property
-    def projector_params(self) -> int:
-        return sum(g.params for g in self.projector_groups)
-
-    @property
-    def params(self) -> int:
-        return self.tower_params + self.projector_params
-
-    @property
-    def tower_bytes(self) -> int:
-        return self.tower_params * VISION_WEIGHT_BYTES
-
-    @property
-    def projector_bytes(self) -> int:
-        return self.projector_params * VISION_WEIGHT_BYTES
-
-    def tower_flops(self, patches: int) -> float:
-        """One image of `patches` patches through the tower (attention is per image, full,
-        non-causal): patch embedding, then per layer qkv + wo + fc0 + fc1 and QK^T + AV."""
-        embed = 2 * patches * 3 * self.patch_size**2 * self.hidden
-        linear = 2 * patches * self.hidden * (4 * self.qkv_hidden + 2 * self.intermediate)
-        attention = 4 * float(patches) ** 2 * self.qkv_hidden
-        return embed + self.layers * (linear + attention)
-
-    def projector_flops(self, tokens: int) -> float:
-        """proj.0 (4D -> 4D) and proj.2 (4D -> text hidden) over the merged tokens."""
-        return 2 * tokens * self.projector_in * (self.projector_in + self.text_hidden)
-
-    def activation_bytes(self, patches: int) -> int:
-        """Peak live activations of one tower call over `patches` patches (an estimate, like
-        the text model's workspace; BF16 unless said): the pixels (3 p^2) and the position
-        embeddings (D) beside the busiest layer phase, attention: residual + normed input (2D),
-        qkv (3 x qkv), q and k rotated in FP32 (2 x qkv at twice the width) and the attention
-        output (qkv). The flash / triton varlen kernels SGLang picks hold no P x P scores. The
-        projector phase (4D in, 4D hidden and GELU, text-hidden out and norm, per token = per
-        merge-area patches) is smaller for K3 but taken if larger."""
-        pixels = 3 * self.patch_size**2
-        attention = 2 * self.hidden + 3 * self.qkv_hidden + 4 * self.qkv_hidden + self.qkv_hidden
-        mlp = 2 * self.hidden + 2 * self.intermediate
-        tower = patches * (pixels + self.hidden + max(attention, mlp))
-        projector = patches // self.merge_area * (3 * self.projector_in + 2 * self.text_hidden)
-        return max(tower, projector) * VISION_WEIGHT_BYTES
 
 
 def vision_from_config(vc: Mapping[str, Any], source: str) -> VisionTower:
