@@ -3,6 +3,7 @@ prompt (the server's rendering with the image after the question), and the commi
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -82,25 +83,32 @@ def test_a_colour_question_is_answered_by_the_drawn_colour() -> None:
 @pytest.mark.parametrize("thinking", [True, False])
 def test_the_training_prompt_is_the_servers_rendering_with_the_image_after_the_question(
         tok: HFTokenizer, thinking: bool) -> None:
-    """Without its image segment the prompt is exactly what the ingress renders for the
-    question alone; the image segment is K3's expanded prompt (9 pads for 84x84) right after
-    the question's text."""
-    from serve_app.embedded import chat_prompt_ids
+    """The training prompt is exactly what the ingress makes of the request the demo and the
+    evaluation send (`user_content`: the question, then the image): its chat format's plan,
+    expanded with the image as the ingress prepares it (K3's 9 pads for 84x84)."""
+    from serve_app.chat.formats import chat_format_for
+    from serve_app.chat.segments import encode_prompt
+    from serve_app.protocol.openai import ChatCompletionRequest
+    from serve_app.vision.config import ImagePolicy
+    from serve_app.vision.images import prepare_image
 
-    q = si.QUESTIONS["shape"]
-    segs = tv.prompt_segments(q, 84, 84, 9, thinking)
-    image = [s for s in segs if s.control and s.text.startswith("<|media_begin|>")]
-    assert len(image) == 1
-    at = segs.index(image[0])
-    assert segs[at - 1].text == q
-    request = {"messages": [{"role": "user", "content": q}]}
+    ex = si.examples(0, 2)[1]
+    assert ex.kind == "shape"
+    url = si.png_data_url(ex.image)
+    request: dict = {"model": "embedded",
+                     "messages": [{"role": "user", "content": si.user_content(ex, url)}]}
     if not thinking:
         request["thinking"] = {"type": "disabled"}
-    without = encode_segments(tok, [s for s in segs if s is not image[0]])
-    assert without == chat_prompt_ids(tok, request)
-    ids = encode_segments(tok, [image[0]])
-    assert ids[0] == 4088 and ids[-1] == 4091 and ids[-10:-1] == [4092] * 9
-    assert tok.decode(ids[1:-11]) == "image 84x84" and ids[-11] == 4090
+    plan = chat_format_for(tok, vision=True).plan(ChatCompletionRequest.model_validate(request))
+    png = base64.b64decode(url.split(",", 1)[1])
+    prepared = prepare_image(png, ImagePolicy(), tv.MEDIA, "messages[0].content[1].image_url")
+    served, offsets = encode_prompt(tok, plan.segments, [prepared])
+    trained = tv.PromptCache(tok, 9).prompt_ids(ex.question, thinking)
+    assert trained == served
+    at = offsets[0]
+    assert served[at:at + 9] == [4092] * 9 and served[at - 1] == 4090 and served[at + 9] == 4091
+    begin = served.index(4088)
+    assert tok.decode(served[begin + 1:at - 1]) == "image 84x84"
 
 
 def test_patchify_is_row_major_and_normalised() -> None:

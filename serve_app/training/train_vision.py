@@ -26,14 +26,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
 from serve_app.chat.parameters import K3_TEMPERATURE, K3_TOP_P
-from serve_app.chat.segments import Segment, control, encode_segments
+from serve_app.chat.segments import MEDIA_PAD, Segment, encode_prompt, encode_segments
 from serve_app.chat.xtml_render import (
     END_OF_MSG,
     Message,
@@ -52,6 +52,7 @@ from serve_app.models.moonvit import (
     save_k3_vision,
     vision_params,
 )
+from serve_app.protocol.openai import ImagePart
 from serve_app.synthetic_images import (
     COLOURS,
     DIGITS,
@@ -69,8 +70,6 @@ from serve_app.training.common import Progress, ThreadTuner, cosine_lr, seed_eve
 from serve_app.vision import MediaConfig, normalise
 from serve_app.vision.preprocess import preprocess
 
-MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = (
-    "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 # K3's config.json key (its value there: "<|kimi_image_placeholder|>"; a string the renderer
 # replaces with the next image prompt, not a token of K3's vocabulary).
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
@@ -115,21 +114,23 @@ def patchify(img: Image.Image) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return normalise(patches, MEDIA), grid
 
 
-def image_prompt(width: int, height: int, tokens: int) -> Segment:
-    """K3's expanded image prompt (one control segment: "image WxH" inside it is ordinary
-    text, the pad repeated `tokens` times)."""
-    return control(f"{MEDIA_BEGIN}image {width}x{height}{MEDIA_CONTENT}"
-                   + MEDIA_PAD * tokens + MEDIA_END)
+class ImageSize(NamedTuple):
+    """What K3's image prompt needs of an image (chat.segments.SizedImage)."""
+
+    width: int
+    height: int
+    tokens: int
 
 
-def prompt_segments(question: str, width: int, height: int, tokens: int,
-                    thinking: bool) -> list[Segment]:
+def prompt_segments(question: str, thinking: bool) -> list[Segment]:
     """K3's rendering of a one-turn chat whose user content is [question, image] (the OpenAI
-    parts in that order): the renderer's own output for the question, the image prompt right
-    after the question's text inside the user message."""
-    segments = render([Message("user", (question,))], RenderOptions(thinking=thinking))
-    at = next(i for i, s in enumerate(segments) if not s.control and s.text == question)
-    return [*segments[:at + 1], image_prompt(width, height, tokens), *segments[at + 1:]]
+    parts in that order, `synthetic_images.user_content`), as the ingress renders it."""
+    return render([Message("user", (question, _IMAGE_PART))], RenderOptions(thinking=thinking))
+
+
+# The image part of the rendered user message: only its place matters (its pixels reach the
+# model as features, its size as `ImageSize`).
+_IMAGE_PART = ImagePart("messages[0].content[1]", "")
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,8 @@ class PromptCache:
     def prompt_ids(self, question: str, thinking: bool) -> list[int]:
         key = (question, thinking)
         if key not in self._prompts:
-            self._prompts[key] = encode_segments(self.tok, prompt_segments(
-                question, IMAGE_SIZE, IMAGE_SIZE, self.n, thinking))
+            self._prompts[key], _ = encode_prompt(self.tok, prompt_segments(question, thinking),
+                                                  [ImageSize(IMAGE_SIZE, IMAGE_SIZE, self.n)])
         return self._prompts[key]
 
     def completion_ids(self, answer: str, thinking: bool) -> tuple[list[int], tuple[int, int]]:
