@@ -130,7 +130,7 @@ def test_the_shared_prefix_state_equals_the_whole_prompt(tok: HFTokenizer) -> No
     from serve_app.models.k3_weights import load_k3
 
     lm = load_k3(TARGET, dtype=torch.float32)
-    target = tv.FrozenTarget(lm, tv.PromptCache(tok, 9))
+    target = tv.TargetRunner(lm, tv.PromptCache(tok, 9))
     vision = tv.K3Vision(tv.mini_vision_config(192))
     tv.init_vision(vision, 0.05, 0)
     exs = si.examples(1, 2, ("colour",))

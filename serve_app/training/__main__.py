@@ -3,8 +3,9 @@ train-vision, all, evaluate, cards.
 
 Trains the embedded CPU default from the Python standard library's source on this machine:
 the tokenizer, the mini Kimi K3 target and its DSpark draft, each under a wall-time budget, and
-writes the asset folders (default: `serve_app/assets/`); `train-vision` then trains the target's
-vision tower (tower + projector, the text model frozen) on synthetic images it draws. `all`
+writes the asset folders (default: `serve_app/assets/`); `train-vision` then teaches the target to
+see: its vision tower (tower + projector) and the text model together, on synthetic images it
+draws, the text model replaying its own training text. `all`
 trains the target, the draft, then the vision tower with the committed tokenizer (`train-tokenizer` remakes it) and held-out prompts (`heldout`);
 `evaluate` measures a trained pair in the engine again and `cards` rewrites the model cards. CI
 runs a short version of the same recipe (tests/test_training.py).
@@ -33,8 +34,8 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # 39); the target gets the larger share because the draft learns from its features.
 _TARGET_MINUTES, _DRAFT_MINUTES = 78.0, 52.0
 _TARGET_SHARE = _TARGET_MINUTES / (_TARGET_MINUTES + _DRAFT_MINUTES)
-# The vision tower learns against the frozen target (the draft is not involved); `all` gives it
-# this share of its budget, after the draft.
+# The vision stage (tower, projector and the text model; the draft is not involved); `all`
+# gives it this share of its budget, after the draft.
 _VISION_MINUTES = 22.0
 _VISION_SHARE = _VISION_MINUTES / (_TARGET_MINUTES + _DRAFT_MINUTES + _VISION_MINUTES)
 
@@ -143,12 +144,14 @@ def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
 
 
 def cmd_vision(args: argparse.Namespace, budget_s: float) -> None:
-    """The target's vision tower, trained against the target already in `--out`."""
+    """The target's vision tower, trained with the target already in `--out` (which learns
+    too, replaying its training files)."""
     from serve_app.tokenizer import load_tokenizer
     from serve_app.training.train_vision import train_vision
 
+    train, held = _corpus(args.max_files)
     tok_dir, target_dir, _ = _paths(args.out)
-    train_vision(load_tokenizer(tok_dir), target_dir, args.seed, budget_s,
+    train_vision(load_tokenizer(tok_dir), train, held, target_dir, args.seed, budget_s,
                  threads=args.threads, provenance=args.provenance, max_steps=args.max_steps,
                  heldout_per_kind=args.vision_heldout_per_kind)
 

@@ -132,6 +132,14 @@ def lm_loss(model: K3ForCausalLM, windows: torch.Tensor, reduction: str = "mean"
     return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction=reduction)
 
 
+def heldout_windows(tok: HFTokenizer, files: list[SourceFile], seed: int,
+                    seq_len: int = 512) -> torch.Tensor:
+    """The held-out perplexity's windows: up to 48 of seq_len + 1 tokens of the held-out files
+    (plain text, no conversations), evenly spaced."""
+    held = encode_documents(tok, files, seed, conversation_fraction=0.0)
+    return fixed_windows(held, 48, seq_len + 1)
+
+
 @torch.no_grad()
 def heldout_perplexity(model: K3ForCausalLM, windows: torch.Tensor, batch: int = 8) -> float:
     total = sum(float(lm_loss(model, windows[i:i + batch], "sum"))
@@ -178,9 +186,8 @@ def train_target(
     seed_everything(seed)
     start = time.monotonic()
     stream = encode_documents(tok, train_files, seed)
-    held = encode_documents(tok, heldout_files, seed, conversation_fraction=0.0)
-    eval_windows = fixed_windows(held, 48, seq_len + 1)
-    print(f"target: {len(stream):,} training tokens, {len(held):,} held-out tokens "
+    eval_windows = heldout_windows(tok, heldout_files, seed, seq_len)
+    print(f"target: {len(stream):,} training tokens, {eval_windows[:, 1:].numel():,} held-out tokens "
           f"({len(train_files)} / {len(heldout_files)} files)", flush=True)
 
     config = mini_target_config(tok)
