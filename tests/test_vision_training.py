@@ -179,3 +179,21 @@ def test_the_committed_target_has_its_tower_and_records_its_heldout_accuracy(
         assert (held["temperature"], held["top_p"]) == (temperature, 0.95)
         assert held["questions_by_kind"] == dict.fromkeys(si.KINDS, 50)
     assert "## Vision" in (TARGET / "MODEL_CARD.md").read_text()
+
+
+def test_the_committed_target_answers_held_out_colour_questions(tok: HFTokenizer) -> None:
+    """The shipped weights (text model + tower, bf16) answer what their card records: 100% of
+    50 held-out colour questions at both K3 modes. Here 12 more from the held-out seed (drawn
+    colour-only, so other images) at the instant parameters, sampled: at least 11 right (a
+    margin of one for float differences between machines)."""
+    from serve_app.models.k3_weights import load_k3
+    from serve_app.models.moonvit import load_k3_vision
+
+    lm = load_k3(TARGET, dtype=torch.float32)
+    vision = load_k3_vision(TARGET, dtype=torch.float32)
+    assert vision is not None
+    runner = tv.TargetRunner(lm, tv.PromptCache(tok, 9))
+    held = si.heldout_examples(0, 12, ("colour",))
+    result = tv.answer_accuracy(runner, vision, held, thinking=False, seed=1)
+    assert result["questions_by_kind"] == {"colour": 12}
+    assert result["accuracy_by_kind"]["colour"] >= 11 / 12, result["samples"]
