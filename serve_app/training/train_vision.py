@@ -20,9 +20,9 @@ answer is one word (thinking: an empty think channel, then the response). The im
 replace the pad positions' embeddings (`inputs_embeds`), and the loss is the text model's
 cross-entropy on the completion's tokens.
 
-What is measured is what ships: the bf16 tower loaded from the folder, answering held-out
-images (another seed's stream) at K3's sampling parameters (thinking: T 1.0, instant: T 0.6;
-top_p 0.95), the answer read from the response channel.
+What is measured is what ships: the bf16 text model and tower loaded from the folder,
+answering held-out images (another seed's stream) at K3's sampling parameters (thinking: T 1.0,
+instant: T 0.6; top_p 0.95), the answer read from the response channel.
 """
 
 from __future__ import annotations
