@@ -1,6 +1,7 @@
 """The main job on the embedded CPU default: serve `deployments/local.yaml` with Ray Serve, stream
 a K3 conversation through the OpenAI API (the reasoning, then the answer; then a request with
-tools and tool_choice required, answered by a tool call; then a question about an image), and
+tools and tool_choice required, answered by a tool call; then two questions about an image:
+its colour, its shape), and
 print the speculative-decoding statistics after each."""
 
 from __future__ import annotations
@@ -82,40 +83,52 @@ def _stream(client: Any, model: str, request: dict[str, Any], max_tokens: int) -
             "usage": usage, "elapsed": elapsed, "first": first, "t0": t0}
 
 
-def image_request(seed: int = 0) -> tuple[dict[str, Any], Any]:
-    """A chat request with one image, as a client sends it: a held-out synthetic image (never
-    trained on) of a coloured shape as a PNG data URL, after the question the embedded tower
-    was trained to answer (the question first, as in training). Returns (request, example)."""
-    from serve_app.synthetic_images import heldout_examples, png_data_url, user_content
+def image_requests(seed: int = 0) -> list[tuple[dict[str, Any], Any]]:
+    """Two chat requests about one image, as a client sends them: a held-out synthetic image
+    (never trained on) of a coloured shape as a PNG data URL, after the question (the question
+    first, as in training): its colour, then its shape. Returns [(request, example)]."""
+    from serve_app.synthetic_images import (
+        QUESTIONS,
+        SyntheticExample,
+        heldout_examples,
+        png_data_url,
+        user_content,
+    )
 
-    example = heldout_examples(seed, 1, ("shape",))[0]
-    request = {"messages": [{"role": "user",
-                             "content": user_content(example, png_data_url(example.image))}],
-               "seed": 1}
-    return request, example
+    shape = heldout_examples(seed, 1, ("shape",))[0]
+    colour = SyntheticExample("colour", QUESTIONS["colour"], dict(shape.attributes)["colour"],
+                              shape.image, shape.attributes)
+    url = png_data_url(shape.image)
+    return [({"messages": [{"role": "user", "content": user_content(example, url)}], "seed": 1},
+             example) for example in (colour, shape)]
 
 
-def _image_turn(client: Any, model: str, max_tokens: int, gamma: int) -> dict[str, Any]:
-    """The image question, streamed; a server without image input answers 400, which is
+def _image_turns(client: Any, model: str, max_tokens: int, gamma: int) -> list[dict[str, Any]]:
+    """The image questions, streamed; a server without image input answers 400, which is
     printed (with what the image shows) instead of an answer."""
     import openai
 
-    request, example = image_request()
-    url = request["messages"][0]["content"][1]["image_url"]["url"]
-    print(f"\nuser> {example.question}\n[image] {example.image.width}x{example.image.height} "
-          f"PNG, {len(url):,}-character data URL (held-out synthetic image; drawn: a "
-          f"{example.answer})", end="")
-    try:
-        turn = _stream(client, model, request, max_tokens)
-    except openai.BadRequestError as exc:
-        print(f"\nthe server refused the image ({exc.status_code}): {exc.message}\n")
-        return {"request": request, "expected": example.answer, "refused": exc.message}
-    if turn["usage"] is not None:
-        _stats(turn["usage"], turn["elapsed"], turn["first"], turn["t0"], gamma)
-    right = turn["text"].strip().rstrip(".").lower() == example.answer
-    print(f"  answer {'matches' if right else 'differs from'} the drawn shape "
-          f"({example.answer})\n")
-    return {"request": request, "expected": example.answer, **turn}
+    turns = []
+    for request, example in image_requests():
+        url = request["messages"][0]["content"][1]["image_url"]["url"]
+        drawn = dict(example.attributes)
+        print(f"\nuser> {example.question}\n[image] {example.image.width}x"
+              f"{example.image.height} PNG, {len(url):,}-character data URL (held-out synthetic "
+              f"image; drawn: a {drawn['shape']} in {drawn['colour']})", end="")
+        try:
+            turn = _stream(client, model, request, max_tokens)
+        except openai.BadRequestError as exc:
+            print(f"\nthe server refused the image ({exc.status_code}): {exc.message}\n")
+            turns.append({"request": request, "expected": example.answer,
+                          "refused": exc.message})
+            continue
+        if turn["usage"] is not None:
+            _stats(turn["usage"], turn["elapsed"], turn["first"], turn["t0"], gamma)
+        right = turn["text"].strip().rstrip(".").lower() == example.answer
+        print(f"  answer {'matches' if right else 'differs from'} the drawn {example.kind} "
+              f"({example.answer})\n")
+        turns.append({"request": request, "expected": example.answer, **turn})
+    return turns
 
 
 def run_demo(max_tokens: int = 256, port: int | None = None,
@@ -175,9 +188,9 @@ def run_demo(max_tokens: int = 256, port: int | None = None,
                 print("no usage returned", file=sys.stderr)
                 return 1
             _stats(turn["usage"], turn["elapsed"], turn["first"], turn["t0"], gamma)
-        image = _image_turn(client, config.models.served_model_name, max_tokens, gamma)
+        images = _image_turns(client, config.models.served_model_name, max_tokens, gamma)
         if result is not None:
-            result.update(turns=got, image_turn=image, config=config)
+            result.update(turns=got, image_turns=images, config=config)
         return 0
     finally:
         try:

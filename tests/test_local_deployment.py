@@ -38,20 +38,26 @@ def test_demo_streams_a_k3_conversation_with_acceptance_stats(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The README's first command: a held-out K3 conversation streamed (reasoning, then the
     answer), then a request with tools and tool_choice required answered by a call of a
-    declared tool; acceptance statistics after each; the served TP-2 answers are what a TP-2
-    engine outside Serve generates from the same prompt ids and seed."""
+    declared tool, then an image's colour and shape; acceptance statistics after each; the
+    served TP-2 answers are what a TP-2 engine outside Serve generates from the same prompt ids
+    and seed."""
     stop_ray()  # the demo starts Ray itself, as a user's first command does
     result: dict[str, Any] = {}
     assert run_demo(max_tokens=MAX_TOKENS, port=free_port(), result=result) == 0
     printed = capsys.readouterr().out
-    image = result["image_turn"]
-    # Then a question about a held-out synthetic image: answered, with its statistics, once
-    # the server takes image input; refused with the API's 400 by a server that does not.
-    assert printed.count("spec_accept_length") == 2 + ("refused" not in image)
-    question, picture = image["request"]["messages"][0]["content"]
-    assert question["type"] == "text" and picture["type"] == "image_url"
-    assert picture["image_url"]["url"].startswith("data:image/png;base64,")
-    assert f"drawn: a {image['expected']}" in printed
+    colour, shape = result["image_turns"]
+    # Then two questions about one held-out synthetic image, its colour and its shape: each
+    # answered with its statistics (the server takes image input). The embedded target names
+    # held-out colours (its card: 100% of 50 at both K3 modes), so the colour answer is checked.
+    assert printed.count("spec_accept_length") == 4
+    assert "refused" not in colour and "refused" not in shape
+    for turn in (colour, shape):
+        question, picture = turn["request"]["messages"][0]["content"]
+        assert question["type"] == "text" and picture["type"] == "image_url"
+        assert picture["image_url"]["url"].startswith("data:image/png;base64,")
+    assert colour["request"]["messages"][0]["content"][1] == picture
+    assert f"drawn: a {shape['expected']} in {colour['expected']}" in printed
+    assert colour["text"].strip().rstrip(".").lower() == colour["expected"]
     config = result["config"]
     tokenizer = load_tokenizer(config.models.tokenizer_path())
     fmt = chat_format_for(tokenizer, config.api.tool_strict_level)  # as the ingress plans
