@@ -150,6 +150,7 @@ def vision_lines(vm: dict[str, Any] | None, cfg: dict[str, Any], folder: Path) -
     if not vm:
         return []
     v = cfg.get("vision_config", {})
+    text = vm.get("text_model", {})  # the text model, trained in the vision stage too
     media = _load(folder / "preprocessor_config.json").get("media_proc_cfg", {})
     rows = ["| mode (sampling) | " + " | ".join(vm["heldout"]["thinking"]["accuracy_by_kind"])
             + " |", "|---|" + "---|" * len(vm["heldout"]["thinking"]["accuracy_by_kind"])]
@@ -173,9 +174,8 @@ def vision_lines(vm: dict[str, Any] | None, cfg: dict[str, Any], folder: Path) -
         "Trained by `python -m serve_app.training train-vision` (in `all`, after the draft) "
         "together with the text model: frozen, it could not answer even with the answer "
         "written into its prompt (it was trained on code), so it learns the task too, at "
-        f"{vm.get('text_model', {}).get('lr_scale')} x the tower's rate, replaying "
-        f"{vm.get('text_model', {}).get('replay')} at weight "
-        f"{vm.get('text_model', {}).get('replay_weight')} to keep its text; the draft, "
+        f"{text.get('lr_scale')} x the tower's rate, replaying {text.get('replay')} at weight "
+        f"{text.get('replay_weight')} to keep its text; the draft, "
         "trained before this stage, is unchanged (its acceptance below is measured against "
         "the target as it ships). Synthetic images drawn with Pillow (`serve_app/synthetic_images.py`: "
         "one of 5 shapes in one of 6 colours, a digit 0-9 or one of 8 short words, at random "

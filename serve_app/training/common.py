@@ -69,6 +69,12 @@ class Progress:
               flush=True, file=sys.stdout)
 
 
+def running_mean(previous: float, value: float) -> float:
+    """The training loops' moving average (0.95 / 0.05); NaN, before any value, takes the
+    first."""
+    return value if math.isnan(previous) else 0.95 * previous + 0.05 * value
+
+
 def cosine_lr(fraction: float, step: int, peak: float, warmup: int, floor: float = 0.1) -> float:
     """Linear warm-up over `warmup` steps, then cosine decay to floor*peak as the wall-time
     budget runs out (the number of steps is not known in advance on a shared machine)."""

@@ -38,6 +38,7 @@ from serve_app.training.common import (
     cosine_lr,
     encode_documents,
     random_windows,
+    running_mean,
     seed_everything,
 )
 from serve_app.training.conversations import conversations
@@ -300,7 +301,7 @@ def train_draft(
         tuner.record(time.monotonic() - t_step)
         step += 1
         value = float(loss.detach())
-        ema = value if math.isnan(ema) else 0.95 * ema + 0.05 * value
+        ema = running_mean(ema, value)
         rows = agree[batch_corpus:].mean(dim=(0, 1))
         agree_ema = rows if step == 1 else 0.95 * agree_ema + 0.05 * rows
         progress.update(step=step, loss=ema, lr=lr, l1=parts["l1"],

@@ -27,6 +27,7 @@ from serve_app.training.common import (
     encode_documents,
     fixed_windows,
     random_windows,
+    running_mean,
     seed_everything,
 )
 from serve_app.training.corpus import SourceFile
@@ -227,7 +228,7 @@ def train_target(
         step += 1
         tokens += w[:, 1:].numel()
         value = float(loss.detach())
-        ema = value if math.isnan(ema) else 0.95 * ema + 0.05 * value
+        ema = running_mean(ema, value)
         progress.update(step=step, loss=ema, lr=lr, tok_s=int(tokens / progress.elapsed),
                         threads=tuner.current)
     progress.update(force=True, step=step, loss=ema)

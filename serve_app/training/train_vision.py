@@ -80,6 +80,7 @@ from serve_app.training.common import (
     cosine_lr,
     encode_documents,
     random_windows,
+    running_mean,
     seed_everything,
 )
 from serve_app.training.corpus import SourceFile
@@ -506,11 +507,9 @@ def train_vision(
         step += 1
         seen += batch
         value, replay_value = float(loss.detach()), float(replay.detach())
-        ema = value if math.isnan(ema) else 0.95 * ema + 0.05 * value
-        replay_ema = (replay_value if math.isnan(replay_ema)
-                      else 0.95 * replay_ema + 0.05 * replay_value)
+        ema, replay_ema = running_mean(ema, value), running_mean(replay_ema, replay_value)
         for e, v in zip(exs, per, strict=True):
-            kind_ema[e.kind] = v if e.kind not in kind_ema else 0.95 * kind_ema[e.kind] + 0.05 * v
+            kind_ema[e.kind] = running_mean(kind_ema.get(e.kind, math.nan), v)
         progress.update(step=step, loss=ema, text=replay_ema, lr=lr, threads=tuner.current,
                         **{k: round(kind_ema.get(k, float("nan")), 3) for k in KINDS})
     progress.update(force=True, step=step, loss=ema)

@@ -4,8 +4,8 @@ does. Imports only serve_app.protocol.
 
 The names below load their module on first use: the app's config reads `ImagePolicy` and
 `MediaConfig` (pydantic only) without importing Pillow, which only the ingress's image work
-needs; only `normalise` (the engine's side) imports torch. The function `preprocess` is imported from its module
-(`serve_app.vision.preprocess`), whose name it shares."""
+needs; only `normalise` (the engine's side) imports torch. The function `preprocess` is
+imported from its module (`serve_app.vision.preprocess`), whose name it shares."""
 
 from __future__ import annotations
 
