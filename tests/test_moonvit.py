@@ -112,6 +112,31 @@ def test_no_attention_across_images(model: K3Vision) -> None:
     assert (a[n0:] - b[n0:]).abs().max() > 1000 * TOL
 
 
+def test_equal_sized_images_batched_stay_apart(model: K3Vision) -> None:
+    """Consecutive images of one size share a batched attention call (a different size between
+    them starts another): each image still equals itself alone, and changing one image changes
+    no other's features."""
+    grids = [(1, 4, 4), (1, 4, 4), (1, 2, 4), (1, 4, 4), (1, 4, 4)]
+    sizes = [t * h * w for t, h, w in grids]
+    pixels = torch.randn(sum(sizes), 3, 14, 14, generator=torch.Generator().manual_seed(0))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    with torch.no_grad():
+        packed = model(pixels, grids)
+        singles = [model(pixels[s:s + n], [g]) for s, n, g in zip(starts, sizes, grids,
+                                                                  strict=True)]
+        other = pixels.clone()
+        other[starts[1]:starts[1] + sizes[1]] *= -1  # the second image only
+        changed = model(other, grids)
+    torch.testing.assert_close(packed, torch.cat(singles), atol=TOL, rtol=0)
+    tokens = [merged_tokens(model.config, g) for g in grids]
+    ends = [sum(tokens[:i + 1]) for i in range(len(tokens))]
+    second = slice(ends[0], ends[1])
+    assert (packed[second] - changed[second]).abs().max() > 1000 * TOL
+    keep = torch.ones(packed.shape[0], dtype=torch.bool)
+    keep[second] = False
+    torch.testing.assert_close(packed[keep], changed[keep], atol=TOL, rtol=0)
+
+
 def test_rope_column_row_rule_is_pinned(model: K3Vision, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fixture tells the rule apart: with pair 2i rotated by the row and 2i+1 by the column
     (the checkpoint docstring's reading), the outputs no longer match."""

@@ -30,12 +30,14 @@ computes in fp32 and takes that epsilon in torch 2.13, for fp32 and bf16 inputs 
 `post_norm` uses `projector_ln_eps`. All are computed in fp32 and cast back.
 
 Packing: `K3Vision.forward` takes several images' patches concatenated ([sum P_i, 3, 14, 14])
-and their grids. Attention runs image by image: a loop over the images' row ranges
-(cu_seqlens) calling SDPA on each, not one call with a block-diagonal mask. The loop is what
-SGLang's sdpa path does, it costs memory proportional to the largest image's P^2 rather than
-(sum P_i)^2 (four 4096-patch images would need a 16k x 16k mask per head), and unmasked SDPA
-may use the fused flash / memory-efficient kernels that an arbitrary mask rules out. Everything
-else (linears, norms, MLP) is per-token and runs over the whole pack at once.
+and their grids. Attention runs image by image over the images' row ranges (cu_seqlens),
+not as one call with a block-diagonal mask: what SGLang's sdpa path does, memory proportional
+to the largest image's P^2 rather than (sum P_i)^2 (four 4096-patch images would need a
+16k x 16k mask per head), and unmasked SDPA may use the fused flash / memory-efficient kernels
+that an arbitrary mask rules out. Consecutive images of the same patch count go in one batched
+SDPA call (the same attention, one kernel launch instead of one per image: a batch of 32
+84-pixel images trains ~1.5x faster). Everything else (linears, norms, MLP) is per-token and
+runs over the whole pack at once.
 
 Only still images (t == 1) are supported; a video grid (t > 1, whose time embedding and
 temporal pooling this module does not implement) is refused with a ValueError.
@@ -398,6 +400,18 @@ class MLP2(nn.Module):
         return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
 
 
+def _equal_runs(bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Consecutive images' row ranges merged where their lengths are equal: (start, end,
+    length of each image)."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in bounds:
+        if runs and runs[-1][2] == end - start:
+            runs[-1] = (runs[-1][0], end, end - start)
+        else:
+            runs.append((start, end, end - start))
+    return runs
+
+
 class EncoderBlock(nn.Module):
     """`encoder.blocks.N`: pre-norm attention (wqkv, wo) and MLP2, both residual."""
 
@@ -418,15 +432,15 @@ class EncoderBlock(nn.Module):
         # 3-major: the projection's rows are [q heads..., k heads..., v heads...].
         q, k, v = self.wqkv(x).view(p, 3, self.heads, self.head_dim).unbind(1)
         q, k = _apply_rope(q, rope), _apply_rope(k, rope)
-        out = torch.empty_like(q)
-        for start, end in bounds:  # one image at a time: no attention across images
-            # [1, heads, n, hd]; non-causal, scale 1/sqrt(hd) (SDPA's default)
-            out[start:end] = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1).unsqueeze(0),
-                k[start:end].transpose(0, 1).unsqueeze(0),
-                v[start:end].transpose(0, 1).unsqueeze(0),
-            ).squeeze(0).transpose(0, 1)
-        return self.wo(out.reshape(p, -1))
+        runs = []
+        # No attention across images: each run of equal-length images is one batch of SDPA,
+        # [images, heads, n, hd], non-causal, scale 1/sqrt(hd) (SDPA's default).
+        for start, end, n in _equal_runs(bounds):
+            qkv = [t[start:end].view(-1, n, self.heads, self.head_dim).transpose(1, 2)
+                   for t in (q, k, v)]
+            runs.append(F.scaled_dot_product_attention(*qkv).transpose(1, 2)
+                        .reshape(end - start, -1))
+        return self.wo(runs[0] if len(runs) == 1 else torch.cat(runs))
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, bounds: Sequence[tuple[int, int]]
                 ) -> torch.Tensor:
