@@ -171,10 +171,11 @@ def vision_lines(vm: dict[str, Any] | None, cfg: dict[str, Any], folder: Path) -
         f"(in_patch_limit {media.get('in_patch_limit')}, patch_limit_on_one_side "
         f"{media.get('patch_limit_on_one_side')}). The image prompt uses K3's four media tokens "
         f"(`media_placeholder_token_id` {cfg.get('media_placeholder_token_id')}).",
-        "Trained by `python -m serve_app.training train-vision` (in `all`, after the draft) "
+        "Trained by `python -m serve_app.training train-vision` (in `all`, after the draft), "
+        "in two stages. " + _tower_stage(vm) + "Then "
         "together with the text model: frozen, it could not answer even with the answer "
         "written into its prompt (it was trained on code), so it learns the task too, at "
-        f"{text.get('lr_scale')} x the tower's rate, replaying {text.get('replay')} at weight "
+        f"{text.get('lr_scale')} x the stage's peak rate, replaying {text.get('replay')} at weight "
         f"{text.get('replay_weight')} to keep its text; the draft, "
         "trained before this stage, is unchanged (its acceptance below is measured against "
         "the target as it ships). Synthetic images drawn with Pillow (`serve_app/synthetic_images.py`: "
@@ -189,7 +190,8 @@ def vision_lines(vm: dict[str, Any] | None, cfg: dict[str, Any], folder: Path) -
         "features in place of the `<|media_pad|>` embeddings. "
         f"{vm.get('steps')} steps of {vm.get('batch')} images "
         f"({vm.get('train_images', 0):,} images, never repeated), AdamW lr "
-        f"{vm.get('peak_lr')} (projector x{vm.get('projector_lr_scale')}), half the steps "
+        f"{vm.get('peak_lr')} (projector x{vm.get('projector_lr_scale')}, tower "
+        f"x{vm.get('joint_tower_lr_scale', 1.0)}), the probe trained on, half the steps "
         f"thinking, half instant; the answer word's cross-entropy per token at the end (EMA, "
         f"by kind) {vm.get('answer_ce_ema_by_kind')}. " + _made_by(vm),
         f"Held-out accuracy ({vm.get('heldout_per_kind')} images per kind from another seed's "
@@ -197,6 +199,19 @@ def vision_lines(vm: dict[str, Any] | None, cfg: dict[str, Any], folder: Path) -
         "from the response channel and compared with the word; a random guess is 1/6 for "
         "colour, 1/5 for shape, 1/10 for digit, 1/8 for word):", "", *rows, "",
         *_goal_line(vm), ]
+
+
+def _tower_stage(vm: dict[str, Any]) -> str:
+    """The tower's own stage (tower + a linear probe, no text model), if the run had one."""
+    t = vm.get("tower_stage")
+    if not t:
+        return ""
+    return (f"First the tower alone, with a linear probe of each image's colour, shape, digit "
+            f"and word on its pooled output (training only, not saved): {t['steps']:,} steps "
+            f"of {t['batch']} images of kind {', '.join(t['kinds'])} "
+            f"({t['images']:,} images), AdamW lr {t['lr']}, {t['wall_s'] / 60:.1f} min; the "
+            f"probe's held-out accuracy after it {t['probe_heldout_accuracy']}, after the joint "
+            f"stage {vm.get('probe_heldout_accuracy_after')}. ")
 
 
 def _after_vision(vm: dict[str, Any] | None) -> str:

@@ -526,7 +526,7 @@ def train_vision(
           f"{len(cache.prefix[False])} + "
           f"{len(cache.encoded(examples(seed, 1)[0], False).prompt)} instant; the text model's "
           f"held-out perplexity {ppl_before:.2f}", flush=True)
-    # The projector at PROJECTOR_LR_SCALE x the tower's rate: its output lives in the text
+    # The projector at PROJECTOR_LR_SCALE x the peak rate: its output lives in the text
     # model's embedding space, where free vectors needed ~1e-2 to steer the frozen model to a
     # word within 60 steps (3e-3 for the whole tower moved the answers' loss little in 200).
     # The text model's parameters are those its own training trains (not the router bias).
