@@ -118,3 +118,50 @@ def test_stream_spec_stats_capacity_health_abort(target: Any) -> None:
         time.sleep(0.2)
     assert handle.stats.remote().result()["running"] == 0
     assert handle.capacity.remote().result()["kv_tokens_used"] == 0
+
+
+def test_images_reach_sglangs_tower(target: Any) -> None:
+    """Two chats with one synthetic image each (a red circle, a blue square on white), planned
+    by the ingress's own renderer and vision package from the checkpoint folder, sent with
+    their images: SGLang's K3 processor and tower answer each with its colour (instant mode,
+    greedy), and the two prompts' ids differ only inside their pad runs."""
+    import random
+
+    from serve_app.chat.formats import K3Format
+    from serve_app.chat.segments import encode_prompt
+    from serve_app.protocol.generation import GenerateRequest, SamplingParams
+    from serve_app.protocol.openai import ChatCompletionRequest
+    from serve_app.synthetic_images import QUESTIONS, draw_shape, png_data_url
+    from serve_app.tokenizer import load_tokenizer
+    from serve_app.vision import ImagePolicy, MediaConfig, load_images
+
+    handle, _ = target
+    folder = os.environ["KIMI_SGLANG_TARGET"]
+    tok = load_tokenizer(folder)
+    media = MediaConfig.from_folder(folder)
+    assert media is not None, "the checkpoint has no preprocessor_config.json"
+    answers = {}
+    for shape, colour in (("circle", "red"), ("square", "blue")):
+        url = png_data_url(draw_shape(shape, colour, random.Random(7)))
+        body = ChatCompletionRequest.model_validate({
+            "model": "kimi-k3", "thinking": {"type": "disabled"}, "messages": [
+                {"role": "user", "content": [
+                    {"type": "text", "text": QUESTIONS["colour"] + " Answer with one word."},
+                    {"type": "image_url", "image_url": {"url": url}}]}]})
+        plan = K3Format(tok, vision=True).plan(body)
+        images = asyncio.run(load_images(plan.images, ImagePolicy(), media))
+        ids, offsets = encode_prompt(tok, plan.segments, images)
+        request = GenerateRequest(f"gpu-image-{colour}", ids,
+                                  SamplingParams(temperature=0.0, max_tokens=32),
+                                  images=tuple(i.at(o) for i, o in zip(images, offsets,
+                                                                       strict=True)))
+
+        async def answer(request: GenerateRequest = request) -> str:
+            text = ""
+            async for out in handle.options(stream=True).generate.remote(request):
+                text += out.text
+            return text
+
+        answers[colour] = asyncio.run(answer()).lower()
+    for colour, text in answers.items():
+        assert colour in text, answers
