@@ -23,10 +23,11 @@ from serve_app.models.k3_config import K3Config
 from serve_app.tokenizer import HFTokenizer, load_tokenizer
 from serve_app.training.evaluate import pair_engine
 
-# Measured on the committed pair: the macro mean accept length on these 6 prompts is 3.73 (the
+# Measured on the committed pair: the macro mean accept length on these 6 prompts is 3.44 (the
 # draft's training_metrics.json, engine_heldout_greedy: per_prompt_accept_length 0-4 and 10),
-# less the margin the previous pair's floor kept for float differences between machines.
-MIN_ACCEPT_LENGTH = 3.1
+# less the margin the previous floor kept (3.73 -> 3.1, 17%) for float differences between
+# machines.
+MIN_ACCEPT_LENGTH = 2.85
 MAX_TOKENS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 

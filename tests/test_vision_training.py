@@ -181,11 +181,13 @@ def test_the_committed_target_has_its_tower_and_records_its_heldout_accuracy(
     assert "## Vision" in (TARGET / "MODEL_CARD.md").read_text()
 
 
-def test_the_committed_target_answers_held_out_colour_questions(tok: HFTokenizer) -> None:
-    """The shipped weights (text model + tower, bf16) answer what their card records: 100% of
-    50 held-out colour questions at both K3 modes. Here 12 more from the held-out seed (drawn
-    colour-only, so other images) at the instant parameters, sampled: at least 11 right (a
-    margin of one for float differences between machines)."""
+def test_the_committed_target_answers_held_out_colour_and_shape_questions(
+        tok: HFTokenizer) -> None:
+    """The shipped weights (text model + tower, bf16) answer what their card records (at the
+    instant parameters: colour 96%, shape 90% of 50 held-out images). Here 12 more of each from
+    the held-out seed (drawn one kind at a time, so other images), sampled: at least 9 of 12
+    right for each (the card's rates give 11-12 and 10-11; the margin is for float differences
+    between machines and the sampling; a tower that did not see would get 2-3)."""
     from serve_app.models.k3_weights import load_k3
     from serve_app.models.moonvit import load_k3_vision
 
@@ -193,7 +195,8 @@ def test_the_committed_target_answers_held_out_colour_questions(tok: HFTokenizer
     vision = load_k3_vision(TARGET, dtype=torch.float32)
     assert vision is not None
     runner = tv.TargetRunner(lm, tv.PromptCache(tok, 9))
-    held = si.heldout_examples(0, 12, ("colour",))
-    result = tv.answer_accuracy(runner, vision, held, thinking=False, seed=1)
-    assert result["questions_by_kind"] == {"colour": 12}
-    assert result["accuracy_by_kind"]["colour"] >= 11 / 12, result["samples"]
+    for kind in ("colour", "shape"):
+        held = si.heldout_examples(0, 12, (kind,))
+        result = tv.answer_accuracy(runner, vision, held, thinking=False, seed=1)
+        assert result["questions_by_kind"] == {kind: 12}
+        assert result["accuracy_by_kind"][kind] >= 9 / 12, result["samples"]
