@@ -276,34 +276,32 @@ class AttributeProbe(torch.nn.Module):
         self.heads = torch.nn.ModuleDict({name: torch.nn.Linear(width, len(values))
                                           for name, values in _ATTRIBUTES.items()})
 
-    def loss(self, merged: torch.Tensor, exs: Sequence[SyntheticExample]) -> torch.Tensor:
-        pooled = merged.view(len(exs), -1, merged.shape[-1]).mean(1)
-        total = merged.new_zeros(())
-        for name, values in _ATTRIBUTES.items():
-            rows = [(i, values.index(dict(e.attributes)[name])) for i, e in enumerate(exs)
-                    if name in dict(e.attributes)]
-            if rows:
-                at = torch.tensor([i for i, _ in rows])
-                total = total + F.cross_entropy(self.heads[name](pooled[at]),
-                                                torch.tensor([c for _, c in rows]))
-        return total
-
-
-    @torch.no_grad()
-    def accuracy(self, vision: K3Vision, exs: Sequence[SyntheticExample]) -> dict[str, float]:
-        """Each head's held-out accuracy (what the tower makes linearly readable)."""
-        pixels, grids = image_batch(exs)
-        merged = vision.vision_tower(pixels, grids)
+    def logits(self, merged: torch.Tensor, exs: Sequence[SyntheticExample]
+               ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per attribute the images show: (each head's logits for those images, their labels),
+        from the merged output averaged over each image."""
         pooled = merged.view(len(exs), -1, merged.shape[-1]).mean(1)
         out = {}
         for name, values in _ATTRIBUTES.items():
             rows = [(i, values.index(dict(e.attributes)[name])) for i, e in enumerate(exs)
                     if name in dict(e.attributes)]
             if rows:
-                guess = self.heads[name](pooled[torch.tensor([i for i, _ in rows])]).argmax(-1)
-                right = guess == torch.tensor([c for _, c in rows])
-                out[name] = round(float(right.float().mean()), 4)
+                at = torch.tensor([i for i, _ in rows])
+                out[name] = (self.heads[name](pooled[at]), torch.tensor([c for _, c in rows]))
         return out
+
+    def loss(self, merged: torch.Tensor, exs: Sequence[SyntheticExample]) -> torch.Tensor:
+        return sum((F.cross_entropy(logits, labels)
+                    for logits, labels in self.logits(merged, exs).values()),
+                   merged.new_zeros(()))
+
+    @torch.no_grad()
+    def accuracy(self, vision: K3Vision, exs: Sequence[SyntheticExample]) -> dict[str, float]:
+        """Each head's held-out accuracy (what the tower makes linearly readable)."""
+        pixels, grids = image_batch(exs)
+        heads = self.logits(vision.vision_tower(pixels, grids), exs)
+        return {name: round(float((logits.argmax(-1) == labels).float().mean()), 4)
+                for name, (logits, labels) in heads.items()}
 
 
 # The tower's own stage, before the text model joins: the tower and the probe alone on shape
