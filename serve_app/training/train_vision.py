@@ -1,6 +1,8 @@
 """Train the embedded target to see: a tiny MoonViT-V2 tower and patchmergerv2 projector (K3's
 structure, `models/moonvit.py`) together with the text model, on synthetic images
-(`serve_app/synthetic_images.py`).
+(`serve_app/synthetic_images.py`), in two stages: the tower alone with a linear probe
+(`train_tower`: a ViT learns shapes slowly, and through the text model it did not learn them at
+all), then the tower, projector and text model together.
 
 The text model learns too. Frozen, it could not answer even with the answer written into its
 prompt ("What colour is ...? The answer is orange." -> 0 of 40 colour and shape questions
@@ -528,8 +530,9 @@ def train_vision(
     # model's embedding space, where free vectors needed ~1e-2 to steer the frozen model to a
     # word within 60 steps (3e-3 for the whole tower moved the answers' loss little in 200).
     # The text model's parameters are those its own training trains (not the router bias).
-    # The tower, trained already by its own stage, at JOINT_TOWER_LR_SCALE: at the full rate the
-    # answers' gradient through the text model would unlearn the shapes it has learned.
+    # The tower, trained already by its own stage, at JOINT_TOWER_LR_SCALE, so that the answers'
+    # gradient through the text model moves what it has learned less (the probe, still on,
+    # held shape at 97% through the committed run's joint stage).
     text_weights = [p for p in lm.parameters() if p.requires_grad]
     groups = []
     for weights, scale in ((list(vision.vision_tower.parameters()), JOINT_TOWER_LR_SCALE),
