@@ -36,7 +36,9 @@ to the largest image's P^2 rather than (sum P_i)^2 (four 4096-patch images would
 16k x 16k mask per head), and unmasked SDPA may use the fused flash / memory-efficient kernels
 that an arbitrary mask rules out. Consecutive images of the same patch count go in one batched
 SDPA call (the same attention, one kernel launch instead of one per image: a batch of 32
-84-pixel images trains ~1.5x faster). Everything else (linears, norms, MLP) is per-token and
+84-pixel images trains ~1.5x faster); a run of n images of P patches holds n x P^2 scores
+where unbatched SDPA held P^2 at a time, still n times less than one masked call's (nP)^2.
+Everything else (linears, norms, MLP) is per-token and
 runs over the whole pack at once.
 
 Only still images (t == 1) are supported; a video grid (t > 1, whose time embedding and
