@@ -7,6 +7,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,15 @@ def running_mean(previous: float, value: float) -> float:
     """The training loops' moving average (0.95 / 0.05); NaN, before any value, takes the
     first."""
     return value if math.isnan(previous) else 0.95 * previous + 0.05 * value
+
+
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor,
+                   params: Iterable[torch.Tensor]) -> None:
+    """One update of every training loop: gradients of `loss`, `params`' norm clipped at 1.0."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
 
 
 def cosine_lr(fraction: float, step: int, peak: float, warmup: int, floor: float = 0.1) -> float:

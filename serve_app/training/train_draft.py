@@ -37,6 +37,7 @@ from serve_app.training.common import (
     conversation_ids,
     cosine_lr,
     encode_documents,
+    optimizer_step,
     random_windows,
     running_mean,
     seed_everything,
@@ -294,10 +295,7 @@ def train_draft(
         taps, tlogits, labels = _batch(target, ids, anchors)
         res = draft.forward_train(taps, ids, anchors, embed, lm_head)
         loss, parts, agree = draft_loss(res.logits, res.confidence, tlogits, labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, draft.parameters())
         tuner.record(time.monotonic() - t_step)
         step += 1
         value = float(loss.detach())

@@ -26,6 +26,7 @@ from serve_app.training.common import (
     cosine_lr,
     encode_documents,
     fixed_windows,
+    optimizer_step,
     random_windows,
     running_mean,
     seed_everything,
@@ -219,10 +220,7 @@ def train_target(
         w = random_windows(stream, batch, seq_len + 1, gen)
         # fp32: bf16 autocast measured no faster here (small matmuls, cast overhead).
         loss = lm_loss(model, w)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, model.parameters())
         load.balance(rate=1e-3)
         tuner.record(time.monotonic() - t_step)
         step += 1

@@ -81,6 +81,7 @@ from serve_app.training.common import (
     ThreadTuner,
     cosine_lr,
     encode_documents,
+    optimizer_step,
     random_windows,
     running_mean,
     seed_everything,
@@ -336,10 +337,7 @@ def train_tower(vision: K3Vision, probe: AttributeProbe, seed: int, budget_s: fl
         exs = examples(rng.randrange(2**31), TOWER_BATCH, TOWER_KINDS)
         pixels, grids = image_batch(exs)
         loss = probe.loss(vision.vision_tower(pixels, grids), exs)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimizer_step(opt, loss, params)
         step += 1
         ema = running_mean(ema, float(loss.detach()))
         progress.update(step=step, loss=ema, lr=lr)
@@ -570,10 +568,7 @@ def train_vision(
         target.forget_prefix()
         loss, per = vision_loss(target, vision, exs, thinking, probe)
         replay = lm_loss(lm, random_windows(stream, REPLAY_BATCH, REPLAY_LEN + 1, gen))
-        opt.zero_grad(set_to_none=True)
-        (loss + REPLAY_WEIGHT * replay).backward()
-        torch.nn.utils.clip_grad_norm_([*vision.parameters(), *text_weights], 1.0)
-        opt.step()
+        optimizer_step(opt, loss + REPLAY_WEIGHT * replay, [*vision.parameters(), *text_weights])
         tuner.record(time.monotonic() - t_step)
         step += 1
         seen += batch
