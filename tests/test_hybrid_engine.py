@@ -153,26 +153,37 @@ def test_full_partial_and_zero_acceptance_roll_the_state_back_exactly(
         assert (hist[0] > 0 and hist[gamma] > 0 and sum(hist[1:gamma]) > 0) or gamma == 1
 
 
-def test_replay_rebuilds_exactly_the_state_the_scratch_keeps() -> None:
-    """Both strategies commit bit-identical KDA states for every accepted prefix."""
+def test_lazy_window_commits_the_state_the_scratch_keeps() -> None:
+    """The lazy window (outputs from the chunk form, only the accepted state formed at commit)
+    gives the outputs and, for every accepted prefix, the state that keeping every position's
+    state gives. Different association orders: measured at most 2.7e-7 of the largest value
+    apart (20 seeds), hence the 1e-5 bound; the conv windows are slices, equal."""
     torch.manual_seed(0)
     attn = KimiDeltaAttention(kda_sizes(tiny_k3_config()))
     state = KDAState(torch.randn(2, 3, 3 * attn.sizes.projection_size),
                      torch.randn(2, attn.num_heads, attn.head_dim, attn.head_dim))
     x = torch.randn(2, 8, attn.sizes.hidden_size)
-    y_scratch, windows = attn.forward_window(x, state)
-    y_replay, log = attn.forward_logged(x, state)
-    assert torch.equal(y_scratch, y_replay)
+    with torch.no_grad():
+        y_scratch, windows = attn.forward_window(x, state)
+        y_lazy, log = attn.forward_logged(x, state)
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+
+    assert close(y_lazy, y_scratch)
     for row in range(2):
         for step in range(8):
             replayed = log.replay(torch.tensor([row]), state.ssm[row:row + 1],
                                   torch.tensor([step]))
-            assert torch.equal(replayed.ssm[0], windows.ssm[row, step])
+            assert close(replayed.ssm[0], windows.ssm[row, step])
             assert torch.equal(replayed.conv[0], windows.conv[row, step])
     # Both requests at once, each at its own accepted position.
     both = log.replay(torch.tensor([1, 0]), state.ssm[[1, 0]], torch.tensor([2, 6]))
-    assert torch.equal(both.ssm, torch.stack([windows.ssm[1, 2], windows.ssm[0, 6]]))
+    assert close(both.ssm, torch.stack([windows.ssm[1, 2], windows.ssm[0, 6]]))
     assert torch.equal(both.conv, torch.stack([windows.conv[1, 2], windows.conv[0, 6]]))
+    # A wrong position is not close: the check can fail.
+    assert not close(log.replay(torch.tensor([0]), state.ssm[:1], torch.tensor([5])).ssm[0],
+                     windows.ssm[0, 6])
 
 
 # --- state slots ---------------------------------------------------------------------------------

@@ -18,8 +18,10 @@ strategies (`rollback`):
 
 - "scratch": the state after every window position (`forward_window`); commit copies the
   accepted position's state and conv window into the slot (scatter_mamba_states_after_mtp_verify).
-- "replay": the window's inputs only (`forward_logged`); commit replays the accepted prefix
-  from the slot's state (--enable-linear-replayssm-spec). Less scratch, more work at commit.
+- "replay": the window computed lazily (`forward_logged`: outputs from the chunk form, no
+  per-position state); commit forms only the accepted position's state from the slot's state
+  and the window's solved corrections (SGLang's --enable-linear-replayssm-spec keeps the inputs
+  and replays). Less scratch and less work in the verify; a little more at commit.
 
 `HybridCache.commit(rids, lengths)` (or `truncate` for one request) keeps n tokens per request,
 n inside the last verify window (the MLA latents roll back by truncation). `checkpoint` copies

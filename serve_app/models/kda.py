@@ -165,31 +165,38 @@ class KDAWindowStates:
 
 @dataclass
 class KDAWindowLog:
-    """A verify window's recurrence inputs instead of its states (SGLang's ReplaySSM): the
-    committed state plus the accepted prefix of these rebuild the state after any position.
+    """What a lazily verified window keeps instead of its states (SGLang's ReplaySSM keeps the
+    recurrence inputs; this keeps them solved): the committed state plus these give the state
+    after any position t of the window in one product,
+        S_t = diag(e^{G_t}) S0 + Σ_{s≤t} diag(e^{G_t−G_s}) k_s u_sᵀ.
 
-    k: [B, T, h, D] (l2-normalised), v: [B, T, h, D], g: [B, T, h, D] log-decay, beta: [B, T, h],
-    all fp32; rows: [B, K−1+T, 3P] the raw q|k|v rows (the committed conv window, then the T
-    tokens'), from which any position's conv window is a slice. SGLang's ring keeps the raw v
-    and the pre-norm k instead (its kernel normalises on replay); the information is the same.
+    k: [B, h, T, K] (l2-normalised), G: [B, h, T, K] the cumulative log-decay, U: [B, h, T, V]
+    the delta-rule corrections the window's output was computed with (they depend on S0, which
+    stays in the slot until the commit), all fp32; rows: [B, K−1+T, 3P] the raw q|k|v rows
+    (the committed conv window, then the T tokens'), from which any position's conv window is
+    a slice.
     """
 
     k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
+    G: torch.Tensor
+    U: torch.Tensor
     rows: torch.Tensor
 
     def replay(self, rows: torch.Tensor, ssm: torch.Tensor, steps: torch.Tensor) -> KDAState:
         """The states after window tokens 0..steps[i] (accepting steps[i] + 1 tokens) of the
         requests at `rows` [n] of the window, from their committed recurrent states ssm
-        [n, h, D, D]: the window's states recomputed from the log (`window_states`, as the
-        verify computed them: bit-identical to scratch's), no output."""
-        states = window_states(self.k[rows], self.v[rows], self.g[rows], self.beta[rows], ssm)
-        out = states[torch.arange(len(rows), device=steps.device), steps]
-        kernel_rows = self.rows.shape[1] - self.k.shape[1]  # K − 1
-        window = steps[:, None] + 1 + torch.arange(kernel_rows, device=steps.device)
-        return KDAState(conv=self.rows[rows[:, None], window], ssm=out)
+        [n, h, D, D]: only those states are formed, never the other positions'."""
+        k, G, U = self.k[rows], self.G[rows], self.U[rows]
+        T = k.shape[2]
+        at = steps.to(k.device)
+        G_t = G[torch.arange(len(rows), device=k.device), :, at]          # [n, h, K]
+        upto = (torch.arange(T, device=k.device)[None, :] <= at[:, None])  # [n, T]
+        # e^{G_t − G_s} ⊙ k_s for s ≤ t (never > 1: G decreases along the window), 0 after t.
+        weight = (G_t[:, :, None] - G).exp() * k * upto[:, None, :, None]
+        state = G_t.exp()[..., None] * ssm.float() + weight.transpose(-1, -2) @ U
+        kernel_rows = self.rows.shape[1] - T  # K − 1
+        window = at[:, None] + 1 + torch.arange(kernel_rows, device=at.device)
+        return KDAState(conv=self.rows[rows[:, None], window], ssm=state)
 
 
 # --- the pieces, as plain functions ------------------------------------------------------------
@@ -313,6 +320,34 @@ def window_gated_delta_rule(
     same recurrence as `recurrent_gated_delta_rule(..., keep_all_states=True)`; o_t = S_tᵀ q_t."""
     states = window_states(k, v, g, beta, state)
     return torch.einsum("bthkv,bthk->bthv", states, q.float()), states
+
+
+def window_solve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, state: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify window's outputs without its per-position states: the chunk form for one
+    chunk of T tokens (see `chunked_gated_delta_rule`),
+        o_t = S0ᵀ(e^{G_t} ⊙ q_t) + Σ_{s≤t} (Σ_c q_t,c k_s,c e^{G_t,c−G_s,c}) u_s,
+    with U from the same solve as `window_states`. Costs O(T²K + TKV) per head instead of the
+    O(T²KV) of forming every S_t. Returns (o [B, T, h, V], U [B, h, T, V], G [B, h, T, K]);
+    `KDAWindowLog.replay` forms the state at the accepted position from U and G."""
+    T = k.shape[1]
+    S0 = state.float()
+    q, k, v, g = (t.float().transpose(1, 2) for t in (q, k, v, g))   # [B, h, T, ·]
+    beta = beta.float().transpose(1, 2)                               # [B, h, T]
+    G = g.cumsum(dim=2)
+    causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
+    diff = G[:, :, :, None, :] - G[:, :, None, :, :]                 # [B, h, t, s, K]
+    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+    strict = causal.clone().fill_diagonal_(False)
+    A = torch.einsum("bhtk,bhsk,bhtsk->bhts", k, k, decay) * strict
+    Aqk = torch.einsum("bhtk,bhsk,bhtsk->bhts", q, k, decay)
+    eG = G.exp()
+    rhs = beta[..., None] * (v - (eG * k) @ S0)
+    lhs = torch.eye(T, device=k.device) + beta[..., None] * A
+    U = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
+    o = (eG * q) @ S0 + Aqk @ U
+    return o.transpose(1, 2), U, G
 
 
 # Tokens per chunk of the chunked algorithm. FLA's kernels use 64 (split into 16-token sub-blocks).
@@ -553,10 +588,10 @@ class KimiDeltaAttention(nn.Module):
     def forward_logged(
         self, x: torch.Tensor, state: KDAState
     ) -> tuple[torch.Tensor, KDAWindowLog]:
-        """A verify window as ReplaySSM runs it: the same outputs as `forward_window`, but only
-        the window's inputs are kept (the per-position states it computes on the way are
-        dropped); commit with `log.replay`, which recomputes them. `state` is not modified."""
+        """A verify window computed lazily: the outputs from the chunk form (`window_solve`),
+        no per-position state formed; commit with `log.replay`, which forms only the accepted
+        position's. `state` is not modified."""
         q, k, v, g, beta, rows = self._inputs(x, state)
-        o, _ = window_gated_delta_rule(q, k, v, g, beta, state.ssm)
-        # v is a view into the q|k|v rows (fp32 already): cloned, so the log does not keep q.
-        return self._output(o, x), KDAWindowLog(k=k, v=v.clone(), g=g, beta=beta, rows=rows)
+        o, U, G = window_solve(q, k, v, g, beta, state.ssm)
+        return self._output(o, x), KDAWindowLog(k=k.float().transpose(1, 2), G=G, U=U,
+                                                rows=rows)
