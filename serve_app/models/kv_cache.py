@@ -117,9 +117,15 @@ class PagedAllocator:
 
     def slots(self, rid: Hashable, start: int, end: int) -> torch.Tensor:
         """Pool slots of positions [start, end) of `rid` (already reserved)."""
+        pages, size = self._pages[rid], self.page_size
+        if end - start <= size:
+            # A decode step's few positions: a list, not the whole page table as a tensor
+            # (which grows with the request; this runs for every request every step).
+            return torch.tensor([pages[p // size] * size + p % size for p in range(start, end)],
+                                dtype=torch.long)
         pos = torch.arange(start, end)
-        table = torch.tensor(self._pages[rid], dtype=torch.long)
-        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+        table = torch.tensor(pages, dtype=torch.long)
+        return table[pos // size] * size + pos % size
 
     def batch_slots(
         self, rids: Sequence[Hashable], lengths: Sequence[int] | None = None

@@ -181,9 +181,17 @@ def verify_drafts(
         while accepted < k and drafts[accepted] == target[accepted]:
             accepted += 1
         return Verdict([*list(drafts[:accepted]), target[accepted]], accepted)
-    p = target_probs(target_logits, params)
-    _check_distribution(p)
-    vocab = p.shape[-1]
+    vocab = target_logits.shape[-1]
+    rows: dict[int, torch.Tensor] = {}
+
+    def p(j: int) -> torch.Tensor:
+        # Row j's distribution, computed only when the walk reaches it: at T = 1 about two of
+        # the k + 1 rows are, and top-p over a vocabulary is most of a row's cost.
+        if j not in rows:
+            rows[j] = target_probs(target_logits[j], params)
+            _check_distribution(rows[j])
+        return rows[j]
+
     # One-hot proposals are always usable.
     usable = _valid_draft_rows(draft_probs[:k]) if draft_probs is not None else [True] * k
     for j in range(k):
@@ -191,18 +199,18 @@ def verify_drafts(
         if not 0 <= d < vocab:
             # Not a token: reject it. Drawing position j from p alone ignores the draft, which
             # is exact whatever the draft was.
-            return _reject(drafts, j, p[j], generator)
+            return _reject(drafts, j, p(j), generator)
+        if not usable[j]:
+            return _reject(drafts, j, p(j), generator)  # a NaN/negative q: as above
         q_row = (draft_probs[j].float() if draft_probs is not None
                  else torch.nn.functional.one_hot(torch.tensor(d), vocab).float())
-        if not usable[j]:
-            return _reject(drafts, j, p[j], generator)  # a NaN/negative q: as above
-        q_d, p_d = float(q_row[d]), float(p[j, d])
+        q_d, p_d = float(q_row[d]), float(p(j)[d])
         u = float(torch.rand((), generator=generator))
         if q_d > 0 and u * q_d < p_d:
             continue
-        correction = draw(residual_rule(p[j], q_row), generator)
+        correction = draw(residual_rule(p(j), q_row), generator)
         return Verdict([int(t) for t in drafts[:j]] + [correction], j)
-    bonus = draw(p[k], generator)
+    bonus = draw(p(k), generator)
     return Verdict([int(t) for t in drafts] + [bonus], k)
 
 
