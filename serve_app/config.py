@@ -327,19 +327,31 @@ class SpeculationConfig(BaseModel):
     enabled: bool = True
     gamma: int | None = Field(default=None, ge=1, description="drafts verified per step; "
                               "default: the draft's block_size")
+    adaptive: bool = Field(default=True, description=(
+        "choose every step, per request, how many drafts to verify (0..gamma; 0 is a plain "
+        "decode row) from the draft's confidence, measured acceptance and the engine's measured "
+        "step cost, and skip the draft when no window pays (engines/reference/spec_budget.py). "
+        "False: every request verifies gamma drafts (or confidence_threshold's count)"))
+    cost_table: str | None = Field(default=None, description=(
+        "adaptive: a JSON file holding the fitted step-cost model, read at start and rewritten "
+        "as it learns, so a restarted replica plans from its last fit (one file per deployment "
+        "and machine type). None: learned afresh each start"))
     confidence_threshold: float = Field(default=0.0, ge=0.0, lt=1.0, description=(
-        "verify drafts while their cumulative acceptance estimate stays >= this; 0 = all"))
+        "not adaptive: verify drafts while their cumulative acceptance estimate stays >= this; "
+        "0 = all"))
     max_batch_size: int | None = Field(default=None, ge=1, description=(
         "speculate only while a decode step has at most this many requests; a larger step "
         "proposes no drafts (a plain target decode; the draft's context still follows, so "
         "speculation resumes when the batch shrinks), because there verifying drafts costs "
         "more than they save. None: always. Measure the crossover with bench/spec_decode.py "
         "--concurrency"))
-    kda_rollback: Literal["scratch", "replay"] = Field(default="scratch", description=(
-        "how a hybrid (KDA) target keeps the state of the last accepted draft: 'scratch' keeps "
-        "the state after every verified position and copies the accepted one back (SGLang's "
-        "default); 'replay' logs the window's inputs and replays only the accepted prefix "
-        "(SGLang's --enable-linear-replayssm-spec)"))
+    kda_rollback: Literal["scratch", "replay"] = Field(default="replay", description=(
+        "how a hybrid (KDA) target keeps the state of the last accepted draft: 'replay' (the "
+        "default) computes the verify window lazily, its outputs without any per-position "
+        "state, and forms only the accepted position's state at commit (SGLang's "
+        "--enable-linear-replayssm-spec keeps the window's inputs and replays them); "
+        "'scratch' keeps the state after every verified position and copies the accepted one "
+        "back (SGLang's default)"))
 
 
 class PrefixCacheConfig(BaseModel):

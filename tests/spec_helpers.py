@@ -19,6 +19,7 @@ from serve_app.engines.reference.engine import EngineCore, RequestOutput
 from serve_app.engines.reference.model_runner import ModelRunner
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.engines.reference.sequence import Sequence
+from serve_app.engines.reference.spec_budget import Plan, VerifyBudget
 from serve_app.models.dspark import DraftOutput
 from serve_app.models.kv_cache import PagedAllocator
 
@@ -94,13 +95,41 @@ class SkewedProposer:
         return DraftOutput(toks, probs, None, torch.empty(0))
 
 
+class RandomWindows(VerifyBudget):
+    """Windows drawn at random for each request and step (seeded; the draft run for a random
+    subset, 0..its cap drafts each), from no model output at all: any window choice made
+    without the target's verdict on that step must leave the output exactly the target's.
+    Ragged in every batch; seeded requests too (the engine's budget would fix theirs)."""
+
+    def __init__(self, gamma: int, seed: int = 0) -> None:
+        super().__init__(gamma)
+        self.rng = random.Random(seed)
+
+    def to_draft(self, classes: object, rids: list[object], caps: object,
+                 fixed: object) -> list[int]:
+        return [b for b in range(len(rids)) if self.rng.random() < 0.8]
+
+    def plan(self, classes: object, rids: object, confidence: object, caps: list[int],
+             drafted: object, fixed: object) -> Plan:
+        drafts = [self.rng.randint(0, max(c, 0)) for c in caps]
+        for k in drafts:
+            self.draft_histogram[k] += 1
+        return Plan(drafts, 0.0, 0.0, "random")
+
+
 def engine_with(target: Any, proposer: object | None, *, gamma: int | None = None,
-                capacity: int = 4096, **kwargs: object) -> EngineCore:
+                capacity: int = 4096, windows: str = "full", **kwargs: object) -> EngineCore:
+    """`windows`: "full" (every request verifies gamma drafts), "adaptive" (the engine's verify
+    budget) or "random" (`RandomWindows`)."""
     allocator = PagedAllocator(capacity, 16)
     runner = ModelRunner(target, proposer, allocator)  # type: ignore[arg-type]
-    return EngineCore(runner, eos_token_ids=[target.config.eos_token_id],
-                      speculation=SpeculationConfig(enabled=proposer is not None, gamma=gamma),
-                      **kwargs)  # type: ignore[arg-type]
+    engine = EngineCore(runner, eos_token_ids=[target.config.eos_token_id],
+                        speculation=SpeculationConfig(enabled=proposer is not None, gamma=gamma,
+                                                      adaptive=windows != "full"),
+                        **kwargs)  # type: ignore[arg-type]
+    if windows == "random":
+        engine.budget = RandomWindows(engine.gamma)
+    return engine
 
 
 def engine_from(pair: tuple[Path, Path], draft: bool = True, engine: dict[str, Any] | None = None,

@@ -523,14 +523,18 @@ def constrained_marginals(target: PagedK3, compiler: GrammarCompiler, prompt: li
     return p2, p3
 
 
-@pytest.mark.parametrize("draft", ["masked", "unmasked"])
+@pytest.mark.parametrize(("draft", "windows"), [("masked", "full"), ("unmasked", "full"),
+                                                ("masked", "random")])
 def test_constrained_speculative_sampling_matches_the_constrained_target(
-        small_k3: PagedK3, small_compiler: GrammarCompiler, draft: str) -> None:
+        small_k3: PagedK3, small_compiler: GrammarCompiler, draft: str, windows: str) -> None:
+    """Whole blocks, and ragged windows chosen at random per request (spec_helpers
+    RandomWindows): the grammar's masks walk each window only as far as it goes."""
     prompt = [1, 2, 3]
     p2, p3 = constrained_marginals(small_k3, small_compiler, prompt)
     assert int((p2 > 0).sum()) > 1 and int((p3 > 0).sum()) > 1  # the grammar leaves choices
     proposer = (MaskedSkewedProposer if draft == "masked" else SkewedProposer)(16, gamma=3)
-    engine = engine_with(small_k3, proposer, max_batch_size=500, grammar=small_compiler)
+    engine = engine_with(small_k3, proposer, max_batch_size=500, grammar=small_compiler,
+                         windows=windows)
     outs = sample_many(engine, prompt, SamplingParams(**{**SAMPLED.__dict__, "grammar": ARRAY}),
                        3000)
     stats = engine.stats()

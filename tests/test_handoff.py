@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from spec_helpers import engine_from, run_tensor_parallel
+from spec_helpers import engine_from as _engine_from
 from spec_helpers import prefill_for_handoff as prefill
+from spec_helpers import run_tensor_parallel
 from tiny_models import tiny_k3_config, write_random_k3_pair
 
 from serve_app.config import ReferenceEngineConfig
@@ -27,6 +28,15 @@ VOCAB = 256
 ROLLBACKS = ["scratch", "replay"]
 # Prefill in chunks that cross KDA's 16-token chunks, so the state handed over was carried
 # across both kinds of boundary.
+
+
+def engine_from(pair: tuple[Path, Path], **kwargs: Any) -> EngineCore:
+    """Fixed windows (speculation.adaptive false): a greedy request's speculative statistics
+    then depend on its own tokens alone, so a handed-over request's are comparable with the
+    aggregated engine's (adaptive windows depend on step times and the traffic around it)."""
+    return _engine_from(pair, adaptive=False, **kwargs)
+
+
 CHUNKED = {"prefill_chunk_tokens": 40, "max_prefill_tokens_per_request": 40}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, ignore_eos=True, seed=11)

@@ -50,14 +50,18 @@ def is_looping(token_ids: list[int]) -> bool:
 def pair_engine(target: Path, draft: Path, speculative: bool,
                 kv_capacity_tokens: int = 4096,
                 speculation_max_batch: int | None = None,
-                tokenizer: Tokenizer | None = None) -> EngineCore:
+                tokenizer: Tokenizer | None = None, adaptive: bool = True,
+                cost_table: Path | None = None) -> EngineCore:
     """A reference engine on a target/draft pair, fp32 on CPU; target-only without speculation
-    (`speculation_max_batch`: speculation.max_batch_size). With the pair's `tokenizer` it
-    constrains output and stops where the server's engine does (EOS and <|end_of_msg|>), so a
-    grammar's end admits the end of the message, not only EOS."""
+    (`speculation_max_batch`: speculation.max_batch_size; `adaptive`, `cost_table`: the
+    adaptive verify budget's, speculation.adaptive and .cost_table). With the pair's
+    `tokenizer` it constrains output and stops where the server's engine does (EOS and
+    <|end_of_msg|>), so a grammar's end admits the end of the message, not only EOS."""
     cfg = ReferenceEngineConfig(kv_capacity_tokens=kv_capacity_tokens,
                                 speculation=SpeculationConfig(
-                                    enabled=speculative, max_batch_size=speculation_max_batch))
+                                    enabled=speculative, max_batch_size=speculation_max_batch,
+                                    adaptive=adaptive,
+                                    cost_table=str(cost_table) if cost_table else None))
     return build_engine(build_runner(target, draft if speculative else None, cfg), cfg,
                         eos_token_ids=stop_token_ids(tokenizer) if tokenizer else None,
                         tokenizer=tokenizer)

@@ -362,6 +362,9 @@ class ReferenceAsyncEngine(Engine):
             # collectives; Ray ends their actors with the replica instead.
             logger.warning("engine loop is still inside a step; not telling the ranks to stop")
             return
+        if self.core.budget is not None:
+            # The loop thread has stopped: the fitted step-cost table is final.
+            self.core.budget.save()
         try:
             self.core.runner.shutdown()
         except Exception:

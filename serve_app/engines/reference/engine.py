@@ -20,8 +20,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from serve_app.config import SpeculationConfig
 from serve_app.engines.reference.handoff import RequestHandoff, image_keys
 from serve_app.engines.reference.images import check_image_shapes
@@ -34,6 +32,7 @@ from serve_app.engines.reference.sampling import (
 )
 from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, Status
+from serve_app.engines.reference.spec_budget import StepShape, VerifyBudget, request_class
 from serve_app.engines.spec_stats import EngineTotals
 from serve_app.grammar.closing import ClosingPaths
 from serve_app.grammar.compiler import GrammarCompiler
@@ -48,6 +47,14 @@ logger = logging.getLogger(__name__)
 # in the prefix cache, and so is a hand-over's prompt; an abort's or a failure's are not.
 _FINISHED = frozenset({"stop", "length"})
 _DONATES = _FINISHED | {"handoff"}
+
+
+def _fixed_windows(seq: Sequence) -> bool:
+    """Whether the adaptive budget gives `seq` its whole block every step: a seeded sampled
+    request's rejection tests draw from its own generator, so its tokens depend on its
+    windows, and a seed must reproduce it whatever the timing and the traffic around it
+    (docs/speculation.md). Greedy requests are the same under any window."""
+    return not seq.params.greedy and seq.params.seed is not None
 
 
 class EngineCore:
@@ -95,6 +102,9 @@ class EngineCore:
                 )
         self.confidence_threshold = spec.confidence_threshold
         self.speculation_max_batch = spec.max_batch_size
+        # The adaptive verify budget (spec_budget.py); None: fixed windows.
+        self.budget = (VerifyBudget(self.gamma, spec.cost_table)
+                       if self.speculative and spec.adaptive else None)
         self.scheduler = Scheduler(
             runner.allocator.capacity_tokens, max_batch_size, prefill_chunk_tokens,
             headroom_tokens=self.gamma + 1, page_size=runner.allocator.page_size,
@@ -316,6 +326,8 @@ class EngineCore:
         once."""
         self.scheduler.remove(seq)
         self.sequences.pop(seq.request_id, None)
+        if self.budget is not None:
+            self.budget.forget(seq.request_id)
         prefix = self.runner.prefix
         keep = prefix.finish_point(seq.num_cached) if prefix is not None and \
             reason in _DONATES else 0
@@ -368,49 +380,49 @@ class EngineCore:
 
     def _decode(self, seqs: list[Sequence]) -> list[Sequence]:
         start_ns = time.time_ns()
-        # A step too large to speculate profitably (speculation.max_batch_size) decodes plainly;
-        # with a draft, it still captures the taps its context needs.
-        plain = self.speculative and (self.speculation_max_batch is not None
-                                      and len(seqs) > self.speculation_max_batch)
-        if not self.speculative or plain:
-            rids = [s.request_id for s in seqs]
-            logits = self.runner.forward([[s.anchor] for s in seqs], rids, capture=plain)
-            end_ns = time.time_ns()
-            for seq in seqs:
-                seq.num_cached += 1
-            cache_at = self._cache_at([(s, s.num_cached - 1, s.num_cached) for s in seqs])
-            # The same commit as every other forward's (it rolls nothing back here).
-            self.runner.commit(rids, [s.num_cached for s in seqs], [1] * len(seqs), cache_at)
-            ok = []
-            for b, seq in enumerate(seqs):
-                stage = "sampling"
-                try:
-                    token = seq.sample(logits[b, 0])
-                    stage = "checking stop conditions"
-                    kept = seq.append([token])
-                except Exception as exc:
-                    self._isolate(seq, stage, exc)
-                    continue
-                if plain:
-                    seq.stats.record(0, 0)  # a target step that accepted no drafts
-                self._notify("on_decode_step", seq, 0, 0, len(kept), start_ns, end_ns, plain)
-                ok.append(seq)
+        t0 = time.perf_counter()
+        # Never verify past max_tokens: those tokens would be cut anyway.
+        caps = [min(self.gamma, s.params.max_tokens - len(s.output_ids) - 1) for s in seqs]
+        classes = [request_class(s.params.greedy, s.grammar is not None) for s in seqs]
+        rids = [s.request_id for s in seqs]
+        # Which requests the draft runs for: all, or (the adaptive budget) those expected to
+        # pay for it. None (or more than speculation.max_batch_size decoding): a plain step,
+        # which still captures the taps the draft's context needs.
+        if not self.speculative or (self.speculation_max_batch is not None
+                                    and len(seqs) > self.speculation_max_batch):
+            drafted = []
+        elif self.budget is not None:
+            fixed = [_fixed_windows(s) for s in seqs]
+            drafted = self.budget.to_draft(classes, rids, caps, fixed)
+        else:
+            drafted = list(range(len(seqs)))
+        if not drafted:
+            ok = self._plain_decode(seqs, self.speculative, start_ns)
+            if self.budget is not None:
+                self.budget.step_time(StepShape(len(seqs), len(seqs), 1, 0),
+                                      time.perf_counter() - t0)
             return ok
-
-        proposal = self.runner.propose(seqs)
-        counts = torch.full((len(seqs),), self.gamma, dtype=torch.long)
-        if self.confidence_threshold > 0 and proposal.confidence is not None:
+        proposal = self.runner.propose([seqs[b] for b in drafted])
+        row = {b: i for i, b in enumerate(drafted)}  # request -> its row of the proposal
+        confidence = (proposal.confidence[:, : self.gamma].tolist()
+                      if proposal.confidence is not None else None)
+        if self.budget is not None:
+            full = [confidence[row[b]] if confidence is not None and b in row else None
+                    for b in range(len(seqs))]
+            plan = self.budget.plan(
+                classes, rids, full if confidence is not None else None,
+                [caps[b] if b in row else 0 for b in range(len(seqs))],
+                [b in row for b in range(len(seqs))], fixed)
+            counts = plan.drafts
+        elif self.confidence_threshold > 0 and proposal.confidence is not None:
             counts = survival_draft_count(proposal.confidence[:, : self.gamma],
-                                          self.confidence_threshold)
-        drafts = []
-        for b, seq in enumerate(seqs):
-            # Never verify past max_tokens: those tokens would be cut anyway.
-            remaining = seq.params.max_tokens - len(seq.output_ids)
-            k = int(min(counts[b], remaining - 1))
-            drafts.append(proposal.tokens[b, :k].tolist())
-        rows = [[s.anchor, *d] for s, d in zip(seqs, drafts, strict=True)]
-        logits = self.runner.forward(rows, [s.request_id for s in seqs], capture=True,
-                                     verify=True)
+                                          self.confidence_threshold).tolist()
+        else:
+            counts = [self.gamma] * len(seqs)
+        drafts = [proposal.tokens[row[b], : max(0, min(counts[b], caps[b]))].tolist()
+                  if b in row else [] for b in range(len(seqs))]
+        windows = [[s.anchor, *d] for s, d in zip(seqs, drafts, strict=True)]
+        logits = self.runner.forward(windows, rids, capture=True, verify=True)
         end_ns = time.time_ns()
         ok, lengths, tap_rows = [], [], []
         moved: list[tuple[Sequence, int, int]] = []
@@ -418,7 +430,7 @@ class EngineCore:
             k = len(drafts[b])
             stage = "verifying drafts"
             try:
-                q = proposal.probs[b, :k] if proposal.probs is not None else None
+                q = proposal.probs[row[b], :k] if proposal.probs is not None and k else None
                 verdict = seq.verify(logits[b, : k + 1], drafts[b], q, self.residual_rule)
                 stage = "checking stop conditions"
                 kept = seq.append(verdict.tokens)
@@ -426,6 +438,10 @@ class EngineCore:
                 self._isolate(seq, stage, exc)
                 continue
             seq.stats.record(k, verdict.accepted)
+            if self.budget is not None:
+                self.budget.verdict(classes[b], seq.request_id,
+                                    confidence[row[b]] if confidence and b in row else None,
+                                    k, verdict.accepted)
             # Cached now: the anchor and the accepted drafts; the last token is the new anchor.
             start = seq.num_cached
             seq.num_cached += verdict.accepted + 1
@@ -438,6 +454,39 @@ class EngineCore:
         # The same call on every path (with fewer requests when some failed): a failed
         # request's uncommitted verify rows go with its pages when step() frees it.
         self.runner.commit([s.request_id for s in ok], lengths, tap_rows, self._cache_at(moved))
+        if self.budget is not None:
+            self.budget.step_time(
+                StepShape(len(seqs), sum(map(len, windows)), max(map(len, windows)),
+                          len(drafted)), time.perf_counter() - t0)
+        return ok
+
+    def _plain_decode(self, seqs: list[Sequence], plain: bool, start_ns: int
+                      ) -> list[Sequence]:
+        """One token per request from a target forward of its anchor. `plain`: a speculative
+        engine's step without drafts (the draft's context still follows: taps captured, and
+        the step counts as a verify of 0 drafts)."""
+        rids = [s.request_id for s in seqs]
+        logits = self.runner.forward([[s.anchor] for s in seqs], rids, capture=plain)
+        end_ns = time.time_ns()
+        for seq in seqs:
+            seq.num_cached += 1
+        cache_at = self._cache_at([(s, s.num_cached - 1, s.num_cached) for s in seqs])
+        # The same commit as every other forward's (it rolls nothing back here).
+        self.runner.commit(rids, [s.num_cached for s in seqs], [1] * len(seqs), cache_at)
+        ok = []
+        for b, seq in enumerate(seqs):
+            stage = "sampling"
+            try:
+                token = seq.sample(logits[b, 0])
+                stage = "checking stop conditions"
+                kept = seq.append([token])
+            except Exception as exc:
+                self._isolate(seq, stage, exc)
+                continue
+            if plain:
+                seq.stats.record(0, 0)  # a target step that accepted no drafts
+            self._notify("on_decode_step", seq, 0, 0, len(kept), start_ns, end_ns, plain)
+            ok.append(seq)
         return ok
 
     def _output(self, seq: Sequence, text: str) -> RequestOutput:
@@ -497,7 +546,8 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         return {**self.totals.stats(len(self.scheduler.running), self.speculative),
                 "waiting": len(self.scheduler.waiting), **self.prefix_cache_stats(),
-                **self.grammar_stats()}
+                **self.grammar_stats(),
+                **(self.budget.stats() if self.budget is not None else {})}
 
     def grammar_stats(self) -> dict[str, Any]:
         """Constrained decoding's work: compiles (and their time), cache hits, refusals, and

@@ -1,0 +1,447 @@
+"""The adaptive verify budget: how many of its drafts each request verifies this step.
+
+Every decode step with a draft chooses, per running request, a window of k in 0..gamma drafts
+(0: a plain decode row inside the same verify forward) to maximise the tokens the step is
+expected to commit per second of step time. The choice uses what is known before the target
+runs:
+
+- the draft's confidence for each block position (its confidence head: P(draft j accepted |
+  draft j-1 accepted));
+- measured acceptance by position, per request class (greedy, sampled, grammar) and per
+  request, which calibrates that confidence (the head was trained for one sampling regime);
+- the engine's own step-cost model (`StepCostModel`), fitted online to the measured time of
+  every decode step and persisted, so a restart does not start cold.
+
+Exactness: nothing here reads the target's logits for the step being planned. A plan is a
+function of the draft's proposal and of verdicts of earlier steps, and verification of any
+window is exact (sampling.py), so the output distribution is the target's whatever k is chosen
+(the same argument as for a fixed k: the rejection rule is exact for each position given the
+prefix, and the decision to stop verifying is made before the target speaks).
+
+Before drafting, the same plan made from expected survival alone (no confidence yet) says which
+requests are worth drafting for at all: the draft runs for those only, the others decode plainly
+in the same verify forward, and a step where none is worth it skips the draft's forward (one
+step in `PROBE_EVERY` drafts for one request anyway, so that the acceptance it decides on stays
+measured).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# What a step is, as the cost model sees it: decode rows, tokens in the target forward (rows +
+# drafts), the padded forward's rows x width (the longest window; attention runs on it), and the
+# requests the draft ran for (its forward is part of the step).
+FEATURES = ("step", "rows", "tokens", "padded_tokens", "drafted_rows")
+
+# Relative costs assumed before any step is measured (a decode forward of one row = 1.3):
+# only ratios matter to a plan, and the first measured steps rescale them (`StepCostModel`).
+_COLD_PRIOR = (1.0, 0.1, 0.1, 0.1, 0.2)
+# How many steps' worth of evidence the prior counts for against measurements.
+_PRIOR_STEPS = 4.0
+# Older measurements fade: a weight of 0.5 after ~350 steps, so a changed machine (another
+# batch mix, a noisy neighbour) is followed within minutes.
+_DECAY = 0.998
+# The largest acceptance probability a position is believed to have: a plan never counts a
+# draft as certain.
+MAX_ACCEPT = 0.98
+# Shrinkage of a request's own acceptance ratio toward its class (in expected drafts).
+_REQUEST_PRIOR = 4.0
+_REQUEST_DECAY = 0.9
+# A class's acceptance follows the traffic (a new mix of prompts) over ~700 verdicts.
+_CLASS_DECAY = 0.999
+# One step in this many drafts (for one request) when no request is worth drafting for, to
+# keep acceptance measured. A probe is dear here: this engine pads a verify batch to its longest
+# window, so one request's window widens every row's forward (measured: a probe in a 16-request
+# batch cost two to three plain steps; one in 32 steps cost ~5% at 16 requests).
+PROBE_EVERY = 128
+
+
+@dataclass(frozen=True)
+class StepShape:
+    rows: int
+    tokens: int
+    width: int
+    drafted: int  # requests whose draft ran
+
+    def features(self) -> list[float]:
+        return [1.0, float(self.rows), float(self.tokens), float(self.rows * self.width),
+                float(self.drafted)]
+
+
+class StepCostModel:
+    """Seconds of a decode step, linear in FEATURES, fitted by exponentially weighted ridge
+    regression toward a prior (the persisted fit, or the cold relative prior rescaled to the
+    first measurements). Weights are kept non-negative: no part of a step makes it faster."""
+
+    def __init__(self, prior: Sequence[float] | None = None, prior_steps: float = _PRIOR_STEPS,
+                 decay: float = _DECAY) -> None:
+        n = len(FEATURES)
+        self._prior = torch.tensor(prior if prior is not None else _COLD_PRIOR,
+                                   dtype=torch.float64)
+        self._prior_absolute = prior is not None
+        self._prior_steps = prior_steps
+        self._decay = decay
+        self._xtx = torch.zeros(n, n, dtype=torch.float64)
+        self._xty = torch.zeros(n, dtype=torch.float64)
+        self._weight_sum = 0.0
+        self._y_sum = 0.0
+        self._p_sum = 0.0  # the cold prior's predictions of the same steps, for its scale
+        self.observed = 0
+        self._weights: torch.Tensor | None = None
+        self._weights_list: list[float] | None = None
+        # |predicted - measured| / measured of each observed step, predicted before it ran.
+        self.errors: list[float] = []
+
+    @property
+    def weights(self) -> torch.Tensor:
+        if self._weights is None:
+            self._weights = self._solve()
+        return self._weights
+
+    def _scaled_prior(self) -> torch.Tensor:
+        if self._prior_absolute or self._p_sum <= 0:
+            return self._prior
+        return self._prior * (self._y_sum / self._p_sum)
+
+    def _solve(self) -> torch.Tensor:
+        prior = self._scaled_prior()
+        if self._weight_sum == 0:
+            return prior
+        # Ridge toward the prior, its strength `prior_steps` typical steps' feature scale.
+        scale = torch.diagonal(self._xtx) / self._weight_sum
+        ridge = torch.diag(self._prior_steps * scale.clamp(min=1e-12))
+        w = torch.linalg.solve(self._xtx + ridge, self._xty + ridge @ prior)
+        return w.clamp(min=0.0)
+
+    def predict(self, shape: StepShape) -> float:
+        return sum(x * w for x, w in zip(shape.features(), self.weights_list(), strict=True))
+
+    def weights_list(self) -> list[float]:
+        if self._weights_list is None:
+            self._weights_list = self.weights.tolist()
+        return self._weights_list
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if not seconds > 0:
+            return
+        if self.observed:  # the cold prior's guess is in relative units: not an error
+            predicted = self.predict(shape)
+            self.errors.append(abs(predicted - seconds) / seconds)
+            del self.errors[:-4096]
+        x = torch.tensor(shape.features(), dtype=torch.float64)
+        self._xtx = self._decay * self._xtx + torch.outer(x, x)
+        self._xty = self._decay * self._xty + x * seconds
+        self._weight_sum = self._decay * self._weight_sum + 1.0
+        self._y_sum = self._decay * self._y_sum + seconds
+        self._p_sum = self._decay * self._p_sum + float(x @ self._prior)
+        self.observed += 1
+        self._weights = self._weights_list = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"features": list(FEATURES), "seconds_per_feature": self.weights.tolist(),
+                "observed_steps": self.observed}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepCostModel:
+        if list(data.get("features", ())) != list(FEATURES):
+            raise ValueError(f"a step-cost table for features {data.get('features')}, not "
+                             f"{list(FEATURES)}")
+        weights = [float(w) for w in data["seconds_per_feature"]]
+        if len(weights) != len(FEATURES) or not all(w >= 0 and w < 1e3 for w in weights):
+            raise ValueError("a step-cost table's weights must be finite, non-negative seconds")
+        return cls(prior=weights)
+
+
+def load_cost_model(path: str | os.PathLike[str] | None) -> StepCostModel:
+    """The persisted step-cost table at `path` as the prior, or the cold prior when there is
+    none yet (a first start). A table that cannot be read raises, naming the file."""
+    if path is None or not Path(path).exists():
+        return StepCostModel()
+    try:
+        return StepCostModel.from_dict(json.loads(Path(path).read_text()))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"speculation.cost_table {path}: {exc}") from None
+
+
+def save_cost_model(model: StepCostModel, path: str | os.PathLike[str]) -> None:
+    """Atomically (a reader never sees half a table)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(model.to_dict(), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass
+class _Counts:
+    """Decayed sums per block position j (1..gamma) over the verdicts that show whether the
+    first j drafts were all accepted (the window reached j): how often they were (survived),
+    what the draft's confidence predicted for it (the running product of its per-position
+    confidence), and how many such verdicts (seen)."""
+
+    survived: list[float]
+    predicted: list[float]
+    seen: list[float]
+
+    def fade(self, factor: float) -> None:
+        for values in (self.survived, self.predicted, self.seen):
+            values[:] = [v * factor for v in values]
+
+
+def _running_product(values: Sequence[float]) -> list[float]:
+    out, acc = [], 1.0
+    for v in values:
+        acc *= v
+        out.append(acc)
+    return out
+
+
+class AcceptanceModel:
+    """Calibrated survival: the probability that drafts 1..j of a request are all accepted.
+
+    After the draft: the running product of its confidence, times its class's measured
+    survived / predicted ratio at position j, times the request's own ratio (its survived
+    drafts over what its class's calibration expected, shrunk toward 1 by `_REQUEST_PRIOR`).
+    The survival is calibrated as a whole rather than position by position: acceptances within
+    a block are correlated (a block that starts right tends to stay right), and a product of
+    per-position calibrations underestimated deep positions by ~25% on the embedded pair.
+    Before the draft (no confidence yet): the class's measured survival rate, times the
+    request's ratio. Without a confidence head the confidence is 1."""
+
+    def __init__(self, gamma: int, prior_accept: float = 0.6, prior_steps: float = 8.0) -> None:
+        self.gamma = gamma
+        self._prior = [prior_accept ** j for j in range(1, gamma + 1)]
+        self._prior_steps = prior_steps
+        self._classes: dict[str, _Counts] = {}
+        self._requests: dict[Hashable, tuple[float, float]] = {}
+
+    def _class(self, name: str) -> _Counts:
+        if name not in self._classes:
+            n = self._prior_steps
+            self._classes[name] = _Counts([p * n for p in self._prior], list(self._prior_steps
+                                          * p for p in self._prior), [n] * self.gamma)
+        return self._classes[name]
+
+    def class_ratio(self, name: str) -> list[float]:
+        c = self._class(name)
+        return [a / max(p, 1e-12) for a, p in zip(c.survived, c.predicted, strict=True)]
+
+    def class_rate(self, name: str) -> list[float]:
+        """The class's measured survival by position (before any confidence)."""
+        c = self._class(name)
+        return [a / max(n, 1e-12) for a, n in zip(c.survived, c.seen, strict=True)]
+
+    def request_ratio(self, rid: Hashable) -> float:
+        acc, pred = self._requests.get(rid, (0.0, 0.0))
+        return (acc + _REQUEST_PRIOR) / (pred + _REQUEST_PRIOR)
+
+    @staticmethod
+    def _bounded(values: list[float]) -> list[float]:
+        # A survival never rises along the block, and no draft is counted as certain.
+        out, last = [], MAX_ACCEPT
+        for v in values:
+            last = min(last, max(v, 0.0))
+            out.append(last)
+        return out
+
+    def expected(self, classes: Sequence[str], rids: Sequence[Hashable]) -> list[list[float]]:
+        """[B][gamma] survival expected before the draft has run."""
+        return [self._bounded([r * self.request_ratio(rid) for r in self.class_rate(c)])
+                for c, rid in zip(classes, rids, strict=True)]
+
+    def _raw(self, confidence: Sequence[float] | None) -> list[float]:
+        return _running_product(confidence[: self.gamma]) if confidence is not None \
+            else [1.0] * self.gamma
+
+    def estimate(self, classes: Sequence[str], rids: Sequence[Hashable],
+                 confidence: Sequence[Sequence[float]] | None) -> list[list[float]]:
+        """[B][gamma] survival of each request's drafts: P(drafts 1..j all accepted)."""
+        out = []
+        for b, (c, rid) in enumerate(zip(classes, rids, strict=True)):
+            raw = self._raw(confidence[b] if confidence is not None else None)
+            own = self.request_ratio(rid)
+            out.append(self._bounded([s * r * own for s, r in
+                                      zip(raw, self.class_ratio(c), strict=True)]))
+        return out
+
+    def observe(self, cls: str, rid: Hashable, confidence: Sequence[float] | None,
+                drafted: int, accepted: int) -> None:
+        """A verdict: `drafted` drafts verified, the first `accepted` kept; `confidence`: the
+        draft's confidence row the plan used (None: no head). Positions 1..drafted are seen:
+        drafts 1..j all accepted for j <= accepted, not for j > accepted."""
+        if drafted <= 0:
+            return
+        raw = self._raw(confidence)
+        counts = self._class(cls)
+        # The request is compared with its class's calibrated expectation, before this verdict
+        # moves the class.
+        ratio = self.class_ratio(cls)
+        expected = sum(raw[j] * ratio[j] for j in range(drafted))
+        counts.fade(_CLASS_DECAY)
+        for j in range(drafted):
+            counts.survived[j] += 1.0 if j < accepted else 0.0
+            counts.predicted[j] += raw[j]
+            counts.seen[j] += 1.0
+        acc, pred = self._requests.get(rid, (0.0, 0.0))
+        self._requests[rid] = (_REQUEST_DECAY * acc + float(accepted),
+                               _REQUEST_DECAY * pred + expected)
+
+    def forget(self, rid: Hashable) -> None:
+        self._requests.pop(rid, None)
+
+
+@dataclass
+class Plan:
+    """One step's windows: `drafts[b]` drafts for request b (before the draft runs: the
+    requests worth drafting for are those with drafts > 0), the tokens the step is expected to
+    commit, its predicted seconds, and why (for the bench and the logs)."""
+
+    drafts: list[int]
+    expected_tokens: float
+    predicted_seconds: float
+    reason: str
+    shape: StepShape = field(default_factory=lambda: StepShape(0, 0, 1, 0))
+
+
+def plan_windows(survival: Sequence[Sequence[float]], caps: Sequence[int],
+                 cost: StepCostModel, drafted: Sequence[bool] | None = None) -> Plan:
+    """The windows that maximise expected tokens per predicted second. `survival[b][j-1]`: the
+    probability that drafts 1..j of request b are all accepted (non-increasing in j);
+    `caps[b]`: the most drafts request b may verify. `drafted[b]`: whether request b's draft
+    has run (its cost is part of the step whatever is verified); None: before the draft, so a
+    request's first verified draft also pays for drafting it.
+
+    Each extra draft verified adds its survival to the expected tokens (the bonus token makes
+    every row worth 1). Candidates go in order of survival, each request's positions in order,
+    and the best prefix of that order is taken: the cost is linear in tokens, in the padded
+    width and in drafted requests."""
+    b = len(survival)
+    if b == 0:
+        return Plan([], 0.0, 0.0, "empty")
+    w_step, w_rows, w_tokens, w_padded, w_drafted = cost.weights_list()
+    sunk = sum(map(bool, drafted)) if drafted is not None else 0
+    seconds = w_step + (w_rows + w_tokens + w_padded) * b + w_drafted * sunk
+    candidates = sorted(((s, j, r) for r in range(b)
+                         for j, s in enumerate(survival[r][: max(caps[r], 0)], 1) if s > 0),
+                        key=lambda c: (-c[0], c[1], c[2]))
+    tokens, width, rows_drafted = float(b), 1, sunk
+    best = (tokens / seconds, 0, tokens, seconds, width, rows_drafted)
+    for n, (s, j, _) in enumerate(candidates, 1):
+        tokens += s
+        seconds += w_tokens
+        if j + 1 > width:
+            seconds += w_padded * b * (j + 1 - width)
+            width = j + 1
+        if drafted is None and j == 1:
+            seconds += w_drafted
+            rows_drafted += 1
+        rate = tokens / seconds
+        if rate > best[0]:
+            best = (rate, n, tokens, seconds, width, rows_drafted)
+    rate, n, tokens, seconds, width, rows_drafted = best
+    drafts = [0] * b
+    for _, _, r in candidates[:n]:
+        drafts[r] += 1
+    reason = ("verify nothing: no draft is worth its cost" if n == 0 else
+              f"verify {n} of {len(candidates)} drafts: {rate:.1f} tok/s predicted vs "
+              f"{b / (w_step + (w_rows + w_tokens + w_padded) * b + w_drafted * sunk):.1f} "
+              "with none")
+    return Plan(drafts, tokens, seconds, reason,
+                StepShape(b, b + n, width, rows_drafted))
+
+
+def request_class(greedy: bool, constrained: bool) -> str:
+    """Acceptance is measured apart for these: a grammar's masks raise it, sampling lowers it."""
+    return "grammar" if constrained else "greedy" if greedy else "sampled"
+
+
+class VerifyBudget:
+    """The engine's adaptive speculation policy: its acceptance and cost models, the plans it
+    made and how they went (`stats`), and where the cost table persists."""
+
+    def __init__(self, gamma: int, cost_table: str | os.PathLike[str] | None = None,
+                 save_every: int = 512) -> None:
+        self.gamma = gamma
+        self.cost_table = Path(cost_table).expanduser() if cost_table is not None else None
+        self.cost = load_cost_model(self.cost_table)
+        self.acceptance = AcceptanceModel(gamma)
+        self._save_every = save_every
+        self._since_draft = 0
+        self._probe = 0
+        self.draft_histogram = [0] * (gamma + 1)  # requests' windows: how many drafts
+        self.plain_steps = 0
+        self.probe_steps = 0
+        self.speculative_steps = 0
+        self.last_reason = ""
+
+    def to_draft(self, classes: Sequence[str], rids: Sequence[Hashable], caps: Sequence[int],
+                 fixed: Sequence[bool]) -> list[int]:
+        """Before the draft: the requests (indices) worth drafting for this step, from expected
+        survival alone, and every `fixed` one (its whole block every step: a seeded sampled
+        request, reproducible). None: a plain step, except one in PROBE_EVERY, which drafts
+        for one request (in turn) so that the acceptance this decides on stays measured."""
+        plan = plan_windows(self.acceptance.expected(classes, rids), caps, self.cost)
+        chosen = [b for b, k in enumerate(plan.drafts)
+                  if k > 0 or (fixed[b] and caps[b] > 0)]
+        self.last_reason = plan.reason
+        if not chosen and self._since_draft + 1 >= PROBE_EVERY:
+            able = [b for b, c in enumerate(caps) if c > 0]
+            if able:
+                chosen = [able[self._probe % len(able)]]
+                self._probe += 1
+                self.probe_steps += 1
+                self.last_reason = "probe: " + plan.reason
+        self._since_draft = 0 if chosen else self._since_draft + 1
+        if not chosen:
+            self.plain_steps += 1
+        return chosen
+
+    def plan(self, classes: Sequence[str], rids: Sequence[Hashable],
+             confidence: Sequence[Sequence[float]] | None, caps: Sequence[int],
+             drafted: Sequence[bool], fixed: Sequence[bool]) -> Plan:
+        """After the draft ran for the `drafted` requests: their windows (the others' caps are
+        0: a plain row each; a `fixed` one verifies its whole cap)."""
+        plan = plan_windows(self.acceptance.estimate(classes, rids, confidence), caps,
+                            self.cost, drafted)
+        plan.drafts = [c if f else k for k, c, f in zip(plan.drafts, caps, fixed, strict=True)]
+        self.speculative_steps += 1
+        for k in plan.drafts:
+            self.draft_histogram[k] += 1
+        self.last_reason = plan.reason
+        return plan
+
+    def verdict(self, cls: str, rid: Hashable, confidence: Sequence[float] | None,
+                drafted: int, accepted: int) -> None:
+        self.acceptance.observe(cls, rid, confidence, drafted, accepted)
+
+    def step_time(self, shape: StepShape, seconds: float) -> None:
+        self.cost.observe(shape, seconds)
+        if self.cost_table is not None and self.cost.observed % self._save_every == 0:
+            self.save()
+
+    def forget(self, rid: Hashable) -> None:
+        self.acceptance.forget(rid)
+
+    def save(self) -> None:
+        if self.cost_table is not None and self.cost.observed:
+            save_cost_model(self.cost, self.cost_table)
+
+    def stats(self) -> dict[str, Any]:
+        errors = sorted(self.cost.errors)
+        return {
+            "spec_budget_draft_histogram": list(self.draft_histogram),
+            "spec_budget_speculative_steps": self.speculative_steps,
+            "spec_budget_plain_steps": self.plain_steps,
+            "spec_budget_probe_steps": self.probe_steps,
+            "spec_budget_cost_error_median": errors[len(errors) // 2] if errors else None,
+            "spec_budget_cost_weights": dict(zip(FEATURES, self.cost.weights_list(),
+                                                 strict=True)),
+        }

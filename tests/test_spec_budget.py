@@ -1,0 +1,185 @@
+"""The adaptive verify budget (engines/reference/spec_budget.py): its cost model, its plans
+against brute force, its persistence, and where it sits in the engine's step."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from spec_helpers import engine_from, random_prompts
+from tiny_models import write_tiny_pair
+
+from serve_app.engines.reference.sampling import SamplingParams
+from serve_app.engines.reference.spec_budget import (
+    FEATURES,
+    AcceptanceModel,
+    StepCostModel,
+    StepShape,
+    load_cost_model,
+    plan_windows,
+    save_cost_model,
+)
+
+# Seconds per feature of a made-up machine: fixed, per row, per token, per padded token, per
+# drafted row.
+TRUE = torch.tensor([0.010, 0.002, 0.0008, 0.0004, 0.003], dtype=torch.float64)
+
+
+def _seconds(shape: StepShape) -> float:
+    return float(torch.tensor(shape.features(), dtype=torch.float64) @ TRUE)
+
+
+def _shapes(n: int, seed: int = 0) -> list[StepShape]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        rows = rng.randint(1, 32)
+        drafted = rng.randint(0, rows) if rng.random() < 0.8 else 0
+        ks = [rng.randint(0, 7) if i < drafted else 0 for i in range(rows)]
+        out.append(StepShape(rows, rows + sum(ks), 1 + max(ks), drafted))
+    return out
+
+
+def test_the_cost_model_learns_a_machine_from_its_steps() -> None:
+    model = StepCostModel()
+    for shape in _shapes(400):
+        model.observe(shape, _seconds(shape))
+    # The ridge toward the prior pulls a little (most where tokens and padded tokens move
+    # together): new steps' times come out within 8% (measured: at most 5.8%, median 0.4%).
+    errors = [abs(model.predict(s) - _seconds(s)) / _seconds(s) for s in _shapes(50, seed=1)]
+    assert max(errors) < 0.08, max(errors)
+    assert sorted(errors)[25] < 0.02
+    # Its own record of errors (each made before the step was seen) falls as it learns.
+    assert sum(model.errors[-50:]) < sum(model.errors[:50])
+    # A cold model has no error on record for its first guess (relative units, not seconds).
+    assert len(model.errors) == 399
+
+
+def test_the_cost_table_persists_and_a_restart_plans_from_it(tmp_path: Path) -> None:
+    model = StepCostModel()
+    for shape in _shapes(200):
+        model.observe(shape, _seconds(shape))
+    table = tmp_path / "deployment" / "step_cost.json"
+    save_cost_model(model, table)
+    restarted = load_cost_model(table)
+    assert torch.allclose(restarted.weights, model.weights)
+    shape = StepShape(8, 40, 6, 8)
+    assert restarted.predict(shape) == pytest.approx(model.predict(shape))
+    # No table yet: the cold prior. A table of other features, or negative seconds: refused,
+    # naming the file.
+    assert load_cost_model(tmp_path / "none.json").observed == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"features": list(FEATURES), "seconds_per_feature": [-1] * 5}))
+    with pytest.raises(ValueError, match=r"bad\.json"):
+        load_cost_model(bad)
+    bad.write_text(json.dumps({"features": ["step"], "seconds_per_feature": [1]}))
+    with pytest.raises(ValueError, match=r"bad\.json"):
+        load_cost_model(bad)
+
+
+def _survival(accept: torch.Tensor) -> list[list[float]]:
+    return torch.cumprod(accept.double(), dim=1).tolist()
+
+
+def _brute_force(surv: list[list[float]], caps: list[int], cost: StepCostModel,
+                 drafted: list[bool] | None) -> float:
+    b = len(surv)
+    best = 0.0
+    for ks in itertools.product(*[range(c + 1) for c in caps]):
+        tokens = b + sum(sum(surv[i][:k]) for i, k in enumerate(ks))
+        rows_drafted = (sum(drafted) if drafted is not None else sum(k > 0 for k in ks))
+        shape = StepShape(b, b + sum(ks), 1 + max(ks), rows_drafted)
+        best = max(best, tokens / cost.predict(shape))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("before_draft", [False, True])
+def test_a_plan_is_as_good_as_every_window_tried(seed: int, before_draft: bool) -> None:
+    """Against every combination of windows for 3 requests: the plan's expected tokens per
+    predicted second is the best one (within 2%: the plan searches prefixes of one order).
+    Before the draft, a request's first draft also pays for drafting it."""
+    gen = torch.Generator().manual_seed(seed)
+    surv = _survival(torch.rand(3, 4, generator=gen) * 0.9 + 0.05)
+    caps = [4, 2, 3]
+    cost = StepCostModel(prior=(TRUE * torch.rand(5, generator=gen) * 3).tolist())
+    drafted = None if before_draft else [True, True, True]
+    plan = plan_windows(surv, caps, cost, drafted)
+    assert all(0 <= k <= c for k, c in zip(plan.drafts, caps, strict=True))
+    got = plan.expected_tokens / plan.predicted_seconds
+    assert got == pytest.approx(
+        (3 + sum(sum(surv[i][:k]) for i, k in enumerate(plan.drafts)))
+        / cost.predict(plan.shape))
+    assert got >= 0.98 * _brute_force(surv, caps, cost, drafted)
+
+
+def test_no_draft_where_it_cannot_pay() -> None:
+    """Low survival, or a draft that costs more than a decode: draft for nobody. High survival
+    and a cheap draft: draft for every request."""
+    cost = StepCostModel(prior=TRUE.tolist())
+    low = [[0.05 ** j for j in range(1, 8)]] * 16
+    high = [[0.9 ** j for j in range(1, 8)]] * 16
+    assert plan_windows(low, [7] * 16, cost).drafts == [0] * 16
+    assert all(k > 0 for k in plan_windows(high, [7] * 16, cost).drafts)
+    dear = StepCostModel(prior=[0.01, 0.001, 0.001, 0.001, 0.05])
+    assert plan_windows(high, [7] * 16, dear).drafts == [0] * 16
+
+
+def test_acceptance_is_calibrated_by_class_and_request() -> None:
+    """Verdicts move the estimate of their class and request only."""
+    model = AcceptanceModel(gamma=4)
+    conf = [[0.5] * 4] * 3
+    before = model.estimate(["greedy", "sampled", "greedy"], ["a", "b", "new"], conf)
+    for _ in range(50):
+        model.observe("greedy", "a", conf[0], drafted=4, accepted=4)
+        model.observe("sampled", "b", conf[0], drafted=4, accepted=0)
+    after = model.estimate(["greedy", "sampled", "greedy"], ["a", "b", "new"], conf)
+    assert all(x > y for x, y in zip(after[0], before[0], strict=True))
+    assert all(x < y for x, y in zip(after[1], before[1], strict=True))
+    # A new greedy request starts from its class, not from request "a"'s own record.
+    assert all(y < x <= z for x, y, z in zip(after[2], before[2], after[0], strict=True))
+    # The class's measured survival, before any draft ran: all accepted -> near certain.
+    assert model.expected(["greedy"], ["new"])[0][3] > 0.8  # 50 verdicts against a prior of 8
+    assert model.expected(["sampled"], ["new"])[0][0] < 0.2
+
+
+def test_windows_are_chosen_before_the_target_speaks(tmp_path: Path) -> None:
+    """In every speculative step the plan is made after the draft and before the verify
+    forward: the target's verdict on a step cannot reach its windows. The engine's fitted
+    table is what the next engine on the same file starts from."""
+    pair = write_tiny_pair(tmp_path / "pair")
+    table = tmp_path / "step_cost.json"
+    engine = engine_from(pair, cost_table=str(table))
+    budget = engine.budget
+    assert budget is not None
+    events: list[str] = []
+    runner = engine.runner
+    forward, propose, plan = runner.forward, runner.propose, budget.plan
+
+    def spy(name: str, fn):
+        def call(*args, **kwargs):
+            verify = kwargs.get("verify", False)
+            events.append(name + (":verify" if verify else ""))
+            return fn(*args, **kwargs)
+        return call
+
+    runner.forward = spy("forward", forward)  # type: ignore[method-assign]
+    runner.propose = spy("propose", propose)  # type: ignore[method-assign]
+    budget.plan = spy("plan", plan)  # type: ignore[method-assign]
+    engine.generate(random_prompts(3, 64, seed=4),
+                    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    verifies = [i for i, e in enumerate(events) if e == "forward:verify"]
+    assert verifies
+    for i in verifies:
+        assert events[i - 2:i] == ["propose", "plan"]
+    assert events.count("plan") == len(verifies)
+    budget.save()
+    assert load_cost_model(table).weights.tolist() == pytest.approx(
+        budget.cost.weights.tolist())
+    again = engine_from(pair, cost_table=str(table))
+    assert again.budget is not None
+    assert again.budget.cost.weights.tolist() == pytest.approx(budget.cost.weights.tolist())
