@@ -6,13 +6,16 @@
 
 The embedded pair is measured greedy and at Kimi K3's own sampling parameters (`k3-thinking`:
 T 1.0, top_p 0.95, what a K3 request samples at by default; `k3-instant`: T 0.6, top_p 0.95),
-where acceptance is lowest; then at 1, 4 and 16 concurrent requests (`--concurrency`), all
-submitted at once, speculation on vs off, at the thinking parameters.
+where acceptance is lowest; then at 1, 4, 16 and 32 concurrent requests (`--concurrency`), all
+submitted at once, in each of those settings: target-only, speculation verifying the whole block
+every step (always on), and the adaptive verify budget (the engine's default,
+engines/reference/spec_budget.py) with the windows it chose and its cost model's error.
 
 Every held-out prompt (serve_app/assets/heldout_prompts.json: cut from corpus files the models
 never trained on) is decoded one request at a time (single-user latency, batch 1) for
 `--max-tokens` new tokens (EOS ignored, so both modes do the same work), target-only and with
-DSpark speculation, alternating, `--repeats` times. Reported:
+DSpark speculation (the adaptive budget, as the engine runs by default), alternating,
+`--repeats` times. Reported:
 
 - tokens/s per mode: the median over prompts of each prompt's median-of-repeats rate, and the
   aggregate (all tokens / all time);
@@ -202,10 +205,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             verify_ct, tokens_spec = 0, 0
             hist: list[int] = []
             proposed = accepted = 0
-            for r in range(args.repeats):
+            for _ in range(args.repeats):
+                # Unseeded: a seeded sampled request verifies whole blocks (reproducible), which
+                # is not what the adaptive budget does for the rest (docs/speculation.md).
                 params = SamplingParams(temperature=temperature, top_p=top_p,
-                                        max_tokens=args.max_tokens, ignore_eos=True,
-                                        seed=1000 * i + r)
+                                        max_tokens=args.max_tokens, ignore_eos=True)
                 for mode in ("target_only", "speculative"):
                     t0 = time.perf_counter()
                     out = engines[mode].generate([prompt], params)[0]
@@ -251,47 +255,74 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+# The three ways to decode a concurrent batch: the draft off, verifying its whole block every
+# step (speculation.adaptive false), and the adaptive verify budget (the default).
+CONCURRENCY_MODES = ("target_only", "always_on", "adaptive")
+
+
 def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
                     prompts: list[list[int]]) -> dict[str, Any]:
-    """Throughput with c requests decoding together (c = each of --concurrency), speculation
-    on vs off, at K3's thinking parameters: the held-out prompts cycled to c, all submitted at
-    once, `max_tokens` each; tokens/s = c * max_tokens / wall, the median of the repeats (modes
-    alternating). A third variant speculates only while at most --speculation-max-batch
-    requests decode (speculation.max_batch_size): the engine's own switch at the crossover."""
-    temperature, top_p = K3_SAMPLING["k3-thinking"]
+    """Throughput with c requests decoding together (c = each of --concurrency) in each
+    sampling setting, the three CONCURRENCY_MODES side by side: the held-out prompts cycled to
+    c, all submitted at once, `max_tokens` each; tokens/s = c * max_tokens / wall, the median
+    of the repeats (modes alternating). Every adaptive engine shares one cost table file
+    (speculation.cost_table), as a restarted replica reads its last fit: the first measures
+    from the cold prior, the rest start from what the previous ones learned. Reported for the
+    adaptive engine: how many drafts its requests verified (a histogram over 0..gamma), its
+    plain (draft skipped) and speculative steps, and the median error of its cost model's
+    prediction of each step's time, made before the step ran."""
     rows = []
-    for c in args.concurrency:
-        batch = [prompts[i % len(prompts)] for i in range(c)]
-        kv = sum(len(p) + args.max_tokens + 16 for p in batch) + 256
-        engines = {m: pair_engine(target, draft, m != "target_only", kv_capacity_tokens=kv,
-                                  speculation_max_batch=(args.speculation_max_batch
-                                                         if m == "limited" else None))
-                   for m in ("target_only", "speculative", "limited")}
-        for e in engines.values():  # warm-up
-            e.generate(batch[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        walls: dict[str, list[float]] = {m: [] for m in engines}
-        accept: list[float] = []
-        for r in range(args.repeats):
-            params = [SamplingParams(temperature=temperature, top_p=top_p,
-                                     max_tokens=args.max_tokens, ignore_eos=True,
-                                     seed=100_000 * r + i) for i in range(c)]
-            order = tuple(engines) if r % 2 == 0 else tuple(reversed(engines))
-            for mode in order:
-                t0 = time.perf_counter()
-                outs = engines[mode].generate(batch, params)
-                walls[mode].append(time.perf_counter() - t0)
-                if mode == "speculative":
-                    accept += [o.spec["spec_accept_length"] for o in outs if o.spec]
-        tok_s = {m: c * args.max_tokens / statistics.median(w) for m, w in walls.items()}
-        rows.append({"concurrency": c, "target_only_tok_s": tok_s["target_only"],
-                     "speculative_tok_s": tok_s["speculative"],
-                     "speedup": tok_s["speculative"] / tok_s["target_only"],
-                     "limited_tok_s": tok_s["limited"],
-                     "limited_speedup": tok_s["limited"] / tok_s["target_only"],
-                     "spec_accept_length_macro": statistics.fmean(accept) if accept else None})
-    return {"sampling": "k3-thinking", "temperature": temperature, "top_p": top_p,
-            "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "speculation_max_batch": args.speculation_max_batch, "rows": rows}
+    table_dir = tempfile.TemporaryDirectory()
+    table = Path(table_dir.name) / "step_cost.json"
+    for setting in args.settings:
+        temperature, top_p = setting["temperature"], setting["top_p"]
+        for c in args.concurrency:
+            batch = [prompts[i % len(prompts)] for i in range(c)]
+            kv = sum(len(p) + args.max_tokens + 16 for p in batch) + 256
+            engines = {m: pair_engine(target, draft, m != "target_only", kv_capacity_tokens=kv,
+                                      adaptive=m == "adaptive", cost_table=table)
+                       for m in CONCURRENCY_MODES}
+            for e in engines.values():  # warm-up, the measured batch's shape at its sampling
+                e.generate(batch, [SamplingParams(temperature=temperature, top_p=top_p,
+                                                  max_tokens=8, ignore_eos=True)] * c)
+            budget = engines["adaptive"].budget
+            assert budget is not None
+            before = budget.stats()
+            errors_before = len(budget.cost.errors)
+            walls: dict[str, list[float]] = {m: [] for m in engines}
+            accept: dict[str, list[float]] = {m: [] for m in engines}
+            for r in range(args.repeats):
+                params = [SamplingParams(temperature=temperature, top_p=top_p,
+                                         max_tokens=args.max_tokens, ignore_eos=True)] * c
+                order = CONCURRENCY_MODES if r % 2 == 0 else tuple(reversed(CONCURRENCY_MODES))
+                for mode in order:
+                    t0 = time.perf_counter()
+                    outs = engines[mode].generate(batch, params)
+                    walls[mode].append(time.perf_counter() - t0)
+                    accept[mode] += [o.spec["spec_accept_length"] for o in outs if o.spec]
+            budget.save()
+            after = budget.stats()
+            errors = sorted(budget.cost.errors[errors_before:])
+            tok_s = {m: c * args.max_tokens / statistics.median(w) for m, w in walls.items()}
+            rows.append({
+                "sampling": setting["name"], "temperature": temperature, "top_p": top_p,
+                "concurrency": c,
+                **{f"{m}_tok_s": tok_s[m] for m in CONCURRENCY_MODES},
+                "always_on_speedup": tok_s["always_on"] / tok_s["target_only"],
+                "adaptive_speedup": tok_s["adaptive"] / tok_s["target_only"],
+                "always_on_accept_length": statistics.fmean(accept["always_on"]),
+                "adaptive_accept_length": statistics.fmean(accept["adaptive"]),
+                "adaptive_draft_histogram": [
+                    x - y for x, y in zip(after["spec_budget_draft_histogram"],
+                                          before["spec_budget_draft_histogram"], strict=True)],
+                "adaptive_speculative_steps": (after["spec_budget_speculative_steps"]
+                                               - before["spec_budget_speculative_steps"]),
+                "adaptive_plain_steps": (after["spec_budget_plain_steps"]
+                                         - before["spec_budget_plain_steps"]),
+                "cost_error_median": errors[len(errors) // 2] if errors else None,
+            })
+    table_dir.cleanup()
+    return {"max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
 
 
 def by_class(rows: list[dict[str, Any]], key: str, classes: dict[str, Any]) -> dict[str, Any]:
@@ -420,18 +451,25 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{100 * r['speedup_over_bound']:.0f}% of the first")
     conc = report.get("concurrency")
     if conc:
-        print(f"\nconcurrent requests at K3's thinking parameters (T {conc['temperature']}, "
-              f"top_p {conc['top_p']}), {conc['max_tokens']} tokens each, median of "
-              f"{conc['repeats']}:")
-        limit = f"spec <= {conc['speculation_max_batch']}"
-        print(f"{'requests':>9} {'target tok/s':>13} {'spec tok/s':>11} {'speedup':>8} "
-              f"{'acc.len':>8} {limit + ' tok/s':>18} {'speedup':>8}")
+        print(f"\nconcurrent requests, {conc['max_tokens']} tokens each, median of "
+              f"{conc['repeats']}; tok/s and x target-only; k: the adaptive windows' drafts "
+              f"(histogram 0..gamma), plain: steps it ran without the draft; cost err: median "
+              f"|predicted - measured| step time")
+        head = (f"{'sampling':>12} {'requests':>8} {'target':>8} {'always-on':>16} "
+                f"{'adaptive':>16} {'acc.len':>11} {'plain/steps':>12} {'cost err':>9}  k")
+        print(head)
+        print("-" * len(head))
         for row in conc["rows"]:
-            acc = row["spec_accept_length_macro"]
-            print(f"{row['concurrency']:>9} {row['target_only_tok_s']:>13.1f} "
-                  f"{row['speculative_tok_s']:>11.1f} {row['speedup']:>7.2f}x "
-                  f"{acc if acc is None else round(acc, 2):>8} {row['limited_tok_s']:>18.1f} "
-                  f"{row['limited_speedup']:>7.2f}x")
+            steps = row["adaptive_plain_steps"] + row["adaptive_speculative_steps"]
+            err = row["cost_error_median"]
+            print(f"{row['sampling']:>12} {row['concurrency']:>8} "
+                  f"{row['target_only_tok_s']:>8.1f} {row['always_on_tok_s']:>9.1f} "
+                  f"{row['always_on_speedup']:>5.2f}x {row['adaptive_tok_s']:>9.1f} "
+                  f"{row['adaptive_speedup']:>5.2f}x "
+                  f"{row['always_on_accept_length']:>5.2f}/{row['adaptive_accept_length']:<5.2f} "
+                  f"{row['adaptive_plain_steps']:>5}/{steps:<6} "
+                  f"{'-' if err is None else f'{100 * err:.0f}%':>9}  "
+                  f"{row['adaptive_draft_histogram']}")
 
 
 # --- --pair random-k3: the hybrid target, KDA rollback by scratch vs replay -------------------
@@ -899,10 +937,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="K3's own sampling parameters beside --temperatures (default for "
                              "the embedded pair: both)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=None,
-                        help="also measure c requests decoding together, spec on vs off, at "
-                             "K3's thinking parameters (default for the embedded pair: 1 4 16)")
-    parser.add_argument("--speculation-max-batch", type=int, default=1,
-                        help="--concurrency's third variant: speculation.max_batch_size")
+                        help="also measure c requests decoding together, target-only, "
+                             "always-on and adaptive speculation, in every sampling setting "
+                             "(default for the embedded pair: 1 4 16 32)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (random-k3: 5)")
     parser.add_argument("--completion-prompts", type=int, default=None,
@@ -933,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.k3_sampling is None:
         args.k3_sampling = [] if args.pair == "random-k3" else sorted(K3_SAMPLING)
     if args.concurrency is None:
-        args.concurrency = [1, 4, 16] if args.pair == "embedded" else []
+        args.concurrency = [1, 4, 16, 32] if args.pair == "embedded" else []
     args.settings = [{"name": "greedy" if t == 0 else f"T={t}", "temperature": t, "top_p": 1.0}
                      for t in args.temperatures]
     args.settings += [{"name": n, "temperature": K3_SAMPLING[n][0], "top_p": K3_SAMPLING[n][1]}

@@ -161,9 +161,14 @@ def test_spec_decode_embedded(tmp_path: Path) -> None:
         assert {"verify_forward", "draft_propose", "commit"} <= set(
             r["call_times"]["speculative"])
     rows = report["concurrency"]["rows"]
-    assert [row["concurrency"] for row in rows] == [2]
-    assert all(positive(rows[0][k])
-               for k in ("target_only_tok_s", "speculative_tok_s", "limited_tok_s"))
+    assert [(row["sampling"], row["concurrency"]) for row in rows] == [
+        ("greedy", 2), ("k3-thinking", 2)]
+    for row in rows:
+        assert all(positive(row[k])
+                   for k in ("target_only_tok_s", "always_on_tok_s", "adaptive_tok_s"))
+        # Every adaptive step is either plain or planned windows for both requests.
+        assert sum(row["adaptive_draft_histogram"]) == 2 * row["adaptive_speculative_steps"]
+        assert row["adaptive_speculative_steps"] + row["adaptive_plain_steps"] > 0
 
 
 def test_spec_decode_random_k3(tmp_path: Path) -> None:
