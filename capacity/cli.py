@@ -826,6 +826,16 @@ def emit_cmd(
     gamma: GammaOpt = None,
     kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
     replay_ring_len: RingLenOpt = DEFAULT_REPLAY_RING_LEN,
+    verify: Annotated[str | None, typer.Option(
+        "--verify", help="SGLang's DSpark verify (SGLANG_RAGGED_VERIFY_MODE): compact, "
+        "adaptive per request from the draft's confidence and an SPS cost table; static, the "
+        "whole block every step; cap-accept, planned but not saved (a measurement mode). "
+        "Default: compact, static on AMD (no ragged-verify CUDA graph there)")
+    ] = None,
+    sps_table: Annotated[str | None, typer.Option(
+        "--sps-table", help="the adaptive verify's SPS cost table on the GPU nodes (default: "
+        "<draft-ref>/sps/dspark-sps-<layout>.json); the file's header says how to make it")
+    ] = None,
 ) -> None:
     """Write a validated Serve config and cluster-launcher config for one layout."""
     from capacity.emit import emit
@@ -863,7 +873,7 @@ def emit_cmd(
                   draft_model, draft_ref or (draft_model.name if draft_model else None), spec,
                   auth_mode, planner_refs=(model, draft), kda_rollback=kda_rollback,
                   ring_len=replay_ring_len, pd=sides, transfer_backend=transfer_backend,
-                  prefill_layout=prefill_layout)
+                  prefill_layout=prefill_layout, verify=verify, sps_table=sps_table)
     running = result.serve_config["applications"][0]["args"]["engine"]["sglang"][
         "max_running_requests"]
     out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "

@@ -25,6 +25,13 @@ from typing import Any
 import yaml
 
 from capacity.config import Layout, Speculation
+from capacity.dspark_verify import (
+    DEFAULT_RAGGED_VERIFY_MODE,
+    RAGGED_VERIFY_ENV,
+    RAGGED_VERIFY_MODES,
+    default_sps_table,
+    sps_profile_recipe,
+)
 from capacity.errors import CapacityError
 from capacity.formats import KvDtype
 from capacity.memory import (
@@ -195,7 +202,8 @@ def serve_file_config(desc: ServeDescription) -> dict[str, Any]:
             # SGLang's Ray backend selects its GPUs itself: Ray must not narrow the visible
             # devices (CUDA's, and HIP's on AMD), the variables the app's SGLang start-up check
             # requires (one table: capacity.ray_env).
-            "runtime_env": {"env_vars": sglang_ray_env(desc.gpu)},
+            "runtime_env": {"env_vars": sglang_ray_env(
+                desc.gpu, desc.sglang.get("ragged_verify_mode", "static"))},
             "args": app_args(desc),
         }],
     }
@@ -275,6 +283,13 @@ def emit_command(desc: ServeDescription, layout: Layout, model_arg: str,
     if desc.sglang.get("enable_linear_replayssm_spec"):
         parts.append(f"--kda-rollback replay --replay-ring-len "
                      f"{desc.sglang['linear_replayssm_cache_len']}")
+    if draft_arg is not None:
+        mode = desc.sglang.get("ragged_verify_mode", "static")
+        if mode != default_verify(layout):
+            parts.append(f"--verify {mode}")
+        table = desc.sglang.get("speculative_dspark_sps_table_path")
+        if table is not None and table != default_sps_table(desc.draft or "", layout.label()):
+            parts.append(f"--sps-table {table}")
     return " ".join(parts)
 
 
@@ -322,12 +337,18 @@ def describe_layout(
     planner_refs: tuple[str, str | None] | None = None,
     kda_rollback: str = DEFAULT_KDA_ROLLBACK,
     ring_len: int = DEFAULT_REPLAY_RING_LEN,
+    verify: str | None = None,
+    sps_table: str | None = None,
 ) -> ServeDescription:
     """The description of a planned layout, every engine.sglang value written out: the planner
     sizes max_running_requests and the KDA state pool (capacity.memory.running_fit) and refuses
     a layout on which not even one request of the advertised context fits. `kda_rollback`
     "replay" (ring `ring_len`) sizes them for SGLang's ReplaySSM verify and turns it on
-    (enable_linear_replayssm_spec, linear_replayssm_cache_len); "scratch" is SGLang's default."""
+    (enable_linear_replayssm_spec, linear_replayssm_cache_len); "scratch" is SGLang's default.
+    `verify`: SGLang's DSpark verify with a draft (SGLANG_RAGGED_VERIFY_MODE, capacity/
+    dspark_verify.py; None: `default_verify` for the GPU): compact, the adaptive one, plans
+    from the SPS table `sps_table` (default: beside the draft, named by the layout), whose
+    making the header describes."""
     if draft is not None and speculation is None:
         speculation = Speculation.for_draft(draft)
     if kda_rollback == "replay" and draft is None:
@@ -380,6 +401,10 @@ def describe_layout(
                 ordered["enable_linear_replayssm_spec"] = True
                 ordered["linear_replayssm_cache_len"] = ring_len
         sglang = ordered
+    verify_notes: tuple[str, ...] = ()
+    if draft is not None:
+        sglang, verify_notes = _ragged_verify(sglang, layout, verify, sps_table,
+                                              draft_name or draft.name)
     sglang.update(SGLANG_BACKENDS.get(layout.gpu.upper(), {}))
     sglang["extra_server_args"] = dict(SGLANG_GRAMMAR_ARGS)
     what = f"{model.name}{' + ' + draft.name if draft else ''} on {layout.label()}"
@@ -391,8 +416,75 @@ def describe_layout(
         tp=layout.tp, ep=layout.ep,
         attention_dp=layout.attention_dp, pp=layout.pp, replicas=replicas,
         served_model_name=model.name.lower(), what=what,
-        notes=memory_notes(fit, other, layout.gpu, max_running_requests(draft)))
+        notes=memory_notes(fit, other, layout.gpu, max_running_requests(draft)) + verify_notes)
     return dataclasses.replace(desc, command=emit_command(desc, layout, model_arg, draft_arg))
+
+
+# Why a GPU's default DSpark verify is static: SGLang 0.5.23 runs a compact (ragged) verify
+# in a CUDA graph only on attention backends that declare supports_ragged_verify_graph (fa3,
+# trtllm_mha / trtllm_mla, flashinfer_mla and flashmla, the KDA backend); the ROCm ones it
+# picks for K3 (aiter, triton) inherit False (base_attn_backend.py:65), so there every
+# adaptive step would run eagerly.
+STATIC_VERIFY_REASON = {
+    "AMD": "SGLang 0.5.23's ROCm attention backends (aiter, triton) have no ragged-verify CUDA "
+           "graph (base_attn_backend.py:65), so a compact verify would run eagerly here",
+}
+
+
+_DP_REASON = ("SGLang 0.5.23 refuses a dense DSpark draft's compact verify under attention DP "
+              "with CUDA graphs (dspark_worker_v2.py:336-347)")
+
+
+def static_verify_reason(layout: Layout) -> str | None:
+    """Why `kimi-capacity emit` deploys this layout with the static DSpark verify; None: it
+    deploys the adaptive (compact) one."""
+    if layout.attention_dp > 1:
+        return _DP_REASON
+    return STATIC_VERIFY_REASON.get(gpu_vendor(layout.gpu))
+
+
+def default_verify(layout: Layout) -> str:
+    """The DSpark verify `kimi-capacity emit` deploys on this layout."""
+    return "static" if static_verify_reason(layout) else DEFAULT_RAGGED_VERIFY_MODE
+
+
+def _ragged_verify(sglang: dict[str, Any], layout: Layout, verify: str | None,
+                   sps_table: str | None, draft_ref: str
+                   ) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The DSpark verify's settings, placed after the speculative ones, and the header lines
+    that say what they do and how the table is made."""
+    chosen = verify or default_verify(layout)
+    if chosen not in RAGGED_VERIFY_MODES:
+        raise CapacityError(f"--verify {chosen!r}: one of {', '.join(RAGGED_VERIFY_MODES)}")
+    if chosen == "static":
+        if sps_table is not None:
+            raise CapacityError("--sps-table is the adaptive verify's cost table: --verify "
+                                "static does not read it")
+        why = static_verify_reason(layout) if verify is None else "as asked (--verify static)"
+        return sglang, ("DSpark verify: static (SGLANG_RAGGED_VERIFY_MODE unset), every "
+                        f"request verifies the whole block every step: {why}.",)
+    verify = chosen
+    if chosen == "compact" and layout.attention_dp > 1:
+        raise CapacityError(f"--verify compact with --dp: {_DP_REASON}; use --verify "
+                            "cap-accept or static")
+    table = sps_table or default_sps_table(draft_ref, layout.label())
+    ordered: dict[str, Any] = {}
+    anchor = ("linear_replayssm_cache_len" if "linear_replayssm_cache_len" in sglang
+              else "speculative_dspark_block_size")
+    for key, value in sglang.items():
+        ordered[key] = value
+        if key == anchor:
+            ordered["ragged_verify_mode"] = verify
+            ordered["speculative_dspark_sps_table_path"] = table
+    steps = sps_profile_recipe(table)
+    notes = (
+        f"DSpark verify: {verify} ({RAGGED_VERIFY_ENV} in runtime_env): each step SGLang "
+        "verifies per request only the drafts its confidence head and the SPS cost table say "
+        "pay, none when none do (docs/speculation.md).",
+        f"SGLang reads {table} at start and fails without it; make it once per GPU type and "
+        f"layout: 1) {steps[0]}; 2) {steps[1]}; 3) {steps[2]}.",
+    )
+    return ordered, notes
 
 
 def plain_layout(gpu: GpuSpec, nodes: int, kv_dtype: KvDtype = KvDtype.BF16) -> Layout:
@@ -670,12 +762,15 @@ def emit(
     pd: tuple[int, int] | None = None,
     transfer_backend: str = "mooncake",
     prefill_layout: Layout | None = None,
+    verify: str | None = None,
+    sps_table: str | None = None,
 ) -> EmitResult:
     """Write one layout's Serve and cluster files; `pd`: (prefill, decode) replicas of a
     disaggregated app instead of `replicas` aggregated ones, the decode replicas of `layout`
     and the prefill ones of `prefill_layout` (None: `layout` too; same GPU type)."""
     desc = describe_layout(model, model_ref, layout, context_length, gpu, replicas, draft,
-                           draft_ref, speculation, planner_refs, kda_rollback, ring_len)
+                           draft_ref, speculation, planner_refs, kda_rollback, ring_len,
+                           verify, sps_table)
     if pd is not None:
         what = f"{desc.what}, disaggregated: {pd[0]} prefill + {pd[1]} decode replicas"
         prefill = None

@@ -434,5 +434,5 @@ def _dspark(c: dict[str, Any], name: str, source: str) -> ModelDescriptor:
         global_groups=tuple(global_groups),
         gqa=GqaShape(heads, kv_heads, hd),
         draft=DraftInfo(int(settings.get("block_size", 7)), taps,
-                        markov_rank),
+                        markov_rank, confidence),
     )

@@ -135,6 +135,8 @@ class DraftInfo:
     block_size: int
     target_layer_ids: tuple[int, ...]
     markov_rank: int
+    # SGLang's adaptive (ragged) verify schedules from it and refuses a draft without one.
+    confidence_head: bool = False
 
 
 # The vision tower and the image limits a descriptor carries; capacity/vision.py sizes

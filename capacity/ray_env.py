@@ -33,12 +33,19 @@ def gpu_vendor(gpu: str | None) -> str:
     return "AMD" if gpu.upper().startswith("MI") else "NVIDIA"
 
 
-def sglang_ray_env(gpu: str | None) -> dict[str, str]:
-    """The runtime_env env_vars SGLang's Ray backend needs on this GPU's nodes."""
+def sglang_ray_env(gpu: str | None, ragged_verify_mode: str = "static") -> dict[str, str]:
+    """The runtime_env env_vars SGLang's Ray backend needs on this GPU's nodes, and the
+    adaptive DSpark verify's mode where it is not SGLang's default (capacity/dspark_verify.py:
+    SGLang reads it from the environment, not from its arguments)."""
+    from capacity.dspark_verify import RAGGED_VERIFY_ENV
+
     vendor = gpu_vendor(gpu)
     if vendor not in NOSET_ENV_BY_VENDOR:
         from capacity.errors import CapacityError
 
         raise CapacityError(f"GPU {gpu!r}: vendor {vendor!r} has no Ray environment entry; "
                             f"known: {', '.join(NOSET_ENV_BY_VENDOR)}")
-    return dict.fromkeys(NOSET_ENV_BY_VENDOR[vendor], "1")
+    env = dict.fromkeys(NOSET_ENV_BY_VENDOR[vendor], "1")
+    if ragged_verify_mode != "static":
+        env[RAGGED_VERIFY_ENV] = ragged_verify_mode
+    return env

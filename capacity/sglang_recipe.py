@@ -54,6 +54,13 @@ SGLANG_SECTION: dict[str, Any] = {
 SGLANG_OPTIONAL: dict[str, Any] = {
     "enable_linear_replayssm_spec": sglang_default("enable_linear_replayssm_spec"),
     "linear_replayssm_cache_len": sglang_default("linear_replayssm_cache_len"),
+    # The adaptive DSpark verify (capacity/dspark_verify.py): SGLang's default is off.
+    "ragged_verify_mode": "static",
+    "speculative_dspark_sps_table_path": sglang_default("speculative_dspark_sps_table_path"),
+    "speculative_dspark_confidence_sts_path": sglang_default(
+        "speculative_dspark_confidence_sts_path"),
+    "speculative_dspark_align_verify_tokens_to_graph_tier": sglang_default(
+        "speculative_dspark_align_verify_tokens_to_graph_tier"),
     "kv_events": True,
     "kv_events_port": 0,
 }

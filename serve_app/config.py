@@ -202,6 +202,27 @@ class SGLangSettings(_Strict):
             "SGLang's --linear-replayssm-cache-len: the replay ring's length L per mamba slot; "
             "a power of two >= 2 x speculative_num_draft_tokens (DSPARK: block_size + 1). Only "
             "with enable_linear_replayssm_spec"))
+    # SGLang's adaptive DSpark verify (capacity/dspark_verify.py, docs/speculation.md). Written
+    # to the config tree only when not the default (the serializer below).
+    ragged_verify_mode: Literal["static", "cap-accept", "compact"] = Field(
+        default=_SGO["ragged_verify_mode"], description=(
+            "SGLANG_RAGGED_VERIFY_MODE (the app's runtime_env carries it to the schedulers): "
+            "static verifies every draft; compact verifies per request only the drafts the "
+            "SPS cost table and the draft's confidence say pay, and none when none do; "
+            "cap-accept plans the same but verifies everything (a measurement mode)"))
+    speculative_dspark_sps_table_path: str | None = Field(
+        default=_SGO["speculative_dspark_sps_table_path"], description=(
+            "the step-cost (SPS) table the adaptive verify plans with, on the GPU nodes; made "
+            "with sglang.benchmark.dspark_sps_profiler (docs/speculation.md); needed by "
+            "compact and cap-accept"))
+    speculative_dspark_confidence_sts_path: str | None = Field(
+        default=_SGO["speculative_dspark_confidence_sts_path"], description=(
+            "optional per-position temperatures calibrating the draft's confidence head "
+            "(sglang.benchmark.dspark_sts_fit); adaptive modes only"))
+    speculative_dspark_align_verify_tokens_to_graph_tier: bool = Field(
+        default=_SGO["speculative_dspark_align_verify_tokens_to_graph_tier"], description=(
+            "compact: fill each step's verify tokens up to the CUDA-graph bucket the forward "
+            "is padded to anyway, with the next most confident drafts"))
     speculative_draft_attention_backend: str | None = _SG["speculative_draft_attention_backend"]
     moe_runner_backend: str | None = _SG["moe_runner_backend"]
     decode_attention_backend: str | None = _SG["decode_attention_backend"]
@@ -265,9 +286,41 @@ class SGLangSettings(_Strict):
                              "exclusive (SGLang: they drive one ring two ways)")
         return self
 
+    @model_validator(mode="after")
+    def _ragged_verify(self) -> SGLangSettings:
+        """SGLang 0.5.23's adaptive DSpark verify: a table where it plans (without one it
+        verifies everything, silently no gain), nothing that it would ignore."""
+        mode, table = self.ragged_verify_mode, self.speculative_dspark_sps_table_path
+        field = "engine.sglang.ragged_verify_mode"
+        if mode == "static":
+            for name in ("speculative_dspark_sps_table_path",
+                         "speculative_dspark_confidence_sts_path",
+                         "speculative_dspark_align_verify_tokens_to_graph_tier"):
+                if getattr(self, name) != _SGO[name]:
+                    raise ValueError(f"engine.sglang.{name} is used only by the adaptive "
+                                     f"verify: {field} static ignores it")
+            return self
+        if self.speculative_algorithm != "DSPARK":
+            raise ValueError(f"{field}={mode!r} plans DSpark verify windows: it needs "
+                             "engine.sglang.speculative_algorithm DSPARK")
+        if table is None:
+            raise ValueError(f"{field}={mode!r} needs engine.sglang."
+                             "speculative_dspark_sps_table_path: without a table SGLang "
+                             "verifies every draft (no gain); docs/speculation.md says how "
+                             "to make one")
+        if self.speculative_dspark_align_verify_tokens_to_graph_tier and mode != "compact":
+            raise ValueError("engine.sglang.speculative_dspark_align_verify_tokens_to_graph_"
+                             f"tier is a compact-verify option; {field} is {mode!r}")
+        return self
+
     @model_serializer(mode="wrap")
     def _replayssm_only_when_on(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
+        for name in ("ragged_verify_mode", "speculative_dspark_sps_table_path",
+                     "speculative_dspark_confidence_sts_path",
+                     "speculative_dspark_align_verify_tokens_to_graph_tier"):
+            if data.get(name) == _SGO[name]:
+                data.pop(name, None)
         if not self.enable_linear_replayssm_spec:
             # Off, both are at their defaults (checked above) and SGLang is not given them.
             data.pop("enable_linear_replayssm_spec", None)

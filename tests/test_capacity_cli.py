@@ -229,14 +229,15 @@ def test_emit_writes_valid_configs(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("gpu", "vendor_env"), [
+    # AMD: the static DSpark verify (no ragged-verify CUDA graph there), no mode variable.
     ("MI300X", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
                 "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"}),
-    ("H200", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"}),
+    ("H200", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "SGLANG_RAGGED_VERIFY_MODE"}),
 ])
 def test_emitted_files_start_a_replica(tmp_path: Path, gpu: str, vendor_env: set[str]):
     """An emitted Serve file carries every variable the SGLang backend's start-up check requires
-    for its GPU vendor, and the emitted cluster installs the project (with the sglang extra on
-    the GPU workers), as deployments/generate.py's files do."""
+    for its GPU vendor and DSpark verify, and the emitted cluster installs the project (with
+    the sglang extra on the GPU workers), as deployments/generate.py's files do."""
     from serve_app.config import AppConfig
     from serve_app.engines.sglang.args import runtime_env_vars
 
@@ -546,3 +547,42 @@ def test_every_fleet_plan_disagg_lists_is_emitted_by_its_command(tmp_path: Path)
                                         role if row["mode"] == "disagg" else "both")
             assert problems == (transfer_backend_problems("mooncake")
                                 if row["mode"] == "disagg" else []), (row["emit"], role)
+
+
+def test_emit_chooses_the_dspark_verify_and_its_table(tmp_path: Path) -> None:
+    """NVIDIA: SGLang's adaptive (compact) DSpark verify, its switch in the runtime_env, the
+    SPS table beside the draft (or --sps-table), and the header saying how to make it; the
+    header's command writes the same file. --verify static: none of it. Compact where SGLang
+    refuses it (attention DP): refused, naming why."""
+    base = ["emit", "--gpu", "H200", "--nodes", "2", "--context", "1M", "--kv", "fp8",
+            "--draft", "kimi-k3-dspark", "--draft-ref", "/models/Kimi-K3-DSpark"]
+
+    def emitted(*extra: str) -> tuple[str, dict]:
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        result = invoke(*base, *extra, "--out-dir", str(out))
+        assert result.exit_code == 0, result.output
+        (path,) = out.glob("serve-*.yaml")
+        text = path.read_text()
+        return text, yaml.safe_load(text)["applications"][0]
+
+    text, app = emitted()
+    sglang = app["args"]["engine"]["sglang"]
+    assert sglang["ragged_verify_mode"] == "compact"
+    table = sglang["speculative_dspark_sps_table_path"]
+    assert table == "/models/Kimi-K3-DSpark/sps/dspark-sps-2x8-h200-tp16-ep16.json"
+    assert app["runtime_env"]["env_vars"]["SGLANG_RAGGED_VERIFY_MODE"] == "compact"
+    assert "dspark_sps_profiler all" in text and f"--out {table}" in text
+    text, app = emitted("--sps-table", "/tables/h200.json")
+    assert app["args"]["engine"]["sglang"]["speculative_dspark_sps_table_path"] == \
+        "/tables/h200.json"
+    command = text.splitlines()[1].removeprefix("#   ")
+    assert "--sps-table /tables/h200.json" in command
+    _, static = emitted("--verify", "static")
+    assert "ragged_verify_mode" not in static["args"]["engine"]["sglang"]
+    assert "SGLANG_RAGGED_VERIFY_MODE" not in static["runtime_env"]["env_vars"]
+    refused = invoke(*base, "--verify", "compact", "--dp", "2", "--context", "128K",
+                     "--out-dir", str(tmp_path))
+    assert refused.exit_code == 2 and "attention DP" in refused.output
+    refused = invoke(*base, "--verify", "static", "--sps-table", "/t.json",
+                     "--out-dir", str(tmp_path))
+    assert refused.exit_code == 2 and "static does not read it" in refused.output

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -132,15 +131,64 @@ def test_tp_not_dividing_the_gpus_is_refused() -> None:
         app_config(PRODUCTION, parallelism={"ep": 5})
 
 
-def test_block_size_must_match_a_local_draft_config(tmp_path: Path) -> None:
+# An SGLang 0.5.23 1-D SPS table (dspark_sps.py SpsCostTable), as its profiler writes one.
+SPS_TABLE = {"sample_batch_tokens": [8, 64, 256], "sample_steps_per_sec": [80.0, 60.0, 30.0],
+             "max_batch_tokens": 384}
+
+
+def _local_draft(tmp_path: Path, **settings: object) -> tuple[Path, Path]:
+    """The K3 DSpark config.json in a folder (a draft 'on this machine'), and a valid SPS
+    table beside it."""
     draft = tmp_path / "draft"
-    draft.mkdir()
-    shutil.copy(ROOT / "capacity" / "data" / "kimi-k3-dspark-config.json", draft / "config.json")
+    draft.mkdir(parents=True)
+    config = json.loads((ROOT / "capacity" / "data" / "kimi-k3-dspark-config.json").read_text())
+    config["dflash_config"].update(settings)
+    (draft / "config.json").write_text(json.dumps(config))
+    table = tmp_path / "sps.json"
+    table.write_text(json.dumps(SPS_TABLE))
+    return draft, table
+
+
+def test_block_size_must_match_a_local_draft_config(tmp_path: Path) -> None:
+    draft, table = _local_draft(tmp_path)
+    sps = {"speculative_dspark_sps_table_path": str(table)}
     problems = _problems(models={"draft": str(draft)}, engine={"sglang": {
-        "speculative_dspark_block_size": 6}})
+        "speculative_dspark_block_size": 6, **sps}})
     assert "speculative_dspark_block_size=6 does not match the draft's block_size=7" in problems
     assert str(draft) in problems  # names the local file it read
-    assert _problems(models={"draft": str(draft)}) == ""
+    assert _problems(models={"draft": str(draft)}, engine={"sglang": sps}) == ""
+
+
+def test_the_adaptive_verify_is_checked_against_its_table_and_the_draft(tmp_path: Path) -> None:
+    """SGLang's compact verify (the production files' choice on NVIDIA) plans from the draft's
+    confidence head and its SPS table: each is checked where the checkpoints are, naming the
+    field; a table missing there says how to make it."""
+    draft, table = _local_draft(tmp_path)
+    sps = {"speculative_dspark_sps_table_path": str(table)}
+    missing = _problems(models={"draft": str(draft)}, engine={"sglang": {
+        "speculative_dspark_sps_table_path": str(tmp_path / "none.json")}})
+    assert "speculative_dspark_sps_table_path" in missing and "dspark_sps_profiler" in missing
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**SPS_TABLE, "sample_steps_per_sec": [80.0]}))
+    assert "differ in length" in _problems(models={"draft": str(draft)}, engine={"sglang": {
+        "speculative_dspark_sps_table_path": str(bad)}})
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"sample_batch_tokens": [8], "sample_steps_per_sec": [50.0],
+                                "max_batch_tokens": 8}))
+    assert "flat table" in _problems(models={"draft": str(draft)}, engine={"sglang": {
+        "speculative_dspark_sps_table_path": str(flat)}})
+    headless, _ = _local_draft(tmp_path / "headless", enable_confidence_head=False)
+    assert "confidence head" in _problems(models={"draft": str(headless)},
+                                          engine={"sglang": sps})
+    assert "attention DP" in _problems(models={"draft": str(draft)}, parallelism={
+        "attention_dp": 2}, engine={"sglang": sps})
+    # Static ignores a table (refused by the config), and needs none.
+    assert _problems(models={"draft": str(draft)}, engine={"sglang": {
+        "ragged_verify_mode": "static", "speculative_dspark_sps_table_path": None}}) == ""
+    with pytest.raises(ValidationError, match="ragged_verify_mode static ignores it"):
+        app_config(PRODUCTION, engine={"sglang": {"ragged_verify_mode": "static"}})
+    with pytest.raises(ValidationError, match=r"needs engine\.sglang\.speculative_dspark_sps"):
+        app_config(PRODUCTION, engine={"sglang": {"speculative_dspark_sps_table_path": None}})
 
 
 def test_context_above_the_model_maximum_is_refused() -> None:

@@ -27,7 +27,9 @@ _MANAGED = frozenset({
     "max_mamba_cache_size", "mamba_ssm_dtype", "mamba_radix_cache_strategy",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_dspark_block_size",
     "speculative_draft_attention_backend", "enable_linear_replayssm_spec",
-    "linear_replayssm_cache_len", "moe_runner_backend", "decode_attention_backend",
+    "linear_replayssm_cache_len", "speculative_dspark_sps_table_path",
+    "speculative_dspark_confidence_sts_path",
+    "speculative_dspark_align_verify_tokens_to_graph_tier", "moe_runner_backend", "decode_attention_backend",
     "enable_metrics", "incremental_streaming_output", "enable_dp_lm_head", "kv_events_config",
     "disaggregation_mode", "disaggregation_transfer_backend", "disaggregation_bootstrap_port",
     "disaggregation_ib_device", "limit_mm_data_per_request",
@@ -104,6 +106,15 @@ def sglang_server_args(config: AppConfig, kv_events_port: int | None = None,
         args["speculative_dspark_block_size"] = s.speculative_dspark_block_size
         if s.speculative_draft_attention_backend is not None:
             args["speculative_draft_attention_backend"] = s.speculative_draft_attention_backend
+        if s.ragged_verify_mode != "static" and role != "prefill":
+            # The adaptive verify's table and options (its switch is the environment:
+            # runtime_env_vars); a PD prefill server never verifies.
+            args["speculative_dspark_sps_table_path"] = s.speculative_dspark_sps_table_path
+            if s.speculative_dspark_confidence_sts_path is not None:
+                args["speculative_dspark_confidence_sts_path"] = (
+                    s.speculative_dspark_confidence_sts_path)
+            if s.speculative_dspark_align_verify_tokens_to_graph_tier:
+                args["speculative_dspark_align_verify_tokens_to_graph_tier"] = True
     if s.enable_linear_replayssm_spec and role != "prefill":
         # The KDA verify's rollback by replay (SGLangSettings checks SGLang's rules on it);
         # off, SGLang's default per-position state scratch, and neither argument is passed.
@@ -165,8 +176,9 @@ def disaggregation_args(config: AppConfig, role: Role, bootstrap_port: int | Non
 
 def runtime_env_vars(config: AppConfig) -> dict[str, str]:
     """Environment the application's runtime_env must carry for this backend (inherited by
-    the replica and, through it, by SGLang's scheduler actors)."""
-    return sglang_ray_env(config.placement.gpu_type)
+    the replica and, through it, by SGLang's scheduler actors): Ray's GPU visibility, and the
+    adaptive DSpark verify's switch."""
+    return sglang_ray_env(config.placement.gpu_type, config.engine.sglang.ragged_verify_mode)
 
 
 

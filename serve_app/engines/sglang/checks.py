@@ -207,6 +207,8 @@ def sglang_problems(config: AppConfig, role: Role = "both") -> list[str]:
         else:
             logger.info("models.draft is not on this machine and engine.sglang.planner_draft is "
                         "null: block-size check skipped")
+        if role != "prefill":
+            problems += ragged_verify_problems(config, draft, draft_file is not None)
         if draft is not None and draft.draft is not None and (
                 draft.draft.block_size != s.speculative_dspark_block_size):
             problems.append(
@@ -247,6 +249,48 @@ def sglang_problems(config: AppConfig, role: Role = "both") -> list[str]:
         problems += image_problems(args)
     except ValueError as exc:
         problems.append(str(exc))
+    return problems
+
+
+def ragged_verify_problems(config: AppConfig, draft: Any, models_here: bool) -> list[str]:
+    """SGLang 0.5.23's adaptive DSpark verify (capacity/dspark_verify.py) against the draft,
+    the layout and its cost table. `draft`: the draft's descriptor (None: unknown here);
+    `models_here`: the checkpoints are on this machine, so the table, which lives beside them,
+    must be too (SGLang fails its start without it); elsewhere a missing table is logged."""
+    from capacity.dspark_verify import sps_profile_recipe, sps_table_problem
+
+    s = config.engine.sglang
+    mode, table = s.ragged_verify_mode, s.speculative_dspark_sps_table_path
+    if mode == "static" or table is None:
+        return []
+    field = "engine.sglang.ragged_verify_mode"
+    problems = []
+    if draft is not None and draft.draft is not None and not draft.draft.confidence_head:
+        problems.append(f"{field}={mode!r} plans from the draft's confidence head, which "
+                        f"{draft.source} does not have (SGLang 0.5.23 refuses to start: "
+                        "dspark_planner.py); use static")
+    if (mode == "compact" and config.parallelism.attention_dp > 1
+            and not s.extra_server_args.get("disable_cuda_graph")):
+        problems.append(f"{field}='compact' with parallelism.attention_dp "
+                        f"{config.parallelism.attention_dp}: SGLang 0.5.23 refuses a dense "
+                        "DSpark draft's compact verify under attention DP with CUDA graphs "
+                        "(dspark_worker_v2.py:336-347); use cap-accept or static")
+    path = Path(table)
+    if path.is_file():
+        problem = sps_table_problem(path)
+        if problem is not None:
+            problems.append(f"engine.sglang.speculative_dspark_sps_table_path: {problem}")
+    elif models_here:
+        problems.append(f"engine.sglang.speculative_dspark_sps_table_path: {table} is not on "
+                        "this node and SGLang reads it at start; make it: "
+                        + "; then ".join(sps_profile_recipe(table)))
+    else:
+        logger.info("the DSpark SPS table %s is not on this machine (it lives with the "
+                    "checkpoints on the GPU nodes): not checked here", table)
+    sts = s.speculative_dspark_confidence_sts_path
+    if sts is not None and models_here and not Path(sts).is_file():
+        problems.append(f"engine.sglang.speculative_dspark_confidence_sts_path: {sts} is not on "
+                        "this node (SGLang reads it at start)")
     return problems
 
 
