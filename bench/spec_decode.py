@@ -282,9 +282,11 @@ def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
             engines = {m: pair_engine(target, draft, m != "target_only", kv_capacity_tokens=kv,
                                       adaptive=m == "adaptive", cost_table=table)
                        for m in CONCURRENCY_MODES}
-            for e in engines.values():  # warm-up, the measured batch's shape at its sampling
+            # Warm-up, the measured batch's shape at its sampling: long enough for the adaptive
+            # budget's warm-up steps (spec_budget.WARMUP_STEPS), which draft for everyone.
+            for e in engines.values():
                 e.generate(batch, [SamplingParams(temperature=temperature, top_p=top_p,
-                                                  max_tokens=8, ignore_eos=True)] * c)
+                                                  max_tokens=32, ignore_eos=True)] * c)
             budget = engines["adaptive"].budget
             assert budget is not None
             before = budget.stats()

@@ -232,10 +232,12 @@ class K3DecoderLayer(nn.Module):
         bank: list[torch.Tensor],
         p: torch.Tensor,
         states: LayerStates,
+        read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer with the Block AttnRes. `bank` (appended to in place at a write layer) and
-        p (x0 at layer 0, else the previous layer's partial sum) -> the new partial sum."""
-        a_in = self.input_layernorm(self.attn_read(bank, p))
+        p (x0 at layer 0, else the previous layer's partial sum) -> the new partial sum. `read`:
+        this layer's `attn_read(bank, p)` when the caller already formed it (a DSpark tap)."""
+        a_in = self.input_layernorm(self.attn_read(bank, p) if read is None else read)
         pending: torch.Tensor | None = p
         if self.is_write:  # snapshot the finished block, restart the partial sum
             bank.append(p)
@@ -316,12 +318,16 @@ class K3Model(nn.Module):
             return self.norm(h), taps
         bank: list[torch.Tensor] = []
         p = h
+        read: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            p = layer.forward_attn_res(bank, p, states)
+            p = layer.forward_attn_res(bank, p, states, read)
+            read = None
             if i in wanted:
+                # The tap is the read the next layer (or the output) forms: formed once.
                 nxt = self.layers[i + 1] if i + 1 < n else None
-                taps[i] = nxt.attn_read(bank, p) if nxt is not None else self.output_read(bank, p)
-        return self.norm(self.output_read(bank, p)), taps
+                read = nxt.attn_read(bank, p) if nxt is not None else self.output_read(bank, p)
+                taps[i] = read
+        return self.norm(self.output_read(bank, p) if read is None else read), taps
 
 
 class K3ForCausalLM(nn.Module):

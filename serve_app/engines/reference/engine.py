@@ -1,9 +1,11 @@
 """The reference engine's step loop: continuous batching with DSpark speculative decoding.
 
 One step = at most one prefill forward (chunks of waiting prompts) + one decode forward for every
-running request. With speculation, a decode step drafts gamma tokens per request in one draft
-forward, verifies [anchor, drafts] in one target forward, commits the accepted drafts plus the
-target's bonus token, and rolls both caches back past the committed length.
+running request. With speculation, a decode step drafts gamma tokens for the requests worth
+drafting for in one draft forward, verifies each request's window [anchor, k of its drafts] (k
+chosen per request by the verify budget, spec_budget.py; 0 for the rest) in one target forward,
+commits the accepted drafts plus the target's bonus token, and rolls both caches back past the
+committed length.
 
 Faults are isolated per request: an exception while sampling, verifying, committing or
 detokenizing for one sequence aborts that sequence alone (its final output carries `error`); the
@@ -385,6 +387,7 @@ class EngineCore:
         caps = [min(self.gamma, s.params.max_tokens - len(s.output_ids) - 1) for s in seqs]
         classes = [request_class(s.params.greedy, s.grammar is not None) for s in seqs]
         rids = [s.request_id for s in seqs]
+        fixed = [_fixed_windows(s) for s in seqs] if self.budget is not None else []
         # Which requests the draft runs for: all, or (the adaptive budget) those expected to
         # pay for it. None (or more than speculation.max_batch_size decoding): a plain step,
         # which still captures the taps the draft's context needs.
@@ -392,7 +395,6 @@ class EngineCore:
                                     and len(seqs) > self.speculation_max_batch):
             drafted = []
         elif self.budget is not None:
-            fixed = [_fixed_windows(s) for s in seqs]
             drafted = self.budget.to_draft(classes, rids, caps, fixed)
         else:
             drafted = list(range(len(seqs)))
@@ -407,10 +409,11 @@ class EngineCore:
         confidence = (proposal.confidence[:, : self.gamma].tolist()
                       if proposal.confidence is not None else None)
         if self.budget is not None:
-            full = [confidence[row[b]] if confidence is not None and b in row else None
-                    for b in range(len(seqs))]
+            # Each request's confidence row (None: not drafted for, its cap is 0).
+            by_request = [confidence[row[b]] if confidence is not None and b in row else None
+                          for b in range(len(seqs))]
             plan = self.budget.plan(
-                classes, rids, full if confidence is not None else None,
+                classes, rids, by_request if confidence is not None else None,
                 [caps[b] if b in row else 0 for b in range(len(seqs))],
                 [b in row for b in range(len(seqs))], fixed)
             counts = plan.drafts

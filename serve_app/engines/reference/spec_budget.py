@@ -21,8 +21,8 @@ prefix, and the decision to stop verifying is made before the target speaks).
 Before drafting, the same plan made from expected survival alone (no confidence yet) says which
 requests are worth drafting for at all: the draft runs for those only, the others decode plainly
 in the same verify forward, and a step where none is worth it skips the draft's forward (one
-step in `PROBE_EVERY` drafts for one request anyway, so that the acceptance it decides on stays
-measured).
+step in `PROBE_EVERY_PER_ROW` x rows drafts for one request anyway, so that what it decides on stays
+measured; every request is drafted for during the first `WARMUP_STEPS` speculative steps).
 """
 
 from __future__ import annotations
@@ -57,11 +57,21 @@ _REQUEST_PRIOR = 4.0
 _REQUEST_DECAY = 0.9
 # A class's acceptance follows the traffic (a new mix of prompts) over ~700 verdicts.
 _CLASS_DECAY = 0.999
-# One step in this many drafts (for one request) when no request is worth drafting for, to
-# keep acceptance measured. A probe is dear here: this engine pads a verify batch to its longest
-# window, so one request's window widens every row's forward (measured: a probe in a 16-request
-# batch cost two to three plain steps; one in 32 steps cost ~5% at 16 requests).
-PROBE_EVERY = 128
+# When no request is worth drafting for, one step in PROBE_EVERY_PER_ROW x rows (at least
+# PROBE_EVERY_MIN) drafts for one request anyway, to keep acceptance and the cost of a
+# speculative step measured: without them a budget that once turned speculation off would never
+# see it pay again (measured: a cold engine at one greedy request locked itself into plain steps,
+# 0.91x, where verifying every draft ran 1.73x). A probe's price grows with the batch: this
+# engine pads a verify batch to its longest window, so one request's window widens every row
+# (a probe in a 16-request batch cost two to three plain steps).
+PROBE_EVERY_PER_ROW = 8
+PROBE_EVERY_MIN = 8
+# Until this many speculative steps are measured, every request is drafted for: the cost model
+# and the acceptance counts start from priors, and a plan must see what drafting costs.
+WARMUP_STEPS = 16
+# Drafting must beat a plain step by this much in the plan before the draft runs: what the plan
+# does not price (the draft's bookkeeping, a verify's sampling) makes a marginal gain a loss.
+DRAFT_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,8 @@ class StepCostModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if not seconds > 0:
             return
-        if self.observed:  # the cold prior's guess is in relative units: not an error
+        # The cold prior's first guess is in relative units: not an error.
+        if self.observed or self._prior_absolute:
             predicted = self.predict(shape)
             self.errors.append(abs(predicted - seconds) / seconds)
             del self.errors[:-4096]
@@ -386,13 +397,25 @@ class VerifyBudget:
                  fixed: Sequence[bool]) -> list[int]:
         """Before the draft: the requests (indices) worth drafting for this step, from expected
         survival alone, and every `fixed` one (its whole block every step: a seeded sampled
-        request, reproducible). None: a plain step, except one in PROBE_EVERY, which drafts
-        for one request (in turn) so that the acceptance this decides on stays measured."""
+        request, reproducible), once drafting beats a plain step by DRAFT_MARGIN. None: a
+        plain step, except a probe now and then (PROBE_EVERY_PER_ROW), which drafts for one
+        request (in turn) so that what this decides on stays measured. Everyone is drafted for
+        in the first WARMUP_STEPS speculative steps."""
+        rows = len(rids)
+        if self.speculative_steps < WARMUP_STEPS:
+            chosen = [b for b, c in enumerate(caps) if c > 0]
+            self.last_reason = "warm-up: every request drafted for"
+            self._since_draft = 0 if chosen else self._since_draft + 1
+            self.plain_steps += not chosen
+            return chosen
         plan = plan_windows(self.acceptance.expected(classes, rids), caps, self.cost)
+        plain = rows / max(self.cost.predict(StepShape(rows, rows, 1, 0)), 1e-12)
+        pays = plan.expected_tokens / max(plan.predicted_seconds, 1e-12) > (1 + DRAFT_MARGIN) * plain
         chosen = [b for b, k in enumerate(plan.drafts)
-                  if k > 0 or (fixed[b] and caps[b] > 0)]
-        self.last_reason = plan.reason
-        if not chosen and self._since_draft + 1 >= PROBE_EVERY:
+                  if (k > 0 and pays) or (fixed[b] and caps[b] > 0)]
+        self.last_reason = plan.reason if pays else f"plain: {plan.reason}"
+        probe_every = max(PROBE_EVERY_MIN, PROBE_EVERY_PER_ROW * rows)
+        if not chosen and self._since_draft + 1 >= probe_every:
             able = [b for b, c in enumerate(caps) if c > 0]
             if able:
                 chosen = [able[self._probe % len(able)]]
