@@ -292,8 +292,20 @@ def window_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     k: [B, T, h, K]; v: [B, T, h, V]; g: [B, T, h, K]; beta: [B, T, h]; state: [B, h, K, V]
     (not modified) -> [B, T, h, K, V] fp32. The pairwise decays come from differences
     ([B, h, T, T, K]: small for a window). Every row of the batch is computed on its own, so a
-    subset of rows gives the same bits (ReplaySSM's replay recomputes from its log with this).
+    subset of rows gives the same bits. The scratch rollback keeps these states; the lazy one
+    (`window_solve`) never forms them.
     """
+    k, _, decay, eG, U = _window_corrections(k, v, g, beta, state)
+    S0 = state.float()
+    states = eG[..., None] * S0[:, :, None] + torch.einsum("bhtsk,bhsk,bhsv->bhtkv", decay, k, U)
+    return states.transpose(1, 2)
+
+
+def _window_corrections(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What a window's two forms share (`window_states`, `window_solve`): k, the cumulative
+    log-decay G, the pairwise decays [B, h, t, s, K], e^G (all [B, h, T, ·] fp32) and the
+    delta-rule corrections U from the unit lower-triangular solve."""
     T = k.shape[1]
     S0 = state.float()
     k, v, g = (t.float().transpose(1, 2) for t in (k, v, g))         # [B, h, T, ·]
@@ -308,8 +320,7 @@ def window_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     rhs = beta[..., None] * (v - (eG * k) @ S0)                       # diag(β)(V − (e^G ⊙ K) S0)
     lhs = torch.eye(T, device=k.device) + beta[..., None] * A         # I + diag(β) A
     U = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
-    states = eG[..., None] * S0[:, :, None] + torch.einsum("bhtsk,bhsk,bhsv->bhtkv", decay, k, U)
-    return states.transpose(1, 2)
+    return k, G, decay, eG, U
 
 
 def window_gated_delta_rule(
@@ -331,22 +342,10 @@ def window_solve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     with U from the same solve as `window_states`. Costs O(T²K + TKV) per head instead of the
     O(T²KV) of forming every S_t. Returns (o [B, T, h, V], U [B, h, T, V], G [B, h, T, K]);
     `KDAWindowLog.replay` forms the state at the accepted position from U and G."""
-    T = k.shape[1]
-    S0 = state.float()
-    q, k, v, g = (t.float().transpose(1, 2) for t in (q, k, v, g))   # [B, h, T, ·]
-    beta = beta.float().transpose(1, 2)                               # [B, h, T]
-    G = g.cumsum(dim=2)
-    causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
-    diff = G[:, :, :, None, :] - G[:, :, None, :, :]                 # [B, h, t, s, K]
-    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
-    strict = causal.clone().fill_diagonal_(False)
-    A = torch.einsum("bhtk,bhsk,bhtsk->bhts", k, k, decay) * strict
+    k, G, decay, eG, U = _window_corrections(k, v, g, beta, state)
+    q = q.float().transpose(1, 2)                                     # [B, h, T, K]
     Aqk = torch.einsum("bhtk,bhsk,bhtsk->bhts", q, k, decay)
-    eG = G.exp()
-    rhs = beta[..., None] * (v - (eG * k) @ S0)
-    lhs = torch.eye(T, device=k.device) + beta[..., None] * A
-    U = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
-    o = (eG * q) @ S0 + Aqk @ U
+    o = (eG * q) @ state.float() + Aqk @ U
     return o.transpose(1, 2), U, G
 
 
