@@ -608,8 +608,10 @@ def make_k3_engine(target: Path, draft: Path, rollback: str | None, timer: CallT
     from serve_app.engines.reference.builder import build_engine, build_runner
 
     speculative = rollback is not None
+    # Fixed windows: the two rollbacks then verify the same windows, compared step by step.
     cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, max_batch_size=4, speculation=(
-        SpeculationConfig(enabled=speculative, kda_rollback=rollback or "scratch")))
+        SpeculationConfig(enabled=speculative, kda_rollback=rollback or "scratch",
+                          adaptive=False)))
     engine = build_engine(build_runner(target, draft if speculative else None, cfg), cfg)
     runner = engine.runner
     log.instrument(runner)  # innermost: the step log's times exclude the timer's bookkeeping
