@@ -166,8 +166,10 @@ def test_spec_decode_embedded(tmp_path: Path) -> None:
     for row in rows:
         assert all(positive(row[k])
                    for k in ("target_only_tok_s", "always_on_tok_s", "adaptive_tok_s"))
-        # Every adaptive step is either plain or planned windows for both requests.
-        assert sum(row["adaptive_draft_histogram"]) == 2 * row["adaptive_speculative_steps"]
+        # A planned step gives each running request a window (one or two: the requests can
+        # finish a step apart).
+        steps = row["adaptive_speculative_steps"]
+        assert steps <= sum(row["adaptive_draft_histogram"]) <= 2 * steps
         assert row["adaptive_speculative_steps"] + row["adaptive_plain_steps"] > 0
 
 
