@@ -237,8 +237,8 @@ class AcceptanceModel:
     def _class(self, name: str) -> _Counts:
         if name not in self._classes:
             n = self._prior_steps
-            self._classes[name] = _Counts([p * n for p in self._prior], list(self._prior_steps
-                                          * p for p in self._prior), [n] * self.gamma)
+            start = [p * n for p in self._prior]  # survived and predicted start alike
+            self._classes[name] = _Counts(start, list(start), [n] * self.gamma)
         return self._classes[name]
 
     def class_ratio(self, name: str) -> list[float]:
@@ -320,6 +320,7 @@ class Plan:
     predicted_seconds: float
     reason: str
     shape: StepShape = field(default_factory=lambda: StepShape(0, 0, 1, 0))
+    base_rate: float = 0.0  # tokens per predicted second verifying no draft
 
 
 def plan_windows(survival: Sequence[Sequence[float]], caps: Sequence[int],
@@ -339,7 +340,8 @@ def plan_windows(survival: Sequence[Sequence[float]], caps: Sequence[int],
         return Plan([], 0.0, 0.0, "empty")
     w_step, w_rows, w_tokens, w_padded, w_drafted = cost.weights_list()
     sunk = sum(map(bool, drafted)) if drafted is not None else 0
-    seconds = w_step + (w_rows + w_tokens + w_padded) * b + w_drafted * sunk
+    seconds = max(w_step + (w_rows + w_tokens + w_padded) * b + w_drafted * sunk, 1e-12)
+    base_rate = b / seconds
     candidates = sorted(((s, j, r) for r in range(b)
                          for j, s in enumerate(survival[r][: max(caps[r], 0)], 1) if s > 0),
                         key=lambda c: (-c[0], c[1], c[2]))
@@ -363,10 +365,9 @@ def plan_windows(survival: Sequence[Sequence[float]], caps: Sequence[int],
         drafts[r] += 1
     reason = ("verify nothing: no draft is worth its cost" if n == 0 else
               f"verify {n} of {len(candidates)} drafts: {rate:.1f} tok/s predicted vs "
-              f"{b / (w_step + (w_rows + w_tokens + w_padded) * b + w_drafted * sunk):.1f} "
-              "with none")
-    return Plan(drafts, tokens, seconds, reason,
-                StepShape(b, b + n, width, rows_drafted))
+              f"{base_rate:.1f} with none")
+    return Plan(drafts, tokens, seconds, reason, StepShape(b, b + n, width, rows_drafted),
+                base_rate)
 
 
 def request_class(greedy: bool, constrained: bool) -> str:
@@ -401,30 +402,24 @@ class VerifyBudget:
         plain step, except a probe now and then (PROBE_EVERY_PER_ROW), which drafts for one
         request (in turn) so that what this decides on stays measured. Everyone is drafted for
         in the first WARMUP_STEPS speculative steps."""
-        rows = len(rids)
+        able = [b for b, c in enumerate(caps) if c > 0]
         if self.speculative_steps < WARMUP_STEPS:
-            chosen = [b for b, c in enumerate(caps) if c > 0]
+            chosen = able
             self.last_reason = "warm-up: every request drafted for"
-            self._since_draft = 0 if chosen else self._since_draft + 1
-            self.plain_steps += not chosen
-            return chosen
-        plan = plan_windows(self.acceptance.expected(classes, rids), caps, self.cost)
-        plain = rows / max(self.cost.predict(StepShape(rows, rows, 1, 0)), 1e-12)
-        pays = plan.expected_tokens / max(plan.predicted_seconds, 1e-12) > (1 + DRAFT_MARGIN) * plain
-        chosen = [b for b, k in enumerate(plan.drafts)
-                  if (k > 0 and pays) or (fixed[b] and caps[b] > 0)]
-        self.last_reason = plan.reason if pays else f"plain: {plan.reason}"
-        probe_every = max(PROBE_EVERY_MIN, PROBE_EVERY_PER_ROW * rows)
-        if not chosen and self._since_draft + 1 >= probe_every:
-            able = [b for b, c in enumerate(caps) if c > 0]
-            if able:
+        else:
+            plan = plan_windows(self.acceptance.expected(classes, rids), caps, self.cost)
+            rate = plan.expected_tokens / plan.predicted_seconds
+            pays = rate > (1 + DRAFT_MARGIN) * plan.base_rate
+            chosen = [b for b in able if (plan.drafts[b] > 0 and pays) or fixed[b]]
+            self.last_reason = plan.reason if pays else f"plain: {plan.reason}"
+            probe_every = max(PROBE_EVERY_MIN, PROBE_EVERY_PER_ROW * len(rids))
+            if not chosen and able and self._since_draft + 1 >= probe_every:
                 chosen = [able[self._probe % len(able)]]
                 self._probe += 1
                 self.probe_steps += 1
                 self.last_reason = "probe: " + plan.reason
         self._since_draft = 0 if chosen else self._since_draft + 1
-        if not chosen:
-            self.plain_steps += 1
+        self.plain_steps += not chosen
         return chosen
 
     def plan(self, classes: Sequence[str], rids: Sequence[Hashable],
