@@ -262,18 +262,26 @@ def _draft_card(dm: dict[str, Any], dcfg: dict[str, Any], bench: list[str],
         *data, "",
         "## Training",
         _made_by(dm),
-        "After the target. The DSpark objective (SpecForge defaults): per block row k, "
-        "0.1 CE + 0.9 L1(p_draft, p_target) + 1.0 BCE(confidence, 1 - L1/2), weighted by "
-        "exp(-k/7); teacher-forced Markov inputs; 24 random anchors per sequence, each block "
-        "seeing the context strictly before its anchor. Context features and target "
-        "distributions come from the shipped (bf16) target itself. Each step mixes 4 corpus "
-        "windows with 12 sequences the target generated itself from training prompts (half "
-        "greedy, half at temperature 0.7; a quarter are chat requests), anchors mostly in the "
-        "generated part: that is the text the draft meets when the engine decodes.",
+        "After the target (and its vision stage), for the way K3 is served. Per block row k: "
+        "0.1 CE(the target's argmax) + 1.8 TV(q_T, p_T) averaged over K3's two sampling modes "
+        "(T 1.0 and 0.6; p_T the target's distribution truncated to its top_p 0.95 nucleus, "
+        "q_T the draft's at T: 1 - TV is the engine's acceptance, DistillSpec's objective) + "
+        "1.0 BCE(confidence, the row's mean acceptance over greedy and both modes), weighted by "
+        "exp(-k/7); teacher-forced Markov inputs; 24 anchors per sequence, each block seeing "
+        "the context strictly before its anchor. Context features and target distributions "
+        "come from the shipped (bf16) target itself. Each step mixes 4 corpus windows with 12 "
+        "sequences the target generated itself from training prompts (a third each greedy, K3 "
+        "thinking and K3 instant; half are chat requests in K3's format), anchors mostly in the "
+        "generated part: that is the text the draft meets when the engine decodes. On-policy "
+        "anchors: half of each step's generated sequences carry on to the next step with their "
+        "anchors where the engine's next block would start after each block (a walk through "
+        "this draft's own acceptance in the sequence's mode).",
         f"Steps {dm.get('steps')}, {dm.get('generated_sequences')} generated sequences.", "",
         "## Quality",
         f"Teacher-forced agreement with the target's greedy token on held-out generations, by "
-        f"block row: {dm.get('heldout_teacher_forced_agreement_by_row')}.",
+        f"block row: {dm.get('heldout_teacher_forced_agreement_by_row')}; acceptance at K3 "
+        f"thinking on held-out thinking generations, by block row: "
+        f"{dm.get('heldout_thinking_acceptance_by_row', 'not measured by this run')}.",
         f"Reference engine, greedy, {eng.get('prompts')} held-out prompts x "
         f"{eng.get('max_tokens')} tokens: spec_accept_length "
         f"{eng.get('spec_accept_length_macro', 0):.2f} (macro over prompts) / "

@@ -1,16 +1,28 @@
-"""Train the DSpark draft on the target's own hidden states and distributions.
+"""Train the DSpark draft on the target's own hidden states and distributions, for the way K3
+is served.
 
 Data: every step mixes windows of the training corpus with sequences the target generated
-itself (half greedy, half at temperature 0.7) from training-corpus prompts,
-some of them chat requests. The generated part is what the draft meets when the engine decodes,
-so it is where most anchors are drawn; the context features always come from the target's taps
-over the whole sequence, exactly what the inference path appends to the draft's cache.
+itself from training-corpus prompts, half of them chat requests in K3's format, in the three ways
+a request decodes: greedy, and K3's two sampling modes (thinking T 1.0, instant T 0.6, both
+top_p 0.95). The generated part is what the draft meets when the engine decodes, so it is where
+most anchors are drawn; the context features always come from the target's taps over the whole
+sequence, exactly what the inference path appends to the draft's cache.
 
-Objective (SpecForge 0.2.0's defaults): per block row k,
-    0.1 * CE(logits, next token) + 0.9 * ||p_draft - p_target||_1 + 1.0 * BCE(conf, accept)
-with accept = 1 - 0.5 * ||p_draft - p_target||_1 (the chance a sampled draft is accepted),
-weighted by exp(-k / gamma); the Markov head is teacher-forced with the sequence's tokens;
-random anchors per sequence, each block seeing the context strictly before its anchor.
+On-policy anchors: the engine starts a block where the previous one was rejected. Half of a
+step's generated sequences are carried from the step before, their anchors moved to where the
+engine's next block would start after each of that step's blocks (`next_anchors`: the walk
+through the draft's own acceptance, drawn from this draft), so the draft trains on the contexts
+its own rejections lead to; the other half start fresh with uniform anchors.
+
+Objective (DistillSpec: the acceptance of speculative sampling is 1 - TV(p, q); SpecForge's
+DSpark loss weights): per block row k,
+    0.1 * CE(logits, target's argmax) + 1.8 * mean_T TV(q_T, p_T) + 1.0 * BCE(conf, accept)
+where p_T is the target's distribution at temperature T truncated to its top_p 0.95 nucleus
+(what the engine verifies against) and q_T the draft's at T (what it samples from), for T in
+K3's 1.0 and 0.6; the CE on the target's argmax is the greedy term; accept is the row's mean
+acceptance over greedy and both modes. Rows are weighted by exp(-k / gamma); the Markov head is
+teacher-forced with the sequence's tokens; each block sees the context strictly before its
+anchor.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from serve_app.engines.reference.sampling import SamplingParams, target_probs
 from serve_app.models.dspark import DSparkDraft, save_dspark
 from serve_app.models.dspark_config import DSparkConfig
 from serve_app.models.k3 import K3ForCausalLM, K3State
@@ -46,7 +59,12 @@ from serve_app.training.conversations import conversations
 from serve_app.training.corpus import SourceFile
 
 GAMMA = 7
-LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
+# 1.8 x TV is SpecForge's 0.9 x L1 (L1 = 2 TV).
+LOSS_WEIGHTS = {"ce": 0.1, "tv": 1.8, "bce": 1.0}
+# How a request decodes: greedy (temperature 0), K3 thinking and K3 instant, with K3's top_p
+# (chat/parameters.py: K3_TEMPERATURE, K3_TOP_P). Mode i of the generated pool is MODES[i].
+MODES: tuple[tuple[float, float], ...] = ((0.0, 1.0), (1.0, 0.95), (0.6, 0.95))
+SAMPLED_MODES = MODES[1:]
 # The draft's size, chosen from this CPU's measurements (docs/embedded-models.md): trained for
 # the same 6 minutes, 1 and 2 layers reached the same engine acceptance (1.58 / 1.54 macro on
 # the held-out prompts), and 1 layer drafts a block in 2.7 ms against 4.0 ms (0.18 / 0.23 of a
@@ -103,17 +121,24 @@ def init_draft(draft: DSparkDraft, std: float = 0.02) -> None:
                 p.normal_(0, std)
 
 
+def truncated_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution the engine samples and verifies with at K3's parameters (softmax at
+    `temperature`, then the top_p nucleus, renormalised), over the last dimension."""
+    return target_probs(logits, SamplingParams(temperature=temperature, top_p=top_p))
+
+
 @torch.no_grad()
 def generate(target: K3ForCausalLM, prompts: torch.Tensor, new_tokens: int,
-             temperature: float, gen: torch.Generator) -> torch.Tensor:
+             temperature: float, gen: torch.Generator, top_p: float = 1.0) -> torch.Tensor:
     """Continue every prompt row ([N, P], equal lengths) by `new_tokens` with the dense state
-    (KDA recurrent states and MLA latents); returns [N, P + new_tokens]."""
+    (KDA recurrent states and MLA latents), greedy at temperature 0; returns
+    [N, P + new_tokens]."""
     logits, state = target(prompts)
     logits = logits[:, -1]
     out = [prompts]
     for i in range(new_tokens):
         if temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
+            nxt = torch.multinomial(truncated_probs(logits, temperature, top_p), 1, generator=gen)
         else:
             nxt = logits.argmax(-1, keepdim=True)
         out.append(nxt)
@@ -126,39 +151,62 @@ def generate(target: K3ForCausalLM, prompts: torch.Tensor, new_tokens: int,
 def generation_prompts(tok: HFTokenizer, stream: torch.Tensor, files: list[SourceFile],
                        n: int, length: int, rng: random.Random,
                        gen: torch.Generator) -> torch.Tensor:
-    """[n, length] prompts: corpus windows, and (a quarter of them) a chat request in K3's
-    format, ending with its generation prompt, placed after a document separator at the end of
-    a corpus window, the way a chat prompt starts fresh."""
+    """[n, length] prompts: corpus windows, and (half of them) a chat request in K3's format,
+    ending with its generation prompt, placed after a document separator at the end of a corpus
+    window, the way a chat prompt starts fresh."""
     rows = random_windows(stream, n, length, gen)
-    for i, c in enumerate(conversations(files, n // 4, rng)):
+    for i, c in enumerate(conversations(files, n // 2, rng)):
         ids = [tok.bos_token_id, *conversation_ids(tok, c)[0]]
         if len(ids) < length:
             rows[i, length - len(ids):] = torch.tensor(ids)
     return rows[torch.randperm(n, generator=gen)]
 
 
+def mode_acceptance(out_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """[len(MODES), ...] per block row: the chance the engine accepts the draft's token in each
+    mode, given the row's context. Greedy: the draft's argmax is the target's. Sampled:
+    sum_x min(p_T(x), q_T(x)) = 1 - TV, p_T the target's truncated distribution and q_T the
+    draft's at T (the engine samples the draft at the request's temperature, without top_p)."""
+    rows = [(out_logits.argmax(-1) == target_logits.argmax(-1)).float()]
+    for temperature, top_p in SAMPLED_MODES:
+        p = truncated_probs(target_logits, temperature, top_p)
+        q = torch.softmax(out_logits / temperature, -1)
+        rows.append(torch.minimum(p, q).sum(-1))
+    return torch.stack(rows)
+
+
 def draft_loss(out_logits: torch.Tensor, confidence: torch.Tensor | None,
-               target_logits: torch.Tensor, labels: torch.Tensor
+               target_logits: torch.Tensor
                ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-    """All [B, A, gamma, ...]; returns (loss, parts, per-row greedy agreement)."""
+    """All [B, A, gamma, ...]; returns (loss, parts, per-mode acceptance [len(MODES), B, A,
+    gamma], detached: the greedy row is the draft's agreement with the target's argmax)."""
     gamma = out_logits.shape[2]
     weights = torch.exp(-torch.arange(gamma, dtype=torch.float32) / gamma)
     weights = weights / weights.sum()
-    q = torch.softmax(out_logits, -1)
-    p = torch.softmax(target_logits, -1)
-    l1 = (q - p).abs().sum(-1)  # [B, A, g]
-    ce = F.cross_entropy(out_logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(l1)
-    accept = (1 - 0.5 * l1).detach().clamp(0, 1)
-    per_row = LOSS_WEIGHTS["ce"] * ce + LOSS_WEIGHTS["l1"] * l1
-    bce = torch.zeros_like(l1)
+    accept = mode_acceptance(out_logits, target_logits)
+    tv = (1 - accept[1:]).mean(0)  # differentiable through q (p is the target's, fixed)
+    ce = F.cross_entropy(out_logits.flatten(0, 2), target_logits.argmax(-1).flatten(),
+                         reduction="none").view_as(tv)
+    per_row = LOSS_WEIGHTS["ce"] * ce + LOSS_WEIGHTS["tv"] * tv
+    accept = accept.detach()
+    bce = torch.zeros_like(tv)
     if confidence is not None:
-        bce = F.binary_cross_entropy(confidence.float().clamp(1e-6, 1 - 1e-6), accept,
-                                     reduction="none")
+        bce = F.binary_cross_entropy(confidence.float().clamp(1e-6, 1 - 1e-6),
+                                     accept.mean(0).clamp(0, 1), reduction="none")
         per_row = per_row + LOSS_WEIGHTS["bce"] * bce
     loss = (per_row * weights).sum(-1).mean()
-    agree = (out_logits.argmax(-1) == target_logits.argmax(-1)).float()
-    parts = {k: float(v.detach().mean()) for k, v in (("ce", ce), ("l1", l1), ("bce", bce))}
-    return loss, parts, agree
+    parts = {k: float(v.detach().mean()) for k, v in (("ce", ce), ("tv", tv), ("bce", bce))}
+    return loss, parts, accept
+
+
+def next_anchors(anchors: torch.Tensor, accept: torch.Tensor, gen: torch.Generator
+                 ) -> torch.Tensor:
+    """Where the engine's next block starts after each block ([..., A] anchors, [..., A, gamma]
+    per-row acceptance): p + j + 1, j the drafts a walk accepts (row k survives with its
+    acceptance, the walk ends at the first rejection), the correction or bonus token the new
+    anchor."""
+    survive = torch.cumprod((torch.rand(accept.shape, generator=gen) < accept).long(), -1)
+    return anchors + survive.sum(-1) + 1
 
 
 def expected_accept_length(agree_by_row: torch.Tensor) -> float:
@@ -177,6 +225,8 @@ class DraftResult:
     loss: float
     heldout_agreement: list[float]
     heldout_expected_accept: float
+    heldout_thinking_acceptance: list[float]
+    heldout_thinking_expected_accept: float
 
 
 def _batch(target: K3ForCausalLM, ids: torch.Tensor, anchors: torch.Tensor
@@ -231,34 +281,38 @@ def train_draft(
     held = encode_documents(tok, heldout_files, seed + 1, conversation_fraction=0.0)
     seq_len = prompt_len + new_tokens
 
-    # 1. The target's own continuations (a fixed share of the budget).
+    # 1. The target's own continuations (a fixed share of the budget), in each of MODES in
+    # turn: chat users sample at K3's parameters, and sampled continuations are where a draft
+    # that only learned the target's argmax falls short.
     gen_budget = 0.18 * budget_s
     pool: list[torch.Tensor] = []
+    modes: list[int] = []
     progress = Progress("generate", gen_budget)
-    i = 0
     gen_tuner = ThreadTuner(threads, every_s=60.0, trial=1)
     # A step budget generates in proportion: one 32-sequence batch per 16 steps.
-    batches = 64 if max_steps is None else max(1, max_steps // 16)
+    batches = 66 if max_steps is None else max(1, max_steps // 16)
     while not pool or (progress.elapsed < gen_budget and len(pool) < batches):
         t_batch = time.monotonic()
-        # Half greedy, half sampled at 0.7: chat users sample, and the sampled continuations
-        # are where a draft that only learned the target's argmax falls short.
-        temperature = 0.7 if i % 2 else 0.0
+        mode = len(pool) % len(MODES)
+        temperature, top_p = MODES[mode]
         prompts = generation_prompts(tok, stream, train_files, 32, prompt_len, rng, gen)
-        pool.append(generate(target, prompts, new_tokens, temperature, gen))
+        pool.append(generate(target, prompts, new_tokens, temperature, gen, top_p=top_p))
+        modes.extend([mode] * 32)
         gen_tuner.record(time.monotonic() - t_batch)
-        i += 1
         progress.update(sequences=32 * len(pool))
     generated = torch.cat(pool)
+    generated_modes = torch.tensor(modes)
     progress.update(force=True, sequences=len(generated))
     sample = tok.decode(generated[0, prompt_len - 24:].tolist(), skip_special_tokens=False)
     print("generate: sample continuation:\n" + sample[:600], flush=True)
-    # The held-out generations the saved draft's teacher-forced agreement is measured on; a
+    # The held-out generations the saved draft is measured on, greedy and at K3 thinking; a
     # step-budget run (CI's) measures on a quarter of them, as it generates in proportion.
     held_rows = 16 if max_steps is None else 4
     held_prompts = random_windows(held, held_rows, prompt_len,
                                   torch.Generator().manual_seed(seed + 7))
-    held_gen = generate(target, held_prompts, new_tokens, 0.0, gen)
+    held_gen = {mode: generate(target, held_prompts, new_tokens, MODES[mode][0], gen,
+                               top_p=MODES[mode][1])
+                for mode in (0, 1)}
 
     # 2. The draft.
     config = mini_draft_config(target, tok, layers or DRAFT_LAYERS, markov_rank or MARKOV_RANK)
@@ -274,58 +328,82 @@ def train_draft(
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=peak_lr, betas=(0.9, 0.95))
-    # Keep time for saving, the held-out agreement and the engine measurement after the loop.
+    # Keep time for saving, the held-out measurement and the engine's after the loop.
     loop_budget = budget_s - (time.monotonic() - start) - min(75.0, 0.1 * budget_s)
     progress = Progress("draft", loop_budget, max_steps=max_steps)
     tuner = ThreadTuner(threads)
     step, ema = 0, float("nan")
-    agree_ema = torch.zeros(GAMMA)
+    accept_ema = torch.zeros(len(MODES), GAMMA)
+    hi = seq_len - 1 - GAMMA
+    carried = batch_generated // 2
+    carry_pick = torch.empty(0, dtype=torch.long)
+    carry_anchors = torch.empty(0, anchors_per_seq, dtype=torch.long)
     while not progress.finished(step):
         lr = cosine_lr(progress.share(step), step, peak_lr, warmup=min(30, max_steps or 30))
         for g in opt.param_groups:
             g["lr"] = lr
         t_step = time.monotonic()
-        pick = torch.randint(0, len(generated), (batch_generated,), generator=gen)
+        fresh = torch.randint(0, len(generated), (batch_generated - len(carry_pick),),
+                              generator=gen)
+        pick = torch.cat([carry_pick, fresh])
         ids = torch.cat([random_windows(stream, batch_corpus, seq_len, gen), generated[pick]])
-        # Corpus rows: anchors anywhere; generated rows: mostly in the generated part.
-        hi = seq_len - 1 - GAMMA
+        # Corpus rows: anchors anywhere; fresh generated rows: mostly in the generated part;
+        # carried rows: where the engine's next blocks start, uniform where that ran past the
+        # sequence.
         lo = torch.tensor([1] * batch_corpus + [prompt_len - 8] * batch_generated)
         u = torch.rand(len(ids), anchors_per_seq, generator=gen)
         anchors = (lo[:, None] + u * (hi - lo[:, None] + 1)).long().clamp(max=hi)
-        taps, tlogits, labels = _batch(target, ids, anchors)
+        if len(carry_pick):
+            rows = slice(batch_corpus, batch_corpus + len(carry_pick))
+            anchors[rows] = torch.where(carry_anchors <= hi, carry_anchors, anchors[rows])
+        taps, tlogits, _ = _batch(target, ids, anchors)
         res = draft.forward_train(taps, ids, anchors, embed, lm_head)
-        loss, parts, agree = draft_loss(res.logits, res.confidence, tlogits, labels)
+        loss, parts, accept = draft_loss(res.logits, res.confidence, tlogits)
         optimizer_step(opt, loss, draft.parameters())
         tuner.record(time.monotonic() - t_step)
         step += 1
+        # The next step carries half of these sequences on, each block's walk through the
+        # acceptance of the mode it was generated in.
+        keep = torch.randperm(batch_generated, generator=gen)[:carried]
+        carry_pick = pick[keep]
+        g_rows = batch_corpus + keep
+        own = accept[generated_modes[carry_pick], g_rows]  # [carried, A, gamma]
+        carry_anchors = next_anchors(anchors[g_rows], own, gen)
         value = float(loss.detach())
         ema = running_mean(ema, value)
-        rows = agree[batch_corpus:].mean(dim=(0, 1))
-        agree_ema = rows if step == 1 else 0.95 * agree_ema + 0.05 * rows
-        progress.update(step=step, loss=ema, lr=lr, l1=parts["l1"],
-                        est_accept=expected_accept_length(agree_ema), threads=tuner.current)
+        rows_now = accept[:, batch_corpus:].mean(dim=(1, 2))  # [modes, gamma]
+        accept_ema = rows_now if step == 1 else 0.95 * accept_ema + 0.05 * rows_now
+        progress.update(step=step, loss=ema, lr=lr, tv=parts["tv"],
+                        est_accept_greedy=expected_accept_length(accept_ema[0]),
+                        est_accept_thinking=expected_accept_length(accept_ema[1]),
+                        threads=tuner.current)
     progress.update(force=True, step=step, loss=ema)
 
-    # 3. Save bf16 and measure teacher-forced agreement on held-out generations.
+    # 3. Save bf16 and measure, teacher-forced, on held-out generations: agreement with the
+    # target's argmax on greedy ones and K3 thinking's acceptance (1 - TV) on thinking ones.
     draft.eval()
     draft.to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     save_dspark(draft, out)
     draft.float()
+    by_mode = {}
     with torch.no_grad():
-        hi = seq_len - 1 - GAMMA
-        anchors = torch.arange(prompt_len - 1, hi + 1)[None].expand(len(held_gen), -1)
-        taps, tlogits, labels = _batch(target, held_gen, anchors)
-        res = draft.forward_train(taps, held_gen, anchors, embed, lm_head)
-        _, _, agree = draft_loss(res.logits, res.confidence, tlogits, labels)
-    by_row = agree.mean(dim=(0, 1))
-    est = expected_accept_length(by_row)
+        anchors = torch.arange(prompt_len - 1, hi + 1)[None].expand(held_rows, -1)
+        for mode, seqs in held_gen.items():
+            taps, tlogits, _ = _batch(target, seqs, anchors)
+            res = draft.forward_train(taps, seqs, anchors, embed, lm_head)
+            _, _, accept = draft_loss(res.logits, res.confidence, tlogits)
+            by_mode[mode] = accept[mode].mean(dim=(0, 1))
+    est = expected_accept_length(by_mode[0])
+    est_thinking = expected_accept_length(by_mode[1])
     wall = time.monotonic() - start
     print(f"draft: {step} steps, held-out greedy agreement by row "
-          f"{[round(float(a), 3) for a in by_row]}, estimated accept length {est:.2f}, "
-          f"{wall / 60:.1f} min", flush=True)
+          f"{[round(float(a), 3) for a in by_mode[0]]}, estimated accept length {est:.2f}; "
+          f"K3 thinking acceptance by row {[round(float(a), 3) for a in by_mode[1]]}, "
+          f"estimated accept length {est_thinking:.2f}, {wall / 60:.1f} min", flush=True)
     result = DraftResult(config, params, step, len(generated), wall, ema,
-                         [round(float(a), 4) for a in by_row], est)
+                         [round(float(a), 4) for a in by_mode[0]], est,
+                         [round(float(a), 4) for a in by_mode[1]], est_thinking)
     metrics = {**_metrics(result), "provenance": provenance or {}}
     # What the engine measures on the fixed held-out prompts (after the training wall time).
     metrics.update(evaluate_pair(target_dir, out, tok, eval_prompts, short=max_steps is not None))
@@ -363,4 +441,7 @@ def _metrics(r: DraftResult) -> dict[str, Any]:
             "generated_sequences": r.generated_sequences, "wall_s": round(r.wall_s, 1),
             "train_loss_ema": round(r.loss, 4),
             "heldout_teacher_forced_agreement_by_row": r.heldout_agreement,
-            "heldout_estimated_accept_length": round(r.heldout_expected_accept, 3)}
+            "heldout_estimated_accept_length": round(r.heldout_expected_accept, 3),
+            "heldout_thinking_acceptance_by_row": r.heldout_thinking_acceptance,
+            "heldout_thinking_estimated_accept_length":
+                round(r.heldout_thinking_expected_accept, 3)}
