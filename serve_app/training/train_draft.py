@@ -162,6 +162,30 @@ def generation_prompts(tok: HFTokenizer, stream: torch.Tensor, files: list[Sourc
     return rows[torch.randperm(n, generator=gen)]
 
 
+# Log-probability buckets of nucleus_mask: 512 over 30 decades, 0.135 nats (14%) wide.
+NUCLEUS_BUCKETS = 512
+_NUCLEUS_SPAN = 30 * math.log(10)
+
+
+def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top_p nucleus of every row of `probs` [..., V] to within one log-probability
+    bucket, without a sort: the engine's nucleus (`sampling.target_probs`) is the most likely
+    tokens whose mass before each is below top_p; here whole buckets, kept while the mass of
+    the buckets above is below top_p. Measured on [2688, 4096] rows: 0.28 s against 1.8 s for
+    the sort (which made the loss most of a training step), within 0.8% of the exact nucleus's
+    mass."""
+    shape, vocab = probs.shape, probs.shape[-1]
+    flat = probs.reshape(-1, vocab)
+    bucket = (flat.clamp_min(1e-30).log() * (-NUCLEUS_BUCKETS / _NUCLEUS_SPAN)).long()
+    bucket = bucket.clamp_(max=NUCLEUS_BUCKETS - 1)  # 0: the most likely
+    rows = len(flat)
+    index = (bucket + torch.arange(rows)[:, None] * NUCLEUS_BUCKETS).flatten()
+    mass = torch.bincount(index, weights=flat.flatten().double(),
+                          minlength=rows * NUCLEUS_BUCKETS).view(rows, NUCLEUS_BUCKETS)
+    cut = (mass.cumsum(-1) - mass < top_p).sum(-1)
+    return (bucket < cut[:, None]).view(shape)
+
+
 def mode_acceptance(out_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """[len(MODES), ...] per block row: the chance the engine accepts the draft's token in each
     mode, given the row's context. Greedy: the draft's argmax is the target's. Sampled:
@@ -169,7 +193,9 @@ def mode_acceptance(out_logits: torch.Tensor, target_logits: torch.Tensor) -> to
     draft's at T (the engine samples the draft at the request's temperature, without top_p)."""
     rows = [(out_logits.argmax(-1) == target_logits.argmax(-1)).float()]
     for temperature, top_p in SAMPLED_MODES:
-        p = truncated_probs(target_logits, temperature, top_p)
+        p = torch.softmax(target_logits.float() / temperature, -1)
+        p = p * nucleus_mask(p, top_p)
+        p = p / p.sum(-1, keepdim=True)
         q = torch.softmax(out_logits / temperature, -1)
         rows.append(torch.minimum(p, q).sum(-1))
     return torch.stack(rows)
