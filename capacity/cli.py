@@ -631,17 +631,23 @@ def _plan_modes(target: ModelDescriptor, draft: ModelDescriptor | None,
 
 def _layout_from_options(
     gpu_specs: dict[str, GpuSpec], gpu: str, nodes: int, tp: int | None, dp: int, ep: int | None,
-    pp: int, weights: str, kv: str, mem_fraction: float | None,
+    pp: int, weights: str, kv: str, mem_fraction: float | None, dcp: int = 1,
+    redundant_experts: int = 0,
 ) -> Layout:
+    from capacity.emit import default_mem_fraction
+
     spec = gpu_spec(gpu_specs, gpu)
     stage = nodes * spec.gpus_per_node // max(1, pp)
     fmt = _formats(weights)
     if len(fmt) != 1:
         raise CapacityError("--weights takes one format here")
-    extra = {"mem_fraction": mem_fraction} if mem_fraction is not None else {}
+    # The fraction known to fit on this GPU where the recipe's does not (capacity.emit.KNOWN_FIT).
+    fraction = mem_fraction if mem_fraction is not None else default_mem_fraction(spec.gpu)
+    extra = {"mem_fraction": fraction} if fraction is not None else {}
     layout = validated(
         Layout, gpu=spec.gpu, nodes=nodes, tp=tp or stage, attention_dp=dp, ep=ep or tp or stage,
-        pp=pp, weight_format=fmt[0], kv_dtype=parse_kv_dtype(kv), **extra,
+        pp=pp, weight_format=fmt[0], kv_dtype=parse_kv_dtype(kv), dcp=dcp,
+        redundant_experts=redundant_experts, **extra,
     )
     if layout.gpus_per_node != spec.gpus_per_node:
         raise CapacityError(
@@ -657,6 +663,8 @@ TpOpt = Annotated[int | None, typer.Option("--tp", help="tensor-parallel ranks p
 DpOpt = Annotated[int, typer.Option("--dp", help="attention data parallel ranks")]
 EpOpt = Annotated[int | None, typer.Option("--ep", help="expert parallel (default: whole stage)")]
 PpOpt = Annotated[int, typer.Option("--pp", help="pipeline stages")]
+DcpOpt = Annotated[int, typer.Option("--dcp", help="decode context parallel size (SGLang's "
+                                     "dcp_size): each rank holds 1/dcp of a request's MLA KV")]
 
 
 @app.command("explain")
@@ -671,6 +679,10 @@ def explain_cmd(
     dp: DpOpt = 1,
     ep: EpOpt = None,
     pp: PpOpt = 1,
+    dcp: DcpOpt = 1,
+    redundant_experts: Annotated[int, typer.Option(
+        "--redundant-experts", help="EPLB's redundant experts (SGLang's "
+        "--ep-num-redundant-experts): (E + R) / EP experts per rank")] = 0,
     weights: Annotated[str, typer.Option()] = "native",
     kv: Annotated[str, typer.Option()] = "bf16",
     mem_fraction: Annotated[float | None, typer.Option()] = None,
@@ -691,7 +703,7 @@ def explain_cmd(
     _check_rollback(kda_rollback, spec, replay_ring_len)
     gpu_specs = load_gpus(gpu_table)
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
-                                  mem_fraction)
+                                  mem_fraction, dcp, redundant_experts)
     spec_gpu = gpu_spec(gpu_specs, gpu)
     text_tokens = parse_tokens(context)
     tokens = prompt_tokens(target, text_tokens, images)
@@ -852,6 +864,7 @@ def emit_cmd(
     dp: DpOpt = 1,
     ep: EpOpt = None,
     pp: PpOpt = 1,
+    dcp: DcpOpt = 1,
     weights: Annotated[str, typer.Option()] = "native",
     kv: Annotated[str, typer.Option()] = "bf16",
     mem_fraction: Annotated[float | None, typer.Option()] = None,
@@ -888,6 +901,10 @@ def emit_cmd(
         "--sps-table", help="the adaptive verify's SPS cost table on the GPU nodes (default: "
         "<draft-ref>/sps/dspark-sps-<layout>.json); the file's header says how to make it")
     ] = None,
+    levers: Annotated[bool, typer.Option(
+        "--levers/--no-levers", help="choose SGLang 0.5.23's K3 levers for the layout "
+        "(extra_buffer_lazy, decode context parallelism unless --dcp is given, the HiCache "
+        "host tier, EPLB), each named in the file's header with its reason")] = True,
 ) -> None:
     """Write a validated Serve config and cluster-launcher config for one layout."""
     from capacity.emit import emit
@@ -899,7 +916,7 @@ def emit_cmd(
     draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
     gpu_specs = load_gpus()
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
-                                  mem_fraction)
+                                  mem_fraction, dcp)
     prefill_layout = None
     if any(v is not None for v in (prefill_nodes, prefill_dp, prefill_ep, prefill_pp)):
         if sides is None:
@@ -925,7 +942,8 @@ def emit_cmd(
                   draft_model, draft_ref or (draft_model.name if draft_model else None), spec,
                   auth_mode, planner_refs=(model, draft), kda_rollback=kda_rollback,
                   ring_len=replay_ring_len, pd=sides, transfer_backend=transfer_backend,
-                  prefill_layout=prefill_layout, verify=verify, sps_table=sps_table)
+                  prefill_layout=prefill_layout, verify=verify, sps_table=sps_table,
+                  levers=levers)
     running = result.serve_config["applications"][0]["args"]["engine"]["sglang"][
         "max_running_requests"]
     out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "
