@@ -293,7 +293,9 @@ def compare(
             decode = one.decode_side(itl_max) if pp_ok else None
             if decode is not None:
                 decodes.append(decode)
-            prefill = one.prefill_side(ttft_max)
+            # A prefill server gains nothing from DCP (SGLang warns it only adds communication:
+            # arg_groups/pd_disaggregation_hook.py:57-62): prefill sides run dcp 1.
+            prefill = one.prefill_side(ttft_max) if layout.dcp == 1 else None
             if prefill is not None:
                 prefills.append(prefill)
         moved = {kv: handoff_bytes(model, draft, isl, kv) for kv in kv_dtypes}
