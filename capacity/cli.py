@@ -369,22 +369,28 @@ def _plan_dicts(result: PlanResult, shown: list[Any]) -> list[dict[str, Any]]:
 
 
 def _markdown(rows: list[dict[str, Any]], title: str) -> str:
+    """`plan --markdown`: the rows with their levers, their Pareto mark (P) and, for rows that
+    miss the latency targets, which target."""
+    missed = any(r.get("missed") for r in rows)
     lines = [
         f"**{title}**",
         "",
-        "| # | layout | weights/KV | GPUs | weights + free GB/GPU | max req | tok/s per user "
-        "| tok/s total | TTFT s | $/h | $/M tok | price (date) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| # | P | layout | levers | weights/KV | GPUs | weights + free GB/GPU | max req | "
+        "tok/s per user | tok/s total | TTFT s | $/h | $/M tok | price (date) |"
+        + (" missed |" if missed else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if missed else ""),
     ]
     for i, r in enumerate(rows, start=1):
         cost = "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}"
         per_m = "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.2f}"
         price = "-" if r["provider"] is None else f"{r['provider']} ({r['price_date']})"
         lines.append(
-            f"| {i} | {r['layout']} | {r['weights']}/{r['kv_dtype']} | {r['gpus']} | "
+            f"| {i} | {'*' if r.get('pareto') else ''} | {r['layout']} | {r.get('levers', '')} | "
+            f"{r['weights']}/{r['kv_dtype']} | {r['gpus']} | "
             f"{r['weights_gb_per_gpu']:.0f} + {r['free_gb_per_gpu']:.0f} | "
             f"{r['max_concurrent_per_replica']} | {r['tokens_s_per_user']:.0f} | "
             f"{r['tokens_s_total']:.0f} | {r['prefill_s']:.1f} | {cost} | {per_m} | {price} |"
+            + (f" {r.get('missed', '')} |" if missed else "")
         )
     return "\n".join(lines)
 
@@ -517,7 +523,11 @@ def plan_cmd(
         return
     what = target.name + (f" + {draft_model.name}" if draft_model else "")
     if markdown:
-        print(_markdown(dicts, f"{what}, {result.context_length:,}-token context"))
+        goal_md = "" if targets is None else f" ({targets.context_class}: {targets.label()})"
+        if dicts:
+            print(_markdown(dicts, f"{what}, {result.context_length:,}-token context{goal_md}"))
+        if missed_dicts:
+            print("\n" + _markdown(missed_dicts, "missing the targets"))
         print(f"\n{_price_age_line(used_prices)}")
         return
     goal = "" if targets is None else f", {targets.context_class} targets: {targets.label()}"
