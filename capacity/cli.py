@@ -347,7 +347,8 @@ def _plan_rows_table(rows: list[dict[str, Any]], title: str) -> Table:
         table.add_row(
             str(i), "*" if r.get("pareto") else "", r["gpu"],
             r["layout"] + (f" x{r['replicas']}" if r["replicas"] > 1 else ""),
-            r.get("levers", ""),
+            r.get("levers", "") + (f" ({r['host_sessions']} parked)"
+                                   if r.get("host_sessions") else ""),
             f"{r['weights']}/{r['kv_dtype']}", str(r["gpus"]), str(r["nodes"]),
             f"{r['weights_gb_per_gpu']:.0f}+{r['free_gb_per_gpu']:.0f}",
             str(r["max_concurrent_per_replica"]), str(r["concurrency_per_replica"]),
@@ -542,7 +543,10 @@ def plan_cmd(
         out.print(_plan_rows_table(missed_dicts, f"missing the targets ({targets.label() if targets else ''}"
                                                  f"): {len(result.rows) - len(meeting)} layouts"))
     out.print("P: on the cost/latency Pareto front (no fitting layout is as cheap, as quick to "
-              "first token and as fast per user, and better at one)", highlight=False)
+              "first token and as fast per user, and better at one). levers: SGLang 0.5.23's K3 "
+              "levers the row runs with (lazy: extra_buffer_lazy; DCPn in the layout; HiCache "
+              "r x: the host tier, with the full-context sessions it parks per replica); "
+              "--no-levers plans without them", highlight=False)
     out.print(_price_age_line(used_prices))
     for gpu, data in vision_rows.items():
         out.print(f"{gpu}: {_vision_line(data, gpu)}", soft_wrap=True, highlight=False)
