@@ -575,9 +575,10 @@ class AppConfig(_Strict):
         if self.disaggregation.enabled and self.engine.backend == "reference":
             for name in ("prefill", "decode"):
                 side = getattr(self.disaggregation, name).parallelism
-                if side is not None and (side.pp != 1 or side.attention_dp != 1):
+                if side is not None and (side.pp != 1 or side.attention_dp != 1
+                                         or side.dcp != 1):
                     raise ValueError(f"disaggregation.{name}.parallelism: the reference engine "
-                                     "runs pp 1 and attention_dp 1")
+                                     "runs pp 1, attention_dp 1 and dcp 1")
         if self.engine.backend == "reference":
             problems = []
             if p.pp != 1:
@@ -586,6 +587,9 @@ class AppConfig(_Strict):
             if p.attention_dp != 1:
                 problems.append(f"parallelism.attention_dp={p.attention_dp}: the reference "
                                 "engine supports only 1")
+            if p.dcp != 1:
+                problems.append(f"parallelism.dcp={p.dcp}: the reference engine has no decode "
+                                "context parallelism (allowed: 1)")
             if self.engine.reference.device == "cuda" and self.placement.accelerator != "GPU":
                 problems.append("engine.reference.device='cuda' needs placement.accelerator='GPU'")
             if problems:
