@@ -16,6 +16,9 @@ layout with its reason. One home for the rules `plan` (layout search), `plan --d
 - EPLB (ep_num_redundant_experts): modelled in the memory (capacity.memory._stage_weights), but
   SGLang 0.5.23's K3 builds its MoE with n_routed_experts only (models/kimi_k3.py:503-504),
   unlike models that add the redundant experts (models/glm4_moe.py:536): not chosen for K3.
+- unified memory (enable_unified_memory): one buffer split at run time between the MLA KV and
+  KDA state pools (arg_groups/kv_cache_hook.py:528-700); not chosen: the planner's static
+  split is what it sizes and checks (see choose_levers).
 """
 
 from __future__ import annotations
@@ -229,4 +232,15 @@ def choose_levers(model: Any, layout: Any, gpu: GpuSpec, context_length: int,
 
     # 4. EPLB's redundant experts.
     levers.append(Lever("ep_num_redundant_experts (EPLB)", False, {}, EPLB_OFF_REASON))
+
+    # 5. Unified memory (one buffer for the MLA KV and KDA state pools, split at run time).
+    why = ("the planner sizes the KDA state pool statically (max_mamba_cache_size = slots x "
+           "max_running_requests beside one full-context request's KV, what the start-up check "
+           "verifies); enable_unified_memory would split one buffer at run time instead, a gain "
+           "that depends on the mix of context lengths, which the planner does not model")
+    if backend == "aiter" or gpu.vendor.upper() == "AMD":
+        why += ("; on ROCm SGLang 0.5.23 also refuses it with DSPARK on the aiter backend "
+                "(spec-verify-audited backends only, arg_groups/kv_cache_hook.py:479-488, "
+                "641-646)")
+    levers.append(Lever("enable_unified_memory", False, {}, why))
     return LeverPlan(layout, tuple(levers))

@@ -215,7 +215,8 @@ def test_production_headers_name_each_lever_and_why(rel: str) -> None:
     flat = " ".join(header.split())
     for lever in ("mamba_radix_cache_strategy extra_buffer_lazy:",
                   "(decode context parallelism):", "enable_hierarchical_cache (HiCache host "
-                  "tier):", "ep_num_redundant_experts (EPLB): off because"):
+                  "tier):", "ep_num_redundant_experts (EPLB): off because",
+                  "enable_unified_memory: off because"):
         assert lever in flat, (rel, lever)
     args = yaml.safe_load(text)["applications"][0]["args"]
     s, p = args["engine"]["sglang"], args["parallelism"]
