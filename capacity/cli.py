@@ -35,7 +35,7 @@ from capacity.memory import (
     running_fit,
 )
 from capacity.model import Component, ModelDescriptor
-from capacity.planner import DEFAULT_MAX_NODES, explain_infeasible, plan
+from capacity.planner import DEFAULT_MAX_NODES, PlanResult, explain_infeasible, plan
 from capacity.sglang_recipe import TRANSFER_BACKENDS
 from capacity.tables import (
     GpuSpec,
@@ -45,6 +45,7 @@ from capacity.tables import (
     load_gpus,
     load_prices,
 )
+from capacity.targets import default_targets, with_overrides
 from capacity.timing import DEFAULT_CONSTANTS, decode_rate, prefill_seconds, vision_seconds
 from capacity.vision import activation_peak, largest_image, prompt_tokens, request_images
 
@@ -330,14 +331,24 @@ def model_cmd(
 
 
 def _plan_rows_table(rows: list[dict[str, Any]], title: str) -> Table:
+    """`plan`'s rows; `P` marks the cost/latency Pareto front ($/Mtok vs tok/s per user, over
+    every feasible row), `levers` the SGLang K3 levers a row runs with, `missed` (rows that
+    miss the latency targets) which target."""
     table = Table(title=title)
-    for col in ("#", "GPU", "layout", "weights/KV", "GPUs", "nodes", "GB/GPU w+free",
-                "max req", "run", "tok/s user", "tok/s total", "TTFT s", "$/h", "$/Mtok",
-                "price"):
-        table.add_column(col, justify="left" if col in ("GPU", "layout", "price") else "right")
+    missed = any(r.get("missed") for r in rows)
+    cols = ["#", "P", "GPU", "layout", "levers", "weights/KV", "GPUs", "nodes", "GB/GPU w+free",
+            "max req", "run", "tok/s user", "tok/s total", "TTFT s", "$/h", "$/Mtok", "price"]
+    if missed:
+        cols.append("missed")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("GPU", "layout", "price", "levers",
+                                                         "missed") else "right")
     for i, r in enumerate(rows, start=1):
         table.add_row(
-            str(i), r["gpu"], r["layout"] + (f" x{r['replicas']}" if r["replicas"] > 1 else ""),
+            str(i), "*" if r.get("pareto") else "", r["gpu"],
+            r["layout"] + (f" x{r['replicas']}" if r["replicas"] > 1 else ""),
+            r.get("levers", "") + (f" ({r['host_sessions']} parked)"
+                                   if r.get("host_sessions") else ""),
             f"{r['weights']}/{r['kv_dtype']}", str(r["gpus"]), str(r["nodes"]),
             f"{r['weights_gb_per_gpu']:.0f}+{r['free_gb_per_gpu']:.0f}",
             str(r["max_concurrent_per_replica"]), str(r["concurrency_per_replica"]),
@@ -345,27 +356,42 @@ def _plan_rows_table(rows: list[dict[str, Any]], title: str) -> Table:
             "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}",
             "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.2f}",
             "-" if r["provider"] is None else f"{r['provider']} {r['price_date']}",
+            *([r.get("missed", "")] if missed else []),
         )
     return table
 
 
+def _plan_dicts(result: PlanResult, shown: list[Any]) -> list[dict[str, Any]]:
+    """Rows as dicts with their rank among all rows and their Pareto mark."""
+    front = result.latency_front()
+    index = {id(r): i for i, r in enumerate(result.rows)}
+    return [{**r.as_dict(), "rank": index[id(r)] + 1, "pareto": index[id(r)] in front}
+            for r in shown]
+
+
 def _markdown(rows: list[dict[str, Any]], title: str) -> str:
+    """`plan --markdown`: the rows with their levers, their Pareto mark (P) and, for rows that
+    miss the latency targets, which target."""
+    missed = any(r.get("missed") for r in rows)
     lines = [
         f"**{title}**",
         "",
-        "| # | layout | weights/KV | GPUs | weights + free GB/GPU | max req | tok/s per user "
-        "| tok/s total | TTFT s | $/h | $/M tok | price (date) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| # | P | layout | levers | weights/KV | GPUs | weights + free GB/GPU | max req | "
+        "tok/s per user | tok/s total | TTFT s | $/h | $/M tok | price (date) |"
+        + (" missed |" if missed else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if missed else ""),
     ]
     for i, r in enumerate(rows, start=1):
         cost = "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}"
         per_m = "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.2f}"
         price = "-" if r["provider"] is None else f"{r['provider']} ({r['price_date']})"
         lines.append(
-            f"| {i} | {r['layout']} | {r['weights']}/{r['kv_dtype']} | {r['gpus']} | "
+            f"| {i} | {'*' if r.get('pareto') else ''} | {r['layout']} | {r.get('levers', '')} | "
+            f"{r['weights']}/{r['kv_dtype']} | {r['gpus']} | "
             f"{r['weights_gb_per_gpu']:.0f} + {r['free_gb_per_gpu']:.0f} | "
             f"{r['max_concurrent_per_replica']} | {r['tokens_s_per_user']:.0f} | "
             f"{r['tokens_s_total']:.0f} | {r['prefill_s']:.1f} | {cost} | {per_m} | {price} |"
+            + (f" {r.get('missed', '')} |" if missed else "")
         )
     return "\n".join(lines)
 
@@ -404,13 +430,22 @@ def plan_cmd(
     output_tokens: Annotated[int, typer.Option(
         help="--disagg: answer tokens per request; the prompt is the rest of --context")] = 4096,
     ttft: Annotated[float | None, typer.Option(
-        "--ttft", help="--disagg: time to first token target, seconds")] = None,
+        "--ttft", help="time to first token target, seconds (plan: overrides the context "
+        "class's default; --disagg: a hard bound)")] = None,
     itl: Annotated[float | None, typer.Option(
         "--itl", help="--disagg: inter-token latency target, milliseconds")] = None,
     images_per_request: ImagesOpt = 0,
     image_size: ImageSizeOpt = DEFAULT_IMAGE_SIZE_TEXT,
+    no_targets: Annotated[bool, typer.Option(
+        "--no-targets", help="rank without the default latency targets of the context class "
+        "(capacity/targets.py)")] = False,
+    levers: Annotated[bool, typer.Option(
+        "--levers/--no-levers", help="search SGLang 0.5.23's K3 levers: decode context "
+        "parallelism, extra_buffer_lazy state slots, the HiCache host tier")] = True,
 ) -> None:
-    """Rank feasible fleets: cheapest per million output tokens first."""
+    """Rank feasible fleets: cheapest per million output tokens first, those that meet the
+    latency targets (the context class's defaults, or --ttft / --min-user-tps) apart from
+    those that miss them; `P` marks the cost/latency Pareto front."""
     images = parse_images(images_per_request, image_size)
     if top <= 0:
         raise CapacityError(f"--top must be positive, got {top}")
@@ -433,17 +468,25 @@ def plan_cmd(
                     _formats(weights), _kv_dtypes(kv), max_nodes, kda_rollback, top, per_gpu,
                     as_json, (model, draft, context))
         return
+    targets = None
+    if not no_targets:
+        targets = with_overrides(default_targets(parse_tokens(context)), ttft, min_user_tps)
     result = plan(
         target, gpu_specs, price_rows, parse_tokens(context), draft_model,
         allowed_gpus=allowed, concurrency=concurrency, target_tokens_s=target_tps,
-        min_user_tokens_s=min_user_tps, weight_formats=_formats(weights),
+        min_user_tokens_s=min_user_tps if no_targets else None,
+        weight_formats=_formats(weights),
         kv_dtypes=_kv_dtypes(kv), max_nodes=max_nodes, mem_fraction=mem_fraction,
         speculation=spec, kda_rollback=kda_rollback, ring_len=replay_ring_len, images=images,
+        targets=targets, levers=levers,
     )
     if not result.rows:
         raise CapacityError(explain_infeasible(result, max_nodes))
-    shown = result.top(top, per_gpu)
-    dicts = [r.as_dict() for r in shown]
+    meeting = result.meeting()
+    shown = result.top(top, per_gpu, meeting)
+    missed_rows = result.top(top, per_gpu, result.missing()) if targets is not None else []
+    dicts = _plan_dicts(result, shown)
+    missed_dicts = _plan_dicts(result, missed_rows)
     # The tower on each GPU type shown (the best row of each): the same on every layout of a
     # GPU, bar the activation peak when a request's images pack onto fewer ranks.
     vision_rows: dict[str, dict[str, Any]] = {}
@@ -453,7 +496,7 @@ def plan_cmd(
                                 result.text_tokens or 0)
             if data is not None:
                 vision_rows[row.layout.gpu] = data
-    used_prices = [r.price for r in shown if r.price]
+    used_prices = [r.price for r in shown + missed_rows if r.price]
     if csv_path:
         all_rows = [r.as_dict() for r in result.rows]
         with csv_path.open("w", newline="") as handle:
@@ -471,16 +514,39 @@ def plan_cmd(
             "feasible": len(result.rows), "prices": _price_age_line(used_prices),
             **({"text_tokens": result.text_tokens, "images": vision_rows} if vision_rows
                else {}),
+            "targets": None if targets is None else {
+                "context_class": targets.context_class, "ttft_s": targets.ttft_s,
+                "min_user_tokens_s": targets.min_user_tokens_s},
+            "meeting_targets": len(meeting),
             "rows": dicts,
+            "missing_targets": missed_dicts,
         }, indent=2))
         return
     what = target.name + (f" + {draft_model.name}" if draft_model else "")
     if markdown:
-        print(_markdown(dicts, f"{what}, {result.context_length:,}-token context"))
+        goal_md = "" if targets is None else f" ({targets.context_class}: {targets.label()})"
+        if dicts:
+            print(_markdown(dicts, f"{what}, {result.context_length:,}-token context{goal_md}"))
+        if missed_dicts:
+            print("\n" + _markdown(missed_dicts, "missing the targets"))
         print(f"\n{_price_age_line(used_prices)}")
         return
-    out.print(_plan_rows_table(dicts, f"{what} at {result.context_length:,} tokens "
-                                      f"({len(result.rows)} of {result.evaluated} layouts fit)"))
+    goal = "" if targets is None else f", {targets.context_class} targets: {targets.label()}"
+    if dicts:
+        out.print(_plan_rows_table(dicts, f"{what} at {result.context_length:,} tokens{goal} "
+                                          f"({len(meeting)} of {len(result.rows)} fitting layouts "
+                                          f"meet them; {result.evaluated} tried)"))
+    else:
+        out.print(f"no layout meets {targets.label() if targets else 'the targets'}: the rows "
+                  "below miss them", highlight=False)
+    if missed_dicts:
+        out.print(_plan_rows_table(missed_dicts, f"missing the targets ({targets.label() if targets else ''}"
+                                                 f"): {len(result.rows) - len(meeting)} layouts"))
+    out.print("P: on the cost/latency Pareto front (no fitting layout is as cheap, as quick to "
+              "first token and as fast per user, and better at one). levers: SGLang 0.5.23's K3 "
+              "levers the row runs with (lazy: extra_buffer_lazy; DCPn in the layout; HiCache "
+              "r x: the host tier, with the full-context sessions it parks per replica); "
+              "--no-levers plans without them", highlight=False)
     out.print(_price_age_line(used_prices))
     for gpu, data in vision_rows.items():
         out.print(f"{gpu}: {_vision_line(data, gpu)}", soft_wrap=True, highlight=False)
@@ -490,7 +556,7 @@ def plan_cmd(
     if spec:
         out.print(f"speculation: gamma {spec.gamma}, acceptance {spec.acceptance_length}; "
                   "tok/s are steady decode at full context; TTFT is one prompt alone")
-        top_row = shown[0]
+        top_row = (shown or missed_rows)[0]
         line = _rollback_line(running_fit(
             target, top_row.layout, gpu_spec(gpu_specs, top_row.layout.gpu),
             result.context_length, draft_model, spec, running=top_row.concurrency_per_replica,
@@ -579,17 +645,23 @@ def _plan_modes(target: ModelDescriptor, draft: ModelDescriptor | None,
 
 def _layout_from_options(
     gpu_specs: dict[str, GpuSpec], gpu: str, nodes: int, tp: int | None, dp: int, ep: int | None,
-    pp: int, weights: str, kv: str, mem_fraction: float | None,
+    pp: int, weights: str, kv: str, mem_fraction: float | None, dcp: int = 1,
+    redundant_experts: int = 0,
 ) -> Layout:
+    from capacity.emit import default_mem_fraction
+
     spec = gpu_spec(gpu_specs, gpu)
     stage = nodes * spec.gpus_per_node // max(1, pp)
     fmt = _formats(weights)
     if len(fmt) != 1:
         raise CapacityError("--weights takes one format here")
-    extra = {"mem_fraction": mem_fraction} if mem_fraction is not None else {}
+    # The fraction known to fit on this GPU where the recipe's does not (capacity.emit.KNOWN_FIT).
+    fraction = mem_fraction if mem_fraction is not None else default_mem_fraction(spec.gpu)
+    extra = {"mem_fraction": fraction} if fraction is not None else {}
     layout = validated(
         Layout, gpu=spec.gpu, nodes=nodes, tp=tp or stage, attention_dp=dp, ep=ep or tp or stage,
-        pp=pp, weight_format=fmt[0], kv_dtype=parse_kv_dtype(kv), **extra,
+        pp=pp, weight_format=fmt[0], kv_dtype=parse_kv_dtype(kv), dcp=dcp,
+        redundant_experts=redundant_experts, **extra,
     )
     if layout.gpus_per_node != spec.gpus_per_node:
         raise CapacityError(
@@ -605,6 +677,8 @@ TpOpt = Annotated[int | None, typer.Option("--tp", help="tensor-parallel ranks p
 DpOpt = Annotated[int, typer.Option("--dp", help="attention data parallel ranks")]
 EpOpt = Annotated[int | None, typer.Option("--ep", help="expert parallel (default: whole stage)")]
 PpOpt = Annotated[int, typer.Option("--pp", help="pipeline stages")]
+DcpOpt = Annotated[int, typer.Option("--dcp", help="decode context parallel size (SGLang's "
+                                     "dcp_size): each rank holds 1/dcp of a request's MLA KV")]
 
 
 @app.command("explain")
@@ -619,6 +693,10 @@ def explain_cmd(
     dp: DpOpt = 1,
     ep: EpOpt = None,
     pp: PpOpt = 1,
+    dcp: DcpOpt = 1,
+    redundant_experts: Annotated[int, typer.Option(
+        "--redundant-experts", help="EPLB's redundant experts (SGLang's "
+        "--ep-num-redundant-experts): (E + R) / EP experts per rank")] = 0,
     weights: Annotated[str, typer.Option()] = "native",
     kv: Annotated[str, typer.Option()] = "bf16",
     mem_fraction: Annotated[float | None, typer.Option()] = None,
@@ -639,7 +717,7 @@ def explain_cmd(
     _check_rollback(kda_rollback, spec, replay_ring_len)
     gpu_specs = load_gpus(gpu_table)
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
-                                  mem_fraction)
+                                  mem_fraction, dcp, redundant_experts)
     spec_gpu = gpu_spec(gpu_specs, gpu)
     text_tokens = parse_tokens(context)
     tokens = prompt_tokens(target, text_tokens, images)
@@ -800,6 +878,7 @@ def emit_cmd(
     dp: DpOpt = 1,
     ep: EpOpt = None,
     pp: PpOpt = 1,
+    dcp: DcpOpt = 1,
     weights: Annotated[str, typer.Option()] = "native",
     kv: Annotated[str, typer.Option()] = "bf16",
     mem_fraction: Annotated[float | None, typer.Option()] = None,
@@ -836,6 +915,10 @@ def emit_cmd(
         "--sps-table", help="the adaptive verify's SPS cost table on the GPU nodes (default: "
         "<draft-ref>/sps/dspark-sps-<layout>.json); the file's header says how to make it")
     ] = None,
+    levers: Annotated[bool, typer.Option(
+        "--levers/--no-levers", help="choose SGLang 0.5.23's K3 levers for the layout "
+        "(extra_buffer_lazy, decode context parallelism unless --dcp is given, the HiCache "
+        "host tier, EPLB), each named in the file's header with its reason")] = True,
 ) -> None:
     """Write a validated Serve config and cluster-launcher config for one layout."""
     from capacity.emit import emit
@@ -847,7 +930,7 @@ def emit_cmd(
     draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
     gpu_specs = load_gpus()
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
-                                  mem_fraction)
+                                  mem_fraction, dcp)
     prefill_layout = None
     if any(v is not None for v in (prefill_nodes, prefill_dp, prefill_ep, prefill_pp)):
         if sides is None:
@@ -873,7 +956,8 @@ def emit_cmd(
                   draft_model, draft_ref or (draft_model.name if draft_model else None), spec,
                   auth_mode, planner_refs=(model, draft), kda_rollback=kda_rollback,
                   ring_len=replay_ring_len, pd=sides, transfer_backend=transfer_backend,
-                  prefill_layout=prefill_layout, verify=verify, sps_table=sps_table)
+                  prefill_layout=prefill_layout, verify=verify, sps_table=sps_table,
+                  levers=levers)
     running = result.serve_config["applications"][0]["args"]["engine"]["sglang"][
         "max_running_requests"]
     out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -37,6 +37,9 @@ class Parallelism(BaseModel):
     attention_dp: int = Field(default=1, ge=1, description="attention data parallel (divides "
                               "tp)")
     nodes: int = Field(default=1, ge=1, description="nodes per replica (one bundle each)")
+    dcp: int = Field(default=1, ge=1, description="decode context parallel size (SGLang's "
+                     "dcp_size, divides the attention TP): each rank of a DCP group holds "
+                     "1/dcp of every request's MLA KV")
 
     # How errors name the fields: the app's config tree says "parallelism.tp".
     _field_prefix: ClassVar[str] = ""
@@ -68,6 +71,10 @@ class Parallelism(BaseModel):
         if self.tp % self.attention_dp:
             raise ValueError(f"{f}attention_dp ({self.attention_dp}) must divide {f}tp "
                              f"({self.tp})")
+        if self.attention_tp % self.dcp:
+            raise ValueError(f"{f}dcp ({self.dcp}) must divide the attention TP "
+                             f"({f}tp / {f}attention_dp = {self.attention_tp}): SGLang forms "
+                             "decode context parallel groups of consecutive TP ranks")
         # The one expert-parallel rule (SGLang's: ep_size divides tp_size).
         if self.tp % self.ep:
             raise ValueError(f"{f}ep ({self.ep}) must divide {f}tp, the ranks of a stage "
@@ -75,9 +82,17 @@ class Parallelism(BaseModel):
         return self
 
 
+# SGLang 0.5.23's hybrid radix-cache strategies the planner sizes (--mamba-radix-cache-strategy;
+# `auto` resolves to extra_buffer for K3): see capacity.memory.mamba_slots_per_request.
+MAMBA_STRATEGIES = ("extra_buffer", "extra_buffer_lazy")
+DEFAULT_MAMBA_STRATEGY = "extra_buffer"
+
+
 class Layout(Parallelism):
-    """One engine replica: its parallelism (the app's field names), its GPUs, and how weights
-    and KV are stored."""
+    """One engine replica: its parallelism (the app's field names), its GPUs, how weights
+    and KV are stored, and the SGLang memory levers that change what a GPU (or its host)
+    holds: the KDA state slots per request (`mamba_strategy`), the HiCache host tier
+    (`hicache_ratio`, 0: off) and EPLB's redundant experts (`redundant_experts`)."""
 
     gpu: str = Field(min_length=1)
     weight_format: WeightFormat | None = Field(
@@ -85,6 +100,11 @@ class Layout(Parallelism):
     )
     kv_dtype: KvDtype = KvDtype.BF16
     mem_fraction: float = Field(default=DEFAULT_MEM_FRACTION, gt=0, le=0.98)
+    mamba_strategy: Literal["extra_buffer", "extra_buffer_lazy"] = DEFAULT_MAMBA_STRATEGY
+    hicache_ratio: float = Field(default=0.0, ge=0, description="SGLang's --hicache-ratio: "
+                                 "host pool / device pool per rank; 0: HiCache off")
+    redundant_experts: int = Field(default=0, ge=0, description="SGLang's "
+                                   "--ep-num-redundant-experts (EPLB)")
 
     @property
     def gpus_per_node(self) -> int:
@@ -101,7 +121,20 @@ class Layout(Parallelism):
         parts.append(f"EP{self.ep}")
         if self.pp > 1:
             parts.append(f"PP{self.pp}")
+        if self.dcp > 1:
+            parts.append(f"DCP{self.dcp}")
         return " ".join(parts)
+
+    def levers_label(self) -> str:
+        """The non-default memory levers, short ('' when none)."""
+        parts = []
+        if self.mamba_strategy == "extra_buffer_lazy":
+            parts.append("lazy")
+        if self.hicache_ratio:
+            parts.append(f"HiCache {self.hicache_ratio:g}x")
+        if self.redundant_experts:
+            parts.append(f"EPLB +{self.redundant_experts}")
+        return ", ".join(parts)
 
 
 class Speculation(BaseModel):

@@ -277,8 +277,11 @@ def compare(
         price = best_price.get(spec.gpu.upper())
         prefills: list[_Side] = []
         decodes: list[_Side] = []
+        # Decode context parallel layouts too (capacity/levers.py); the radix-cache strategy
+        # stays extra_buffer: SGLang refuses extra_buffer_lazy under PD disaggregation
+        # (arg_groups/mamba_hook.py:123-128), and the aggregated rows are sized alike.
         for layout in _candidate_layouts(model, spec, max_nodes, tuple(weight_formats),
-                                         tuple(kv_dtypes), None):
+                                         tuple(kv_dtypes), None, True):
             one = _Layout(model, draft, speculation, constants, kda_rollback, spec, layout,
                           targets, running_cap)
             # DSpark: pipeline stages only where SGLang allows them, on a PD prefill server.
@@ -290,7 +293,9 @@ def compare(
             decode = one.decode_side(itl_max) if pp_ok else None
             if decode is not None:
                 decodes.append(decode)
-            prefill = one.prefill_side(ttft_max)
+            # A prefill server gains nothing from DCP (SGLang warns it only adds communication:
+            # arg_groups/pd_disaggregation_hook.py:57-62): prefill sides run dcp 1.
+            prefill = one.prefill_side(ttft_max) if layout.dcp == 1 else None
             if prefill is not None:
                 prefills.append(prefill)
         moved = {kv: handoff_bytes(model, draft, isl, kv) for kv in kv_dtypes}
@@ -304,6 +309,10 @@ def compare(
                     continue  # the latents move as they are stored
                 if d.layout.weight_format != p.layout.weight_format:
                     continue  # one checkpoint: the decode side continues the prefill's model
+                if p.layout.dcp not in (1, d.layout.dcp):
+                    # SGLang runs DCP on a PD prefill server only with the decode side's DCP
+                    # layout (arg_groups/pd_disaggregation_hook.py:57-62).
+                    continue
                 mix = _mix(p, d)
                 if mix is None:
                     continue

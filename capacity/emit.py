@@ -34,6 +34,7 @@ from capacity.dspark_verify import (
 )
 from capacity.errors import CapacityError
 from capacity.formats import KvDtype
+from capacity.levers import choose_levers
 from capacity.memory import (
     DEFAULT_KDA_ROLLBACK,
     DEFAULT_REPLAY_RING_LEN,
@@ -85,6 +86,32 @@ SGLANG_BACKENDS: dict[str, dict[str, str]] = {
 }
 
 
+# What is known to fit per GPU where the recipe's 0.85 / 8K chunks do not: (mem_fraction_static,
+# chunked_prefill_size, why). MI355X: sgl-project/sglang#39029 (2026-09-11) reports K3 on 8 x
+# MI350X (gfx950, 288 GB, same memory as MI355X) OOMing on the first 8K-token prefill chunk at
+# --mem-fraction-static 0.85: the weights (with the DSpark draft) take about 203 GB per rank,
+# 0.85 leaves about 33 GB after decode-graph capture, and the K3 prefill working set on that
+# stack is about 24-44 GB depending on chunk size. 4K chunks (the size sgl-project/sglang#37691
+# ran K3's 1M-token prompts with on MI355X) take the small end of that range, and 0.80 leaves
+# 57.6 GB outside the static pool: about 48 GB after the ~10 GB the issue's figures put on
+# graphs and runtime, above even the 44 GB upper end.
+KNOWN_FIT: dict[str, tuple[float, int, str]] = {
+    "MI355X": (0.80, 4096, (
+        "mem_fraction_static 0.80 and chunked_prefill_size 4096, not the recipe's 0.85 / 8192: "
+        "sgl-project/sglang#39029 reports 0.85 OOMing on K3's first 8K-token prefill chunk on "
+        "gfx950 (about 33 GB free after graph capture against a 24-44 GB prefill working set "
+        "that grows with the chunk); 0.80 leaves 57.6 GB outside the static pool and 4K chunks "
+        "(as sgl-project/sglang#37691 ran 1M-token prompts on MI355X) keep the working set at "
+        "the small end")),
+}
+
+
+def default_mem_fraction(gpu: str) -> float | None:
+    """The static memory fraction known to fit on `gpu` (None: the recipe's 0.85)."""
+    known = KNOWN_FIT.get(gpu.upper())
+    return known[0] if known else None
+
+
 @dataclass(frozen=True)
 class ServeDescription:
     """One deployment of the Serve app: its GPUs and nodes, checkpoints, parallelism and the
@@ -100,6 +127,7 @@ class ServeDescription:
     ep: int | None = None  # default: tp
     attention_dp: int = 1
     pp: int = 1
+    dcp: int = 1
     replicas: int = 1
     # Prefill/decode disaggregated (SGLang's --disaggregation-mode per side): (prefill
     # replicas, decode replicas), the decode ones of this layout, the prefill ones of
@@ -148,6 +176,8 @@ def _parallelism(desc: ServeDescription) -> dict[str, Any]:
                                    "attention_dp": desc.attention_dp}
     if desc.pp > 1:
         parallelism["pp"] = desc.pp
+    if desc.dcp > 1:
+        parallelism["dcp"] = desc.dcp
     # The app derives the GPUs used per node from tp x pp / nodes.
     parallelism["nodes"] = desc.nodes
     return parallelism
@@ -237,9 +267,9 @@ def _tokens(n: int) -> str:
 
 def _state_parts(fit: RunningFit) -> str:
     if fit.kda_rollback == "replay" and fit.rollback is not None:
-        return (f"5 radix-cache slots, each with a ReplaySSM ring of {fit.rollback.ring_len}, + "
-                "a conv window per verified draft position")
-    return "5 radix-cache slots + one per verified draft position"
+        return (f"{fit.mamba_slots} radix-cache slots, each with a ReplaySSM ring of "
+                f"{fit.rollback.ring_len}, + a conv window per verified draft position")
+    return f"{fit.mamba_slots} radix-cache slots + one per verified draft position"
 
 
 def memory_notes(fit: RunningFit, other: RunningFit | None, gpu: str, cap: int
@@ -272,9 +302,12 @@ def memory_notes(fit: RunningFit, other: RunningFit | None, gpu: str, cap: int
 
 
 def emit_command(desc: ServeDescription, layout: Layout, model_arg: str,
-                 draft_arg: str | None) -> str:
-    """The `kimi-capacity emit` command line that writes this Serve file."""
+                 draft_arg: str | None, levers: bool = True) -> str:
+    """The `kimi-capacity emit` command line that writes this Serve file (`levers`: whether
+    the description chose SGLang's K3 levers, `emit`'s default)."""
     parts = _layout_args(layout, _tokens(desc.sglang['context_length']))
+    if not levers:
+        parts.append("--no-levers")
     parts.append(f"--model {model_arg} --model-ref {desc.target}")
     if draft_arg is not None:
         parts.append(f"--draft {draft_arg} --draft-ref {desc.draft}")
@@ -303,6 +336,8 @@ def _layout_args(layout: Layout, context: str) -> list[str]:
         parts.append(f"--ep {layout.ep}")
     if layout.pp > 1:
         parts.append(f"--pp {layout.pp}")
+    if layout.dcp > 1:
+        parts.append(f"--dcp {layout.dcp}")
     if layout.weight_format is not None:
         parts.append(f"--weights {layout.weight_format.value}")
     return parts
@@ -339,8 +374,13 @@ def describe_layout(
     ring_len: int = DEFAULT_REPLAY_RING_LEN,
     verify: str | None = None,
     sps_table: str | None = None,
+    levers: bool = False,
+    role: str = "both",
 ) -> ServeDescription:
-    """The description of a planned layout, every engine.sglang value written out: the planner
+    """The description of a planned layout, every engine.sglang value written out. With
+    `levers`, SGLang 0.5.23's K3 levers are chosen for it first (capacity.levers.choose_levers:
+    extra_buffer_lazy, decode context parallelism, the HiCache host tier, EPLB), each named in
+    the header with its reason; `role` is the server's ("both", or a PD side). The planner
     sizes max_running_requests and the KDA state pool (capacity.memory.running_fit) and refuses
     a layout on which not even one request of the advertised context fits. `kda_rollback`
     "replay" (ring `ring_len`) sizes them for SGLang's ReplaySSM verify and turns it on
@@ -354,6 +394,14 @@ def describe_layout(
     if kda_rollback == "replay" and draft is None:
         raise CapacityError("kda_rollback 'replay' is the speculative verify's rollback: it "
                             "needs a draft")
+    lever_notes: tuple[str, ...] = ()
+    lever_settings: dict[str, Any] = {}
+    if levers:
+        chosen = choose_levers(model, layout, gpu, context_length, draft, speculation, role,
+                               kda_rollback=kda_rollback, ring_len=ring_len)
+        layout = chosen.layout
+        lever_settings = chosen.settings()
+        lever_notes = tuple(line for note in chosen.notes() for line in _wrap(note))
     fit = running_fit(model, layout, gpu, context_length, draft, speculation,
                       kda_rollback=kda_rollback, ring_len=ring_len)
     other_kv = KvDtype.FP8 if layout.kv_dtype is KvDtype.BF16 else KvDtype.BF16
@@ -370,16 +418,29 @@ def describe_layout(
             "FP8 KV or a larger layout")
     model_arg = planner_refs[0] if planner_refs else model_ref
     sglang = copy.deepcopy(SGLANG_SECTION)
+    known = KNOWN_FIT.get(layout.gpu.upper())
     sglang.update({
         "context_length": context_length,
         "mem_fraction_static": layout.mem_fraction,
         "kv_cache_dtype": SGLANG_KV_DTYPE[layout.kv_dtype],
         "max_running_requests": fit.max_running_requests,
         "max_mamba_cache_size": fit.mamba_cache_slots,
+        "mamba_radix_cache_strategy": layout.mamba_strategy,
         # What the app's start-up check sizes (a packaged name or a config.json path), since
         # the checkpoints may not be on the machine that runs `serve run`.
         "planner_model": model_arg,
     })
+    if known is not None:
+        sglang["chunked_prefill_size"] = known[1]
+    if layout.hicache_ratio:
+        # In the app's field order: right after the radix-cache strategy.
+        ordered_hicache: dict[str, Any] = {}
+        for key, value in sglang.items():
+            ordered_hicache[key] = value
+            if key == "mamba_radix_cache_strategy":
+                ordered_hicache["enable_hierarchical_cache"] = True
+                ordered_hicache["hicache_ratio"] = layout.hicache_ratio
+        sglang = ordered_hicache
     draft_name = None
     draft_arg = None
     if draft is not None:
@@ -406,6 +467,9 @@ def describe_layout(
         sglang, verify_notes = _ragged_verify(sglang, layout, verify, sps_table,
                                               draft_name or draft.name)
     sglang.update(SGLANG_BACKENDS.get(layout.gpu.upper(), {}))
+    if "decode_attention_backend" in lever_settings:
+        # K3's DCP runs on its own decode kernel (capacity.levers.DCP_DECODE_BACKENDS).
+        sglang["decode_attention_backend"] = lever_settings["decode_attention_backend"]
     sglang["extra_server_args"] = dict(SGLANG_GRAMMAR_ARGS)
     what = f"{model.name}{' + ' + draft.name if draft else ''} on {layout.label()}"
     if layout.kv_dtype is KvDtype.FP8:
@@ -414,10 +478,19 @@ def describe_layout(
         gpu=layout.gpu, nodes=layout.nodes, gpus_per_node=layout.gpus_per_node,
         target=model_ref, draft=draft_name, sglang=sglang,
         tp=layout.tp, ep=layout.ep,
-        attention_dp=layout.attention_dp, pp=layout.pp, replicas=replicas,
+        attention_dp=layout.attention_dp, pp=layout.pp, dcp=layout.dcp, replicas=replicas,
         served_model_name=model.name.lower(), what=what,
-        notes=memory_notes(fit, other, layout.gpu, max_running_requests(draft)) + verify_notes)
-    return dataclasses.replace(desc, command=emit_command(desc, layout, model_arg, draft_arg))
+        notes=(memory_notes(fit, other, layout.gpu, max_running_requests(draft)) + verify_notes
+               + lever_notes + (tuple(_wrap(known[2] + ".")) if known is not None else ())))
+    return dataclasses.replace(desc, command=emit_command(desc, layout, model_arg, draft_arg,
+                                                          levers))
+
+
+def _wrap(text: str, width: int = 96) -> list[str]:
+    """A header note over lines of at most `width` characters, continuation lines indented."""
+    import textwrap
+
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False)
 
 
 # Why a GPU's default DSpark verify is static: SGLang 0.5.23 runs a compact (ragged) verify
@@ -435,11 +508,17 @@ _DP_REASON = ("SGLang 0.5.23 refuses a dense DSpark draft's compact verify under
               "with CUDA graphs (dspark_worker_v2.py:336-347)")
 
 
+_DCP_REASON = ("SGLang 0.5.23 runs K3's decode context parallelism with DSPARK only under "
+               "SGLANG_RAGGED_VERIFY_MODE=static (arg_groups/model_overrides/kimi_k3.py:63-75)")
+
+
 def static_verify_reason(layout: Layout) -> str | None:
     """Why `kimi-capacity emit` deploys this layout with the static DSpark verify; None: it
     deploys the adaptive (compact) one."""
     if layout.attention_dp > 1:
         return _DP_REASON
+    if layout.dcp > 1:
+        return _DCP_REASON
     return STATIC_VERIFY_REASON.get(gpu_vendor(layout.gpu))
 
 
@@ -467,6 +546,8 @@ def _ragged_verify(sglang: dict[str, Any], layout: Layout, verify: str | None,
     if chosen == "compact" and layout.attention_dp > 1:
         raise CapacityError(f"--verify compact with --dp: {_DP_REASON}; use --verify "
                             "cap-accept or static")
+    if layout.dcp > 1:
+        raise CapacityError(f"--verify {chosen} with --dcp: {_DCP_REASON}; use --verify static")
     table = sps_table or default_sps_table(draft_ref, layout.label())
     ordered: dict[str, Any] = {}
     anchor = ("linear_replayssm_cache_len" if "linear_replayssm_cache_len" in sglang
@@ -491,7 +572,10 @@ def plain_layout(gpu: GpuSpec, nodes: int, kv_dtype: KvDtype = KvDtype.BF16) -> 
     """TP = EP = every GPU of the replica, no attention DP or pipeline stages, native weights:
     what `kimi-capacity emit --gpu G --nodes N --kv KV` plans."""
     world = nodes * gpu.gpus_per_node
-    return Layout(gpu=gpu.gpu, nodes=nodes, tp=world, ep=world, kv_dtype=kv_dtype)
+    extra = {}
+    if default_mem_fraction(gpu.gpu) is not None:
+        extra["mem_fraction"] = default_mem_fraction(gpu.gpu)
+    return Layout(gpu=gpu.gpu, nodes=nodes, tp=world, ep=world, kv_dtype=kv_dtype, **extra)
 
 
 # --- cluster launcher ---------------------------------------------------------------------------
@@ -764,13 +848,15 @@ def emit(
     prefill_layout: Layout | None = None,
     verify: str | None = None,
     sps_table: str | None = None,
+    levers: bool = False,
 ) -> EmitResult:
     """Write one layout's Serve and cluster files; `pd`: (prefill, decode) replicas of a
     disaggregated app instead of `replicas` aggregated ones, the decode replicas of `layout`
-    and the prefill ones of `prefill_layout` (None: `layout` too; same GPU type)."""
+    and the prefill ones of `prefill_layout` (None: `layout` too; same GPU type). `levers`:
+    choose SGLang's K3 levers for each side (describe_layout)."""
     desc = describe_layout(model, model_ref, layout, context_length, gpu, replicas, draft,
                            draft_ref, speculation, planner_refs, kda_rollback, ring_len,
-                           verify, sps_table)
+                           verify, sps_table, levers, "decode" if pd is not None else "both")
     if pd is not None:
         what = f"{desc.what}, disaggregated: {pd[0]} prefill + {pd[1]} decode replicas"
         prefill = None
@@ -781,7 +867,7 @@ def emit(
             # Sized on its own GPUs: the running requests and KDA state pool that fit there.
             prefill = describe_layout(model, model_ref, prefill_layout, context_length, gpu,
                                       pd[0], draft, draft_ref, speculation, planner_refs,
-                                      kda_rollback, ring_len)
+                                      kda_rollback, ring_len, levers=levers, role="prefill")
             what = (f"{desc.what}, disaggregated: {pd[0]} prefill replicas on "
                     f"{prefill_layout.label()} + {pd[1]} decode replicas")
             notes = desc.notes + tuple(f"prefill side: {line}" for line in prefill.notes)

@@ -148,10 +148,12 @@ def _stage_attention_layers(model: ModelDescriptor, stages: int) -> tuple[tuple[
 @cache
 def _stage_weights(
     model: ModelDescriptor, fmt_key: str | None, stages: int, attention_tp: int,
-    expert_parallel: int, moe_tp: int,
+    expert_parallel: int, moe_tp: int, redundant_experts: int = 0,
 ) -> tuple[tuple[tuple[str, int], ...], ...]:
     """Weight bytes per GPU by component on each stage; shared by every context length and
-    KV dtype of a sweep."""
+    KV dtype of a sweep. `redundant_experts` R (EPLB, SGLang's --ep-num-redundant-experts):
+    E + R physical experts split evenly over the EP ranks, (E + R) / EP each
+    (eplb/expert_location.py:235-257 asserts the split is even), every copy a full expert."""
     stage_gpus = expert_parallel * moe_tp
     out = []
     for totals in _stage_component_bytes(model, fmt_key, stages):
@@ -164,8 +166,9 @@ def _stage_weights(
                 share = ceil(size / stage_gpus)
             elif sharding is Sharding.EXPERT:
                 assert model.moe is not None
-                # An EP rank holds ceil(E / EP) experts: an uneven split costs the busiest rank.
-                experts_here = -(-model.moe.experts // expert_parallel)
+                # An EP rank holds ceil((E + R) / EP) experts: an uneven split costs the
+                # busiest rank.
+                experts_here = -(-(model.moe.experts + redundant_experts) // expert_parallel)
                 share = ceil(size * experts_here / model.moe.experts / moe_tp)
             else:
                 share = size
@@ -236,17 +239,19 @@ def _stage_needs(
     fmt_key: str | None, pipeline_stages: int, attention_tp: int, expert_parallel: int,
     moe_tp: int, kv_bytes: int, context_length: int, kda_state_slots: int,
     kda_rollback: str = DEFAULT_KDA_ROLLBACK, ring_len: int = DEFAULT_REPLAY_RING_LEN,
+    dcp: int = 1, redundant_experts: int = 0,
 ) -> tuple[_StageNeeds, ...]:
     """What each stage's GPU holds, independent of which GPU it is: a sweep asks for the same
     shape on every GPU type and memory fraction. `verify_rows` is None without speculation."""
     rows = verify_rows or 1
     cached_tokens = ceil((context_length + rows) / KV_PAGE_TOKENS) * KV_PAGE_TOKENS
+    mla_tokens = dcp_kv_tokens(context_length + rows, dcp)
     mla_per_layer_token = (
         (model.mla.kv_lora_rank + model.mla.qk_rope_head_dim) * kv_bytes if model.mla else 0
     )
     kda_per_layer = _kda_state_per_layer(model)
     stage_weights = _stage_weights(
-        model, fmt_key, pipeline_stages, attention_tp, expert_parallel, moe_tp
+        model, fmt_key, pipeline_stages, attention_tp, expert_parallel, moe_tp, redundant_experts
     )
     attention_layers = _stage_attention_layers(model, pipeline_stages)
     out: list[_StageNeeds] = []
@@ -254,7 +259,9 @@ def _stage_needs(
         weights = dict(stage_weights[index])
         mla_here, kda_here = attention_layers[index]
         per_request = {
-            "mla_kv": cached_tokens * mla_per_layer_token * mla_here,
+            # Under DCP each rank holds 1/dcp of the request's tokens (dcp_kv_tokens); the
+            # draft's KV below stays whole (SGLang replicates a draft's pool).
+            "mla_kv": mla_tokens * mla_per_layer_token * mla_here,
             "kda_state": ceil(kda_per_layer * kda_here * kda_state_slots / attention_tp),
         }
         if verify_rows is not None and kda_here and kda_rollback == "replay":
@@ -333,6 +340,7 @@ def memory_per_gpu(
         layout.weight_format.value if layout.weight_format else None, layout.pp,
         layout.attention_tp, layout.ep, layout.moe_tp, kv_bytes,
         workload.context_length, workload.kda_state_slots, kda_rollback, ring_len,
+        layout.dcp, layout.redundant_experts,
     )
     stages = [
         StageMemory(stage=index, first_layer=n.first_layer, last_layer=n.last_layer,
@@ -387,6 +395,30 @@ def memory_per_gpu(
 # ping-pong slots with --mamba-radix-cache-strategy extra_buffer under the overlap scheduler
 # (what `auto` resolves to for KimiK3ForConditionalGeneration: _MAMBA_EXTRA_BUFFER_ARCHS).
 MAMBA_SLOTS_PER_RUNNING_REQUEST = 3 + 2
+MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3
+
+
+def mamba_slots_per_request(strategy: str = "extra_buffer") -> int:
+    """KDA state slots SGLang 0.5.23 keeps per running request under a radix-cache strategy:
+    `_calculate_mamba_ratio` (mem_cache/kv_cache_configurator.py:3062-3092) = 3
+    (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO, :227) + get_mamba_tracking_slots
+    (mem_cache/allocation_sizing.py:11-19): 2 ping-pong slots for extra_buffer under the
+    overlap scheduler, 1 for extra_buffer_lazy (the second is taken only when needed). So 5
+    and 4: lazy runs 5/4 = 1.25x the requests in the same state pool."""
+    tracking = {"extra_buffer": 2, "extra_buffer_lazy": 1}
+    if strategy not in tracking:
+        raise CapacityError(f"mamba radix cache strategy must be one of {', '.join(tracking)}, "
+                            f"got {strategy!r}")
+    return MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO + tracking[strategy]
+
+
+def dcp_kv_tokens(tokens: int, dcp: int = 1) -> int:
+    """MLA KV rows one rank of a decode-context-parallel group holds for a request of
+    `tokens`: SGLang pages the radix tree at page_size x dcp (arg_groups/overrides.py:216-219,
+    mem_cache/allocation_sizing.py:24-25) and each rank stores page_size rows of every logical
+    page (a pool of N rows per rank holds N x dcp request tokens, kv_cache_configurator.py:
+    403-415), so ceil(tokens / (64 x dcp)) x 64 with FlashMLA's 64-token page."""
+    return ceil(tokens / (KV_PAGE_TOKENS * dcp)) * KV_PAGE_TOKENS
 # Speculative verify scratch (intermediate_ssm): (running + 1) x speculative_num_draft_tokens
 # states; DSPARK's draft tokens are gamma + 1 (speculative_hook: "must equal gamma + 1").
 # Each pool also keeps one padding slot.
@@ -558,6 +590,7 @@ class RunningFit:
     attention_dp: int
     kda_rollback: str = DEFAULT_KDA_ROLLBACK
     rollback: KdaRollbackCosts | None = None  # the busiest stage's KDA costs
+    mamba_slots: int = MAMBA_SLOTS_PER_RUNNING_REQUEST  # per running request (the strategy's)
 
     @property
     def running_per_rank(self) -> int:
@@ -586,7 +619,7 @@ class RunningFit:
     @property
     def mamba_cache_slots(self) -> int:
         """SGLang's --max-mamba-cache-size for the replica (split by attention DP there)."""
-        return self.max_running_requests * MAMBA_SLOTS_PER_RUNNING_REQUEST
+        return self.max_running_requests * self.mamba_slots
 
 
 def running_fit(
@@ -610,6 +643,7 @@ def running_fit(
     ring of `ring_len`) is how the verify rolls KDA states back (kda_rollback_costs)."""
     if draft is not None and speculation is None:
         speculation = Speculation.for_draft(draft)
+    slots = mamba_slots_per_request(layout.mamba_strategy)
     report = memory_per_gpu(model, layout, Workload(context_length=context_length), gpu, draft,
                             speculation, kda_rollback, ring_len)
     draft_tokens = speculation.gamma + 1 if speculation else 0
@@ -623,7 +657,7 @@ def running_fit(
         kv = sum(v for k, v in stage.per_request.items() if k.endswith("_kv"))
         # One state slot per mamba slot (the Workload default: 1), a verify row per request.
         cost = costs[stage.stage] = kda_rollback_costs(
-            model, draft_tokens, layout.attention_tp, kda_rollback, ring_len,
+            model, draft_tokens, layout.attention_tp, kda_rollback, ring_len, slots,
             kda_layers=attention_layers[stage.stage][1])
         shapes.append((stage, kv, cost.state_bytes_per_request, cost.state_padding_bytes))
         # Activations and the runtime must fit outside the static pool.
@@ -658,5 +692,65 @@ def running_fit(
         max_running_requests=per_rank * layout.attention_dp,
         full_context_requests=full_requests(worst) * layout.attention_dp,
         attention_dp=layout.attention_dp, kda_rollback=kda_rollback,
-        rollback=costs[stage.stage] if model.kda_layers else None,
+        rollback=costs[stage.stage] if model.kda_layers else None, mamba_slots=slots,
     )
+
+
+# --- HiCache: the host tier ------------------------------------------------------------------
+
+# SGLang 0.5.23's HiCache host sizing (mem_cache/pool_host/base.py, hicache_auto_size.py,
+# arg_groups/hicache_hook.py): a rank may use (host RAM - 10 GiB reserve) / ranks on the host
+# (base.py:28, 84-108) x --hicache-host-memory-fraction (default 0.8); the default ratio 2.0
+# (hicache_hook.py:119-122) is cut to budget x (1 - 0.05 slack) / device pool bytes when it
+# does not fit (hicache_auto_size.py:33, 94-97). Every device pool (MLA KV and the KDA/mamba
+# state pool) gets a host pool of ratio x its own size (hybrid_pool_assembler.py:1319-1356).
+HICACHE_RESERVE_BYTES = 10 * 1024**3
+HICACHE_HOST_MEMORY_FRACTION = 0.8
+HICACHE_DEFAULT_RATIO = 2.0
+HICACHE_SLACK = 0.05
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """The HiCache host tier of one deployment, per GPU (rank) and per node."""
+
+    ratio: float
+    device_pool_bytes: int  # per rank: the KV + KDA state pools the host tier mirrors
+    budget_bytes: int  # per rank: what SGLang lets one rank's host pools take
+
+    @property
+    def host_bytes_per_rank(self) -> int:
+        return int(self.ratio * self.device_pool_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.host_bytes_per_rank <= self.budget_bytes
+
+
+def hicache_budget_per_rank(gpu: GpuSpec, ranks_per_node: int,
+                            fraction: float = HICACHE_HOST_MEMORY_FRACTION) -> int | None:
+    """Host bytes one rank's HiCache pools may take on a node of `gpu` (None: the node's host
+    RAM is not in the GPU table)."""
+    if gpu.host_ram_bytes is None:
+        return None
+    return int(max(0, gpu.host_ram_bytes - HICACHE_RESERVE_BYTES) // ranks_per_node * fraction)
+
+
+def hicache_ratio(gpu: GpuSpec, ranks_per_node: int, device_pool_bytes: int,
+                  requested: float = HICACHE_DEFAULT_RATIO) -> float:
+    """The host/device ratio SGLang's auto-sizing settles on: the requested ratio (default
+    2.0), cut to what the host budget holds with 5% slack; 0.0 when the host RAM is unknown
+    or holds nothing. Rounded down to 2 decimals (the value emit writes as --hicache-ratio)."""
+    budget = hicache_budget_per_rank(gpu, ranks_per_node)
+    if budget is None or device_pool_bytes <= 0:
+        return 0.0
+    ratio = min(requested, budget * (1 - HICACHE_SLACK) / device_pool_bytes)
+    return max(0.0, int(ratio * 100) / 100)
+
+
+def hicache_host(layout: Layout, gpu: GpuSpec, device_pool_bytes: int) -> HostTier | None:
+    """The host tier `layout` asks for (None: HiCache off or the host RAM unknown)."""
+    budget = hicache_budget_per_rank(gpu, layout.gpus_per_node)
+    if not layout.hicache_ratio or budget is None:
+        return None
+    return HostTier(layout.hicache_ratio, device_pool_bytes, budget)

@@ -11,19 +11,23 @@ from functools import cache, cached_property
 from capacity.config import Images, Layout, Speculation, Workload
 from capacity.errors import CapacityError
 from capacity.formats import KvDtype, WeightFormat
+from capacity.levers import dcp_sizes
 from capacity.memory import (
     DEFAULT_KDA_ROLLBACK,
     DEFAULT_REPLAY_RING_LEN,
-    MAMBA_SLOTS_PER_RUNNING_REQUEST,
     MemoryReport,
     check_context,
     check_kda_rollback,
+    hicache_host,
+    hicache_ratio,
+    mamba_slots_per_request,
     max_running_requests,
     memory_per_gpu,
 )
 from capacity.model import ModelDescriptor
 from capacity.sglang_recipe import pipeline_problem
 from capacity.tables import GpuSpec, PriceRow, cheapest_prices, gpu_spec
+from capacity.targets import LatencyTargets
 from capacity.timing import (
     DEFAULT_CONSTANTS,
     DecodeRate,
@@ -48,6 +52,26 @@ class PlanRow:
     price: PriceRow | None
     _prefill: Callable[[], float] = field(repr=False, compare=False)
     vision_ms_per_image: float | None = None  # None: the plan's requests carry no images
+    targets: LatencyTargets | None = None  # the plan's; None: none asked
+    host_sessions: int = 0  # full-context sessions the HiCache host tier parks per replica
+
+    @property
+    def meets_targets(self) -> bool:
+        """One full-context prompt's TTFT and the running requests' decode rate meet the
+        plan's targets (always, without targets)."""
+        return self.targets is None or self.targets.met(self.prefill_s, self.per_user_tokens_s)
+
+    def missed(self) -> str:
+        """Which target the row misses, in words ('' when it meets them)."""
+        t = self.targets
+        if t is None:
+            return ""
+        out = []
+        if t.ttft_s is not None and self.prefill_s > t.ttft_s:
+            out.append(f"TTFT {self.prefill_s:.0f} s > {t.ttft_s:g}")
+        if t.min_user_tokens_s is not None and self.per_user_tokens_s < t.min_user_tokens_s:
+            out.append(f"{self.per_user_tokens_s:.0f} tok/s < {t.min_user_tokens_s:g}")
+        return "; ".join(out)
 
     @cached_property
     def prefill_s(self) -> float:
@@ -88,6 +112,13 @@ class PlanRow:
             "attention_dp": layout.attention_dp,
             "ep": layout.ep,
             "pp": layout.pp,
+            "dcp": layout.dcp,
+            "mamba_radix_cache_strategy": layout.mamba_strategy,
+            "hicache_ratio": layout.hicache_ratio,
+            "host_sessions": self.host_sessions,
+            "levers": layout.levers_label(),
+            "meets_targets": self.meets_targets,
+            "missed": self.missed(),
             "weights_gb_per_gpu": round(stage.weight_bytes / 1e9, 2),
             "free_gb_per_gpu": round(stage.free_for_requests / 1e9, 2),
             "request_gb_per_gpu": round(stage.request_bytes / 1e9, 3),
@@ -125,13 +156,24 @@ class PlanResult:
     rejected: dict[str, str]  # GPU -> why its best attempt failed
     images: Images = field(default_factory=Images)
     text_tokens: int | None = None  # the context without image tokens (None: no images)
+    targets: LatencyTargets | None = None
 
-    def top(self, n: int, per_gpu: int | None = None) -> list[PlanRow]:
+    def meeting(self) -> list[PlanRow]:
+        """Rows that meet the targets, cheapest first."""
+        return [r for r in self.rows if r.meets_targets]
+
+    def missing(self) -> list[PlanRow]:
+        """Rows that miss a target, cheapest first (shown apart, not dropped)."""
+        return [r for r in self.rows if not r.meets_targets]
+
+    def top(self, n: int, per_gpu: int | None = None,
+            rows: Sequence[PlanRow] | None = None) -> list[PlanRow]:
+        pool = list(self.rows if rows is None else rows)
         if per_gpu is None:
-            return list(self.rows[:n])
+            return pool[:n]
         seen: dict[str, int] = {}
         picked: list[PlanRow] = []
-        for row in self.rows:
+        for row in pool:
             if seen.get(row.layout.gpu, 0) < per_gpu:
                 seen[row.layout.gpu] = seen.get(row.layout.gpu, 0) + 1
                 picked.append(row)
@@ -151,6 +193,25 @@ class PlanResult:
                 best_tps = row.total_tokens_s
         return frontier
 
+    def latency_front(self) -> set[int]:
+        """Indexes (into `rows`) of the cost/latency Pareto front: priced rows that no other
+        row beats on $ per million tokens, TTFT and tokens/s per user at once (at least as
+        good on all three, better on one)."""
+        priced = sorted(
+            (i for i, r in enumerate(self.rows) if r.usd_per_million_tokens is not None),
+            key=lambda i: (self.rows[i].usd_per_million_tokens, self.rows[i].prefill_s,
+                           -self.rows[i].per_user_tokens_s),
+        )
+        front: list[tuple[float, float, float, int]] = []
+        for i in priced:
+            r = self.rows[i]
+            point = (r.usd_per_million_tokens or 0.0, r.prefill_s, -r.per_user_tokens_s)
+            # Sorted by cost: only an earlier (no dearer) row can dominate this one.
+            if not any(all(f <= p for f, p in zip(other[:3], point, strict=True))
+                       and other[:3] != point for other in front):
+                front.append((*point, i))
+        return {entry[3] for entry in front}
+
 
 def _powers_of_two_dividing(n: int) -> list[int]:
     out = []
@@ -169,11 +230,15 @@ def candidate_layouts(
     weight_formats: Sequence[WeightFormat | None] = (None,),
     kv_dtypes: Sequence[KvDtype] = (KvDtype.BF16,),
     mem_fraction: float | None = None,
+    with_dcp: bool = False,
+    mamba_strategy: str = "extra_buffer",
 ) -> list[Layout]:
     """Layouts SGLang can run: EP over the whole stage, attention DP in powers of two, pipeline
-    stages either 1 or one per node; attention TP must divide the attention heads."""
+    stages either 1 or one per node; attention TP must divide the attention heads. With
+    `with_dcp`, each also with decode context parallelism (capacity.levers.dcp_sizes) where
+    the GPU runs K3's DCP kernel; `mamba_strategy` is SGLang's radix-cache strategy."""
     return list(_candidate_layouts(model, gpu, max_nodes, tuple(weight_formats),
-                                   tuple(kv_dtypes), mem_fraction))
+                                   tuple(kv_dtypes), mem_fraction, with_dcp, mamba_strategy))
 
 
 @cache
@@ -184,11 +249,15 @@ def _candidate_layouts(
     weight_formats: tuple[WeightFormat | None, ...],
     kv_dtypes: tuple[KvDtype, ...],
     mem_fraction: float | None,
+    with_dcp: bool = False,
+    mamba_strategy: str = "extra_buffer",
 ) -> tuple[Layout, ...]:
     heads = [h for h in (model.mla.heads if model.mla else None,
                          model.kda.heads if model.kda else None) if h]
     layouts: list[Layout] = []
-    extra = {"mem_fraction": mem_fraction} if mem_fraction is not None else {}
+    extra: dict[str, object] = {"mem_fraction": mem_fraction} if mem_fraction is not None else {}
+    if mamba_strategy != "extra_buffer":
+        extra["mamba_strategy"] = mamba_strategy
     for nodes in range(1, max_nodes + 1):
         world = nodes * gpu.gpus_per_node
         for stages in sorted({1, nodes}):
@@ -197,12 +266,14 @@ def _candidate_layouts(
                 tp = stage_gpus // dp
                 if any(h % tp for h in heads):
                     continue
-                for fmt in weight_formats:
-                    for kv in kv_dtypes:
-                        layouts.append(Layout(
-                            gpu=gpu.gpu, nodes=nodes, tp=stage_gpus, attention_dp=dp,
-                            ep=stage_gpus, pp=stages, weight_format=fmt, kv_dtype=kv, **extra,
-                        ))
+                for dcp in [1, *(dcp_sizes(gpu, tp) if with_dcp else [])]:
+                    for fmt in weight_formats:
+                        for kv in kv_dtypes:
+                            layouts.append(Layout(
+                                gpu=gpu.gpu, nodes=nodes, tp=stage_gpus, attention_dp=dp,
+                                ep=stage_gpus, pp=stages, weight_format=fmt, kv_dtype=kv,
+                                dcp=dcp, **extra,  # type: ignore[arg-type]
+                            ))
     return tuple(layouts)
 
 
@@ -245,12 +316,21 @@ def plan(
     kda_rollback: str = DEFAULT_KDA_ROLLBACK,
     ring_len: int = DEFAULT_REPLAY_RING_LEN,
     images: Images | None = None,
+    targets: LatencyTargets | None = None,
+    levers: bool = False,
 ) -> PlanResult:
     """Ranked feasible fleets (cheapest per million output tokens first). `kda_rollback` is how
     the speculative verify rolls the KDA state back (memory.kda_rollback_costs); the time model
     does not depend on it. `context_length` is each request's text; its `images` add their
     tokens to the prompt (KV, KDA and prefill like any prompt token) and the tower's time to
-    its TTFT."""
+    its TTFT.
+
+    `targets`: latency targets (capacity.targets); rows that miss them stay in `rows`, marked
+    (`PlanRow.meets_targets`), and each row runs the most requests that still meet the
+    per-user rate (all it holds when none does). `min_user_tokens_s` is the older hard floor:
+    rows below it are dropped. `levers`: SGLang 0.5.23's K3 levers in the search (capacity/
+    levers.py): decode context parallel layouts, extra_buffer_lazy state slots, and the
+    HiCache host tier where the node's host RAM is known."""
     images = images or Images()
     text_tokens = context_length
     context_length = prompt_tokens(model, text_tokens, images)
@@ -270,8 +350,10 @@ def plan(
     best_price = cheapest_prices(prices)
     # Each request holds SGLang's KDA state slots (radix cache + extra_buffer ping-pong) beside
     # its verify scratch, as the emitted deployments size them (memory.running_fit).
+    strategy = "extra_buffer_lazy" if levers else "extra_buffer"
     workload = Workload(context_length=context_length, images=images,
-                        kda_state_slots=MAMBA_SLOTS_PER_RUNNING_REQUEST)
+                        kda_state_slots=mamba_slots_per_request(strategy))
+    soft_floor = targets.min_user_tokens_s if targets is not None else None
     running_cap = max_running_requests(draft)
 
     rows: list[PlanRow] = []
@@ -283,7 +365,7 @@ def plan(
             rejected[spec.gpu] = (10**18, "no price in the price table")
             continue
         for layout in _candidate_layouts(model, spec, max_nodes, tuple(weight_formats),
-                                         tuple(kv_dtypes), mem_fraction):
+                                         tuple(kv_dtypes), mem_fraction, levers, strategy):
             evaluated += 1
             refused = pipeline_problem(layout.pp, draft is not None)
             if refused is not None:
@@ -300,12 +382,33 @@ def plan(
                     rejected[spec.gpu] = (free, f"{report.reasons[0]} (best try: {layout.label()})")
                 continue
             cap = min(report.max_concurrent, running_cap)
+            host_sessions = 0
+            if levers:
+                # HiCache: a host pool of ratio x the device pools (the static pool after the
+                # weights), sized as SGLang auto-sizes it; it parks whole sessions (MLA KV + a
+                # KDA state) between an agent's turns.
+                device_pool = report.worst_stage.free_for_requests
+                ratio = hicache_ratio(spec, layout.gpus_per_node, device_pool)
+                if ratio > 0:
+                    layout = layout.model_copy(update={"hicache_ratio": ratio})
+                    tier = hicache_host(layout, spec, device_pool)
+                    stage = report.worst_stage
+                    session = (stage.per_request.get("mla_kv", 0)
+                               + stage.per_request.get("kda_state", 0)
+                               // max(1, workload.kda_state_slots))
+                    if tier is not None and session:
+                        host_sessions = (tier.host_bytes_per_rank // session
+                                         * layout.attention_dp)
 
             def rate_at(c: int, layout: Layout = layout, spec: GpuSpec = spec) -> DecodeRate:
                 return decode_rate(model, layout, spec, c, context_length, draft, speculation,
                                    constants)
 
             per_replica = _choose_concurrency(rate_at, cap, min_user_tokens_s)
+            if per_replica is not None and min_user_tokens_s is None and soft_floor is not None:
+                # The most requests that still meet the target's rate; all it holds when not
+                # even one does (the row then shows among those that miss the targets).
+                per_replica = _choose_concurrency(rate_at, cap, soft_floor) or cap
             if per_replica is None:
                 rejected.setdefault(
                     spec.gpu,
@@ -334,6 +437,8 @@ def plan(
                 vision_ms_per_image=(
                     vision_seconds(model, layout, spec, images, constants).per_image_s * 1e3
                     if images.per_request else None),
+                targets=targets,
+                host_sessions=host_sessions,
             ))
     for row in rows:
         rejected.pop(row.layout.gpu, None)
@@ -352,6 +457,7 @@ def plan(
         rejected={gpu: why for gpu, (_, why) in rejected.items()},
         images=images,
         text_tokens=text_tokens if images.per_request else None,
+        targets=targets,
     )
 
 

@@ -52,6 +52,9 @@ SGLANG_SECTION: dict[str, Any] = {
     "extra_server_args": {},
 }
 SGLANG_OPTIONAL: dict[str, Any] = {
+    # The HiCache host tier (capacity.levers.choose_levers sizes it from the node's host RAM).
+    "enable_hierarchical_cache": sglang_default("enable_hierarchical_cache"),
+    "hicache_ratio": sglang_default("hicache_ratio"),
     "enable_linear_replayssm_spec": sglang_default("enable_linear_replayssm_spec"),
     "linear_replayssm_cache_len": sglang_default("linear_replayssm_cache_len"),
     # The adaptive DSpark verify (capacity/dspark_verify.py): SGLang's default is off.

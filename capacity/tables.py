@@ -41,11 +41,20 @@ class GpuSpec(BaseModel):
     scale_up_domain: int = Field(gt=0, description="GPUs that reach each other at scale-up speed")
     source: str = Field(min_length=1)
     as_of: date
+    # Host (CPU) RAM of one node of this GPU, where a published system lists it: what SGLang's
+    # HiCache host tier can use (capacity.memory.hicache_host). None: not known here, so the
+    # planner does not plan a host tier.
+    host_ram_gb: float | None = Field(default=None, gt=0, description="per node, GB")
+    host_ram_source: str = ""
 
-    @field_validator("fp8_tflops", "fp4_tflops", mode="before")
+    @field_validator("fp8_tflops", "fp4_tflops", "host_ram_gb", mode="before")
     @classmethod
     def _blank_is_none(cls, value: object) -> object:
         return None if value in ("", "-") else value
+
+    @property
+    def host_ram_bytes(self) -> int | None:
+        return None if self.host_ram_gb is None else int(self.host_ram_gb * GB)
 
     @property
     def memory_bytes(self) -> int:

@@ -252,7 +252,9 @@ def _forward_s(
             routed = tokens_total if expert_tokens is None else expert_tokens
             distinct = _distinct_experts(model.moe.experts, model.moe.top_k, routed)
             expert_bytes = expert_b * distinct / model.moe.experts / g
-        kv_read = requests_dp * context * kv_token_layer * kv_bytes * params.mla_layers
+        # Decode context parallelism: each rank reads (and attends over) its 1/dcp of the KV.
+        kv_read = (requests_dp * context * kv_token_layer * kv_bytes * params.mla_layers
+                   / layout.dcp)
         kda_rw = 2 * requests_dp * kda_state_layer * params.kda_layers / tp
         moved = (weight_bytes + expert_bytes) * weight_passes + kv_read + kda_rw
 
@@ -265,6 +267,7 @@ def _forward_s(
             absorbed = 2 * model.mla.kv_lora_rank + model.mla.qk_rope_head_dim
             attn_flops += (
                 tokens_dp * params.mla_layers * 2 * (model.mla.heads / tp) * context * absorbed
+                / layout.dcp
             )
         if model.kda:
             attn_flops += tokens_dp * params.kda_layers * 4 * (model.kda.heads / tp) * (
@@ -286,6 +289,15 @@ def _forward_s(
                 _group_comm_s(attn_comm, tp, reach, gpu, c)
                 + _group_comm_s(moe_comm, g, reach, gpu, c)
             )
+        if layout.dcp > 1 and model.mla and params.mla_layers and requests:
+            # DCP's attention reduction (SGLang's default ag_rs, arg_groups/overrides.py:
+            # 1374-1393): per MLA layer an all-gather of the queries and a reduce-scatter of
+            # the partial outputs + LSE over the dcp ranks, each about heads/tp x kv_lora
+            # BF16 values per token (an estimate: no published K3 DCP step breakdown).
+            dcp_bytes = (2 * tokens_dp * (model.mla.heads / tp) * model.mla.kv_lora_rank
+                         * BF16_BYTES * (layout.dcp - 1) / layout.dcp)
+            comm += params.mla_layers * _group_comm_s(dcp_bytes, layout.dcp, reach, gpu, c)
+            fixed += params.mla_layers * 2 * _collective_latency_s(layout.dcp, reach, c)
         memory_s += memory
         compute_s += compute
         fixed_s += fixed
@@ -395,6 +407,10 @@ def decode_rate(
     return DecodeRate(concurrency, step, per_user, per_user * concurrency)
 
 
+# LMSYS's measured strong-scaling efficiency of SGLang's chunked pipeline prefill (PP4 TP8).
+PP_PREFILL_EFFICIENCY = 0.828
+
+
 def prefill_seconds(
     model: ModelDescriptor,
     layout: Layout,
@@ -426,7 +442,18 @@ def prefill_seconds(
         )
     per_gpu = attention_flops / (busy_dp * layout.attention_tp)
     attention_s = per_gpu / (gpu.bf16_tflops * 1e12 * constants.prefill_compute_efficiency)
-    return max(memory, compute) + attention_s + fixed * passes + comm
+    sequential = max(memory, compute) + attention_s + fixed * passes + comm
+    if layout.pp == 1:
+        return sequential
+    # Chunked pipeline parallelism (SGLang's PP prefill): chunk k + 1 enters stage 0 while
+    # chunk k is on stage 1, so `passes` chunks over pp balanced stages take (passes + pp - 1)
+    # stage-steps of sequential / (pp x passes) each, at the strong-scaling efficiency LMSYS
+    # measured (82.8% at PP4 TP8, DeepSeek-V3.1 on H20, "Pipeline Parallelism in SGLang:
+    # Scaling to Million-Token Contexts and Beyond", lmsys.org/blog/2026-01-15-chunked-
+    # pipeline). Never slower than running the stages one after another.
+    pipelined = (sequential * (passes + layout.pp - 1) / (passes * layout.pp)
+                 / PP_PREFILL_EFFICIENCY)
+    return min(sequential, pipelined)
 
 
 def serving_throughput(

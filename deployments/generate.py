@@ -17,7 +17,10 @@ is written. Every file is built by capacity/emit.py, the one writer that `kimi-c
 uses too: a variant here is the same description (GPU, nodes, KV dtype, context) that the
 command in its file's header takes, and both write the same bytes. The planner derives every
 SGLang value (max_running_requests and the KDA state pool from its memory model, the KV dtype
-refused when one full-context request does not fit, the kernel choices per GPU); the start-up
+refused when one full-context request does not fit, the kernel choices per GPU, and SGLang
+0.5.23's K3 levers: extra_buffer_lazy, decode context parallelism, the HiCache host tier and
+EPLB, each chosen by capacity.levers.choose_levers with its reason in the file's header, and
+the MI355X memory fraction and prefill chunk known to fit, capacity.emit.KNOWN_FIT); the start-up
 rules (NOSET variables, project install, CPUs per rank, GPU-free head, RAY_AUTH_MODE) are
 capacity's too.
 """
@@ -65,7 +68,7 @@ class Variant:
         return emit.describe_layout(
             describe_model(MODEL), TARGET, emit.plain_layout(gpu, self.nodes, self.kv),
             CONTEXT, gpu, draft=describe_model(DRAFT_MODEL), draft_ref=DRAFT,
-            planner_refs=(MODEL, DRAFT_MODEL))
+            planner_refs=(MODEL, DRAFT_MODEL), levers=True)
 
 
 VARIANTS = (

@@ -183,6 +183,18 @@ class SGLangSettings(_Strict):
     # page_size 1.
     mamba_radix_cache_strategy: Literal["auto", "no_buffer", "extra_buffer",
                                         "extra_buffer_lazy"] = _SG["mamba_radix_cache_strategy"]
+    # SGLang's HiCache: a host (CPU RAM) tier of hicache_ratio x each device pool (MLA KV and
+    # KDA state) keeping prefixes between an agent's turns (capacity.levers.choose_levers sizes
+    # it from the node's host RAM). Written to the config tree only when on (the serializer
+    # below).
+    enable_hierarchical_cache: bool = Field(
+        default=_SGO["enable_hierarchical_cache"], description=(
+            "SGLang's --enable-hierarchical-cache: tier the radix cache's MLA KV and KDA states "
+            "to host memory"))
+    hicache_ratio: float | None = Field(
+        default=_SGO["hicache_ratio"], gt=0, description=(
+            "SGLang's --hicache-ratio: host pool / device pool per rank (None: SGLang sizes it "
+            "to the host's memory); only with enable_hierarchical_cache"))
     speculative_algorithm: Literal["DSPARK"] | None = _SG["speculative_algorithm"]
     speculative_dspark_block_size: int = Field(default=_SG["speculative_dspark_block_size"],
                                                gt=0, description="gamma: drafts per verify "
@@ -245,6 +257,13 @@ class SGLangSettings(_Strict):
         "on the replica's node when it starts"))
     extra_server_args: dict[str, Any] = Field(default_factory=dict, description="any other "
                                               "SGLang ServerArgs field; checked against 0.5.23")
+
+    @model_validator(mode="after")
+    def _hicache(self) -> SGLangSettings:
+        if self.hicache_ratio is not None and not self.enable_hierarchical_cache:
+            raise ValueError("engine.sglang.hicache_ratio is used only with "
+                             "engine.sglang.enable_hierarchical_cache: true")
+        return self
 
     @model_validator(mode="after")
     def _replayssm_spec(self) -> SGLangSettings:
@@ -325,6 +344,11 @@ class SGLangSettings(_Strict):
             # Off, both are at their defaults (checked above) and SGLang is not given them.
             data.pop("enable_linear_replayssm_spec", None)
             data.pop("linear_replayssm_cache_len", None)
+        if not self.enable_hierarchical_cache:
+            data.pop("enable_hierarchical_cache", None)
+            data.pop("hicache_ratio", None)
+        elif self.hicache_ratio is None:
+            data.pop("hicache_ratio", None)
         if (self.kv_events, self.kv_events_port) == (_SGO["kv_events"], _SGO["kv_events_port"]):
             data.pop("kv_events", None)
             data.pop("kv_events_port", None)
@@ -551,9 +575,10 @@ class AppConfig(_Strict):
         if self.disaggregation.enabled and self.engine.backend == "reference":
             for name in ("prefill", "decode"):
                 side = getattr(self.disaggregation, name).parallelism
-                if side is not None and (side.pp != 1 or side.attention_dp != 1):
+                if side is not None and (side.pp != 1 or side.attention_dp != 1
+                                         or side.dcp != 1):
                     raise ValueError(f"disaggregation.{name}.parallelism: the reference engine "
-                                     "runs pp 1 and attention_dp 1")
+                                     "runs pp 1, attention_dp 1 and dcp 1")
         if self.engine.backend == "reference":
             problems = []
             if p.pp != 1:
@@ -562,6 +587,9 @@ class AppConfig(_Strict):
             if p.attention_dp != 1:
                 problems.append(f"parallelism.attention_dp={p.attention_dp}: the reference "
                                 "engine supports only 1")
+            if p.dcp != 1:
+                problems.append(f"parallelism.dcp={p.dcp}: the reference engine has no decode "
+                                "context parallelism (allowed: 1)")
             if self.engine.reference.device == "cuda" and self.placement.accelerator != "GPU":
                 problems.append("engine.reference.device='cuda' needs placement.accelerator='GPU'")
             if problems:

@@ -180,7 +180,7 @@ def test_every_shipped_file_serves_its_context(rel: str) -> None:
     of max_running_requests running requests (the planner's memory model, as the app's
     start-up check applies it); the flagship says why it stores FP8 KV."""
     from capacity import describe_model, load_gpus
-    from capacity.memory import running_fit
+    from capacity.memory import mamba_slots_per_request, running_fit
     from serve_app.engines.sglang.checks import planner_layout
 
     config = app_config(rel)
@@ -190,10 +190,15 @@ def test_every_shipped_file_serves_its_context(rel: str) -> None:
                       s.context_length, describe_model(s.planner_draft),
                       running=s.max_running_requests)
     assert s.context_length == 1_048_576 and fit.full_context_requests >= 1
-    assert s.max_mamba_cache_size == s.max_running_requests * 5
+    # Every production file runs extra_buffer_lazy: 4 KDA state slots per running request.
+    assert s.mamba_radix_cache_strategy == "extra_buffer_lazy"
+    assert s.max_mamba_cache_size == s.max_running_requests * 4
+    assert mamba_slots_per_request(s.mamba_radix_cache_strategy) == 4
     header = (ROOT / rel).read_text().split("\nproxy_location")[0]
     assert f"max_running_requests {s.max_running_requests} " in header
     if rel == "deployments/kimi_dspark.yaml":
         assert s.kv_cache_dtype == "fp8_e4m3"
-        assert "FP8 KV: BF16 KV would need 31.0 GB/GPU for one 1,048,576-token request, " \
+        # One BF16 request: 30.3 GB of MLA + draft KV and 4 + 8 KDA states + the padding
+        # (the lazy strategy's 4 slots: 28 MB less than extra_buffer's 5, 31.0 GB).
+        assert "FP8 KV: BF16 KV would need 30.9 GB/GPU for one 1,048,576-token request, " \
                "20.1 GB free" in header

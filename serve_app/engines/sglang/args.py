@@ -24,7 +24,8 @@ _MANAGED = frozenset({
     "model_path", "tokenizer_path", "served_model_name", "trust_remote_code", "device",
     "tp_size", "ep_size", "attn_dp_size", "nnodes", "pp_size", "context_length",
     "mem_fraction_static", "kv_cache_dtype", "chunked_prefill_size", "max_running_requests",
-    "max_mamba_cache_size", "mamba_ssm_dtype", "mamba_radix_cache_strategy",
+    "max_mamba_cache_size", "mamba_ssm_dtype", "mamba_radix_cache_strategy", "dcp_size",
+    "enable_hierarchical_cache", "hicache_ratio",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_dspark_block_size",
     "speculative_draft_attention_backend", "enable_linear_replayssm_spec",
     "linear_replayssm_cache_len", "speculative_dspark_sps_table_path",
@@ -93,8 +94,14 @@ def sglang_server_args(config: AppConfig, kv_events_port: int | None = None,
     }
     if p.pp > 1:  # SGLang's default is 1
         args["pp_size"] = p.pp
+    if p.dcp > 1:  # decode context parallelism (SGLang's default is 1)
+        args["dcp_size"] = p.dcp
     if s.max_mamba_cache_size is not None:
         args["max_mamba_cache_size"] = s.max_mamba_cache_size
+    if s.enable_hierarchical_cache:
+        args["enable_hierarchical_cache"] = True
+        if s.hicache_ratio is not None:
+            args["hicache_ratio"] = s.hicache_ratio
     if s.mamba_ssm_dtype is not None:
         args["mamba_ssm_dtype"] = s.mamba_ssm_dtype
     if p.attention_dp > 1:

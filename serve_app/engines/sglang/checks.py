@@ -86,9 +86,13 @@ def planner_layout(config: AppConfig) -> Any:
 
     p, s = config.parallelism, config.engine.sglang
     gpu = capacity.load_gpus()[config.placement.gpu_type or ""]
+    # `auto` resolves to extra_buffer for K3 (capacity.memory.mamba_slots_per_request).
+    strategy = ("extra_buffer_lazy" if s.mamba_radix_cache_strategy == "extra_buffer_lazy"
+                else "extra_buffer")
     return capacity.Layout(
         gpu=gpu.gpu, **p.model_dump(), kv_dtype=_KV_DTYPE[s.kv_cache_dtype],
-        mem_fraction=s.mem_fraction_static)
+        mem_fraction=s.mem_fraction_static, mamba_strategy=strategy,
+        hicache_ratio=(s.hicache_ratio or 0.0) if s.enable_hierarchical_cache else 0.0)
 
 
 def kda_rollback(s: Any, draft: Any) -> dict[str, Any]:
@@ -105,7 +109,7 @@ def _full_context_problems(model: Any, layout: Any, gpu: Any, draft: Any, s: Any
     """The advertised context must be servable: the KV of one full-context request beside the
     KDA states of max_running_requests running requests (SGLang's pools, as the capacity
     planner sizes them), and a state pool that does not cap the running requests lower."""
-    from capacity.memory import MAMBA_SLOTS_PER_RUNNING_REQUEST, running_fit
+    from capacity.memory import hicache_host, mamba_slots_per_request, running_fit
 
     problems = []
     fit = running_fit(model, layout, gpu, s.context_length, draft,
@@ -121,18 +125,56 @@ def _full_context_problems(model: Any, layout: Any, gpu: Any, draft: Any, s: Any
             f"KDA state ({fit.kda_rollback} rollback), {fit.free_bytes / 1e9:.1f} GB are free "
             "after weights (use "
             "kimi-capacity emit: it sizes max_running_requests, or FP8 KV, or a larger layout)")
-    needed = s.max_running_requests * MAMBA_SLOTS_PER_RUNNING_REQUEST
+    slots = mamba_slots_per_request(layout.mamba_strategy)
+    needed = s.max_running_requests * slots
     if s.max_mamba_cache_size is None:
         # SGLang then gives the KDA states about half the memory after the weights.
         logger.warning("engine.sglang.max_mamba_cache_size is unset: SGLang sizes the KDA state "
                        "pool by mamba_full_memory_ratio, taking KV memory the planner counted")
-    elif (s.mamba_radix_cache_strategy in ("auto", "extra_buffer")
+    elif (s.mamba_radix_cache_strategy in ("auto", "extra_buffer", "extra_buffer_lazy")
           and s.max_mamba_cache_size < needed):
         problems.append(
             f"engine.sglang.max_mamba_cache_size={s.max_mamba_cache_size} holds the states of "
-            f"only {s.max_mamba_cache_size // MAMBA_SLOTS_PER_RUNNING_REQUEST} running requests "
-            f"({MAMBA_SLOTS_PER_RUNNING_REQUEST} slots each with extra_buffer); "
+            f"only {s.max_mamba_cache_size // slots} running requests "
+            f"({slots} slots each with {layout.mamba_strategy}); "
             f"max_running_requests={s.max_running_requests} needs {needed}")
+    if s.enable_hierarchical_cache and s.hicache_ratio is not None:
+        # The host tier must fit the node's host RAM as SGLang budgets it (with an explicit
+        # ratio SGLang does not shrink it: the allocation fails at start instead).
+        tier = hicache_host(layout, gpu, fit.free_bytes)
+        if tier is not None and not tier.fits:
+            problems.append(
+                f"engine.sglang.hicache_ratio={s.hicache_ratio}: {tier.host_bytes_per_rank / 1e9:.0f}"
+                f" GB of host pool per GPU exceeds the {tier.budget_bytes / 1e9:.0f} GB SGLang "
+                f"lets each of {layout.gpus_per_node} ranks take of a {gpu.gpu} node's "
+                f"{gpu.host_ram_gb:g} GB host RAM ((RAM - 10 GiB) / ranks x 0.8)")
+    return problems
+
+
+def dcp_problems(config: AppConfig) -> list[str]:
+    """SGLang 0.5.23's rules for K3's decode context parallelism (arg_groups/model_overrides/
+    kimi_k3.py:51-120): a decode kernel with DCP on this GPU (cutedsl_mla on Blackwell, aiter
+    on ROCm gfx950: capacity.levers.DCP_DECODE_BACKENDS), that kernel when one is named, and
+    the static DSpark verify."""
+    from capacity.levers import dcp_backend
+
+    p, s = config.parallelism, config.engine.sglang
+    if p.dcp == 1:
+        return []
+    problems = []
+    backend = dcp_backend(config.placement.gpu_type or "")
+    if backend is None:
+        problems.append(f"parallelism.dcp={p.dcp}: SGLang 0.5.23 has no K3 DCP decode kernel on "
+                        f"{config.placement.gpu_type} (cutedsl_mla on Blackwell, aiter on "
+                        "ROCm gfx950: arg_groups/model_overrides/kimi_k3.py:84-112)")
+    elif s.decode_attention_backend not in (None, backend):
+        problems.append(f"engine.sglang.decode_attention_backend="
+                        f"{s.decode_attention_backend!r}: K3's DCP decodes on {backend!r} "
+                        "here (kimi_k3.py:84-112)")
+    if s.speculative_algorithm == "DSPARK" and s.ragged_verify_mode != "static":
+        problems.append(f"engine.sglang.ragged_verify_mode={s.ragged_verify_mode!r} with "
+                        f"parallelism.dcp={p.dcp}: SGLang 0.5.23 runs K3 DCP with DSPARK only "
+                        "under the static verify (kimi_k3.py:63-75)")
     return problems
 
 
@@ -243,6 +285,11 @@ def sglang_problems(config: AppConfig, role: Role = "both") -> list[str]:
                 problems += _full_context_problems(model, layout, gpu, draft, s)
         except (CapacityError, ValidationError) as exc:
             problems.append(f"layout: {exc}")
+    problems += dcp_problems(config)
+    if role != "both" and s.mamba_radix_cache_strategy == "extra_buffer_lazy":
+        problems.append("engine.sglang.mamba_radix_cache_strategy='extra_buffer_lazy' on a PD "
+                        f"{role} server: SGLang 0.5.23 refuses it under PD disaggregation "
+                        "(arg_groups/mamba_hook.py:123-128); use extra_buffer")
     try:
         args = sglang_server_args(config, role=role)
         problems += [f"engine.sglang: {x}" for x in check_server_args(args)]
