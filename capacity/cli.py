@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from capacity.calibration import evaluate, fit
+from capacity.calibration import calibration_summary, evaluate, fit
 from capacity.config import DEFAULT_IMAGE_SIZE, Images, Layout, Speculation, Workload, validated
 from capacity.disagg import ModeRow, Targets, compare
 from capacity.errors import CapacityError
@@ -761,28 +761,41 @@ def calibrate_cmd(
     """Time-model error against each published measurement."""
     constants = fit() if refit else DEFAULT_CONSTANTS
     results = evaluate(constants)
+    summary = calibration_summary(results)
     if as_json:
         print(json.dumps({
             "constants": constants.__dict__,
+            "summary": summary,
             "anchors": [{
-                "name": r.anchor.name, "measured": r.anchor.measured, "unit": r.anchor.unit,
+                "name": r.anchor.name, "gpu": r.anchor.gpu, "model": r.anchor.model,
+                "engine": r.anchor.engine, "vendor_claim": r.anchor.vendor_claim,
+                "measured": r.anchor.measured, "unit": r.anchor.unit,
                 "predicted": r.predicted, "error": r.error, "assumption": r.anchor.assumption,
                 "source": r.anchor.source,
             } for r in results],
         }, indent=2))
         return
-    table = Table(title="calibration anchors (goal: within 25% each)")
-    for col in ("anchor", "measured", "model", "error", "unit", "assumption"):
+    table = Table(title="calibration anchors (goal: within 25% each; * = vendor claim)")
+    for col in ("anchor", "GPU", "engine", "measured", "model", "error", "unit", "assumption"):
         table.add_column(col, justify="right" if col in ("measured", "model", "error") else "left")
     for r in results:
         error = "n/a" if r.error is None else f"{r.error * 100:+.1f}%"
         model_value = "-" if r.predicted is None else f"{r.predicted:,.2f}"
-        table.add_row(r.anchor.name, f"{r.anchor.measured:,.2f}", model_value, error, r.anchor.unit,
-                      r.anchor.assumption)
+        table.add_row(r.anchor.name + (" *" if r.anchor.vendor_claim else ""), r.anchor.gpu,
+                      r.anchor.engine, f"{r.anchor.measured:,.2f}", model_value, error,
+                      r.anchor.unit, r.anchor.assumption)
     out.print(table)
-    errors = [abs(r.error) for r in results if r.error is not None]
-    out.print(f"worst |error| {max(errors) * 100:.1f}%, mean {sum(errors) / len(errors) * 100:.1f}%"
-              f" over {len(errors)} modeled anchors; constants: {constants}")
+    k3 = summary["k3"]
+    out.print(f"K3: {k3['modeled']} modeled anchors over {len(k3['gpus'])} GPU types "
+              f"({', '.join(k3['gpus'])}; {k3['amd_gpus']} AMD), worst |error| "
+              f"{k3['worst_error'] * 100:.1f}% ({k3['worst_anchor']}), mean "
+              f"{k3['mean_error'] * 100:.1f}%; {summary['not_modeled']} anchors not modeled "
+              "(why: their assumption column)", soft_wrap=True, highlight=False)
+    k2 = summary["k2"]
+    if k2["modeled"]:
+        out.print(f"K2 cross-check (not fitted): worst |error| {k2['worst_error'] * 100:.1f}% "
+                  f"({k2['worst_anchor']})", soft_wrap=True, highlight=False)
+    out.print(f"constants: {constants}", soft_wrap=True, highlight=False)
 
 
 @app.command("emit")

@@ -30,24 +30,45 @@ EP_BYTES_PER_ELEMENT = 3
 
 @dataclass(frozen=True)
 class TimeConstants:
-    """Fitted by `kimi-capacity calibrate --fit` against the anchors in capacity.calibration
-    (published K3 GB300/B300 and K2 H200 measurements). Ranges in the comments are the search
-    bounds, chosen from what the hardware can physically reach."""
+    """Fitted by `kimi-capacity calibrate --fit` against the K3 anchors in capacity.calibration
+    (published K3 measurements on GB300, B300, GB200, MI355X and MI325X; the K2 H200 anchors
+    are a cross-check, not fitted). Ranges in the comments are the search bounds, chosen from
+    what the hardware can physically reach."""
 
-    hbm_efficiency: float = 0.67  # share of HBM peak when streaming weights / KV [0.5, 0.95]
-    compute_efficiency: float = 0.5  # decode GEMM share of dense peak [0.2, 0.8]
-    prefill_compute_efficiency: float = 0.75  # large prefill GEMMs [0.2, 0.8]
-    layer_overhead_us: float = 29.0  # launches, norms, routing per layer, batch 1 [5, 120]
-    collective_hop_us: float = 5.0  # per collective per log2(ranks) inside scale-up [0.5, 30]
+    hbm_efficiency: float = 0.823  # share of HBM peak when streaming weights / KV [0.5, 0.95]
+    compute_efficiency: float = 0.6125  # decode GEMM share of dense peak [0.2, 0.8]
+    prefill_compute_efficiency: float = 0.256  # large prefill GEMMs [0.2, 0.8]
+    layer_overhead_us: float = 8.6  # launches, norms, routing per layer, batch 1 [5, 120]
+    collective_hop_us: float = 9.72  # per collective per log2(ranks) inside scale-up [0.5, 30]
     internode_collective_us: float = 0.0  # extra per collective crossing nodes [0, 100]
-    comm_efficiency: float = 0.73  # share of link bandwidth reached by collectives [0.3, 0.95]
-    draft_fixed_us: float = 0.0  # DSpark forward + sequential Markov loop overhead [0, 3000]
+    comm_efficiency: float = 0.523  # share of link bandwidth reached by collectives [0.3, 0.95]
+    draft_fixed_us: float = 1500.0  # DSpark forward + sequential Markov loop overhead [0, 3000]
     # Consecutive positions of one sequence share experts more than independent tokens do; a
     # verify window of w rows routes like 1 + (w - 1) x this many independent tokens [0.2, 1].
-    verify_token_independence: float = 0.33
+    verify_token_independence: float = 0.2
+    # The ROCm stacks that serve K3 (SGLang/AITER on gfx950, vLLM on gfx942) are fitted apart
+    # from CUDA's: their per-layer launch + un-fused kernel latency [5, 300] and the share of
+    # the CUDA GEMM efficiencies their kernels reach [0.1, 1] (capacity.calibration's AMD
+    # anchors; until those exist for a GPU, its rows are roofline extrapolations).
+    rocm_layer_overhead_us: float = 134.0
+    rocm_efficiency: float = 0.6625
 
 
 DEFAULT_CONSTANTS = TimeConstants()
+
+
+def _is_rocm(gpu: GpuSpec) -> bool:
+    return gpu.vendor.upper() == "AMD"
+
+
+def layer_overhead_s(gpu: GpuSpec, c: TimeConstants) -> float:
+    """Fixed latency per layer (launches, norms, routing) on this GPU's software stack."""
+    return (c.rocm_layer_overhead_us if _is_rocm(gpu) else c.layer_overhead_us) * 1e-6
+
+
+def efficiency(gpu: GpuSpec, c: TimeConstants, base: float) -> float:
+    """A fitted GEMM efficiency, scaled for the ROCm stacks."""
+    return base * (c.rocm_efficiency if _is_rocm(gpu) else 1.0)
 
 
 @dataclass(frozen=True)
@@ -140,10 +161,15 @@ def _stage_params(model: ModelDescriptor, stages: int) -> tuple[_StageParams, ..
 
 
 def _expert_peak_tflops(gpu: GpuSpec, fmt: WeightFormat) -> float:
-    """Expert GEMM peak: FP4 math only where the GPU has it natively; Hopper and MI300X/MI325X
-    run 4-bit weights with 16-bit math."""
-    if fmt in FOUR_BIT_FORMATS and gpu.native_fp4 and gpu.fp4_tflops:
+    """Expert GEMM peak at the precision the MoE kernels multiply in. MXFP4 experts run W4A8 on
+    GPUs with native FP4 (SGLang 0.5.23's K3 runners quantize activations to MXFP8/FP8: the
+    trtllm-gen SiTU runner on SM100, DeepGEMM fp8 x fp4, AITER A8W4 on gfx950), so they run at
+    the FP8 peak; only NVFP4 runs W4A4 at the FP4 peak. Hopper and MI300X/MI325X multiply 4-bit
+    weights in 16 bits (W4A16)."""
+    if fmt is WeightFormat.NVFP4 and gpu.native_fp4 and gpu.fp4_tflops:
         return gpu.fp4_tflops
+    if fmt in FOUR_BIT_FORMATS and gpu.native_fp4 and gpu.fp8_tflops:
+        return gpu.fp8_tflops
     if fmt is WeightFormat.FP8 and gpu.fp8_tflops:
         return gpu.fp8_tflops
     return gpu.bf16_tflops
@@ -232,6 +258,7 @@ def _forward_s(
     tokens_dp = tokens_total / (busy_dp or dp)
     requests_dp = requests / dp
     bw = gpu.hbm_tbps * 1e12 * c.hbm_efficiency
+    compute_efficiency = efficiency(gpu, c, compute_efficiency)
     bf16_peak = gpu.bf16_tflops * 1e12 * compute_efficiency
     expert_peak = _expert_peak_tflops(gpu, fmt) * 1e12 * compute_efficiency
     hidden = model.hidden_size
@@ -273,7 +300,7 @@ def _forward_s(
         compute = (linear_flops + attn_flops) / bf16_peak + expert_flops / expert_peak
         memory = moved / bw
 
-        fixed = params.layers * (c.layer_overhead_us * 1e-6 + collectives)
+        fixed = params.layers * (layer_overhead_s(gpu, c) + collectives)
         attn_comm = 2 * tokens_dp * hidden * BF16_BYTES * (tp - 1) / tp if tp > 1 else 0.0
         if model.moe and layout.ep > 1:
             comm = params.layers * (
@@ -334,9 +361,9 @@ def _draft_s(
         layout.tp
     ) + attn_flops
     memory = (weight_bytes + kv_read) / (gpu.hbm_tbps * 1e12 * c.hbm_efficiency)
-    compute = flops / (gpu.bf16_tflops * 1e12 * c.compute_efficiency)
+    compute = flops / (gpu.bf16_tflops * 1e12 * efficiency(gpu, c, c.compute_efficiency))
     collectives = 2 * _collective_latency_s(tp, _scale_up_reach(layout, gpu), c)
-    fixed = len(draft.layers) * (c.layer_overhead_us * 1e-6 + collectives) + c.draft_fixed_us * 1e-6
+    fixed = len(draft.layers) * (layer_overhead_s(gpu, c) + collectives) + c.draft_fixed_us * 1e-6
     return max(memory, compute) + fixed
 
 
@@ -425,7 +452,8 @@ def prefill_seconds(
             model.mla_layers * requests * float(prompt_tokens) ** 2 * model.mla.heads * qk_v
         )
     per_gpu = attention_flops / (busy_dp * layout.attention_tp)
-    attention_s = per_gpu / (gpu.bf16_tflops * 1e12 * constants.prefill_compute_efficiency)
+    attention_s = per_gpu / (gpu.bf16_tflops * 1e12
+                             * efficiency(gpu, constants, constants.prefill_compute_efficiency))
     return max(memory, compute) + attention_s + fixed * passes + comm
 
 
@@ -471,9 +499,9 @@ def _vision_pass_s(flops: float, weight_bytes: int, layers: int, gpu: GpuSpec,
                    c: TimeConstants) -> float:
     """One call of a replicated module on one GPU: the roofline, plus the per-layer launch cost
     the text model is fitted with."""
-    compute = flops / (gpu.bf16_tflops * 1e12 * c.prefill_compute_efficiency)
+    compute = flops / (gpu.bf16_tflops * 1e12 * efficiency(gpu, c, c.prefill_compute_efficiency))
     memory = weight_bytes / (gpu.hbm_tbps * 1e12 * c.hbm_efficiency)
-    return max(compute, memory) + layers * c.layer_overhead_us * 1e-6
+    return max(compute, memory) + layers * layer_overhead_s(gpu, c)
 
 
 def vision_seconds(
