@@ -16,6 +16,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from capacity.acceptance import (
+    DEFAULT_WORKLOAD,
+    adaptive_acceptance,
+    verify_width,
+    workload_acceptance,
+)
 from capacity.calibration import calibration_summary, evaluate, fit
 from capacity.config import DEFAULT_IMAGE_SIZE, Images, Layout, Speculation, Workload, validated
 from capacity.disagg import ModeRow, Targets, compare
@@ -119,15 +125,45 @@ def _price_age_line(rows: list[PriceRow], today: date | None = None) -> str:
             f"{(today or date.today()).isoformat()}); replace them with --prices FILE")
 
 
-def _draft_and_spec(draft: str | None, acceptance: float, gamma: int | None
+def _draft_and_spec(draft: str | None, acceptance: float | None, gamma: int | None,
+                    workload: str | None = None
                     ) -> tuple[ModelDescriptor | None, Speculation | None]:
+    """The draft and how it speculates: `--acceptance` pins the acceptance length at every
+    batch; otherwise `--workload`'s published acceptance (default: the card's mean) with SGLang's
+    adaptive verify trimming it as the batch grows (capacity.acceptance)."""
     if not draft:
+        if workload is not None or acceptance is not None:
+            raise CapacityError("--workload and --acceptance describe the draft: they need "
+                                "--draft")
         return None, None
     descriptor = describe_model(draft)
     if not descriptor.is_draft:
         raise CapacityError(f"--draft {draft!r} is not a DSpark draft config ({descriptor.family})")
     block = gamma or (descriptor.draft.block_size if descriptor.draft else 7)
-    return descriptor, validated(Speculation, gamma=block, acceptance_length=acceptance)
+    if acceptance is not None:
+        return descriptor, validated(Speculation, gamma=block, acceptance_length=acceptance)
+    row = workload_acceptance(workload or DEFAULT_WORKLOAD)
+    return descriptor, validated(Speculation, gamma=block, acceptance_length=min(
+        row.acceptance_length, block + 1), adaptive_verify=True)
+
+
+def _speculation_line(spec: Speculation, workload: str | None, batch: int,
+                      gpu: GpuSpec) -> str:
+    """What the plan assumed of the draft: the acceptance, its source, and at the top row's
+    batch what the adaptive verify makes of it."""
+    if not spec.adaptive_verify:
+        return (f"speculation: gamma {spec.gamma}, acceptance {spec.acceptance_length} at every "
+                "batch (--acceptance)")
+    row = workload_acceptance(workload or DEFAULT_WORKLOAD)
+    line = (f"speculation: gamma {spec.gamma}; workload {row.workload} ({row.task}): acceptance "
+            f"{row.acceptance_length} with every draft verified ({row.source}, {row.date}; "
+            f"T {row.temperature})")
+    if gpu.vendor.upper() == "AMD":
+        return line + "; verified statically on ROCm (no adaptive trim)"
+    accepted = adaptive_acceptance(spec.acceptance_length, batch)
+    width = verify_width(spec.acceptance_length, accepted, spec.gamma + 1)
+    return line + (f"; adaptive verify at {batch} running: {accepted:.2f} accepted of "
+                   f"{width:.1f} verified positions")
 
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m",
@@ -137,7 +173,12 @@ DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
 ContextOpt = Annotated[str, typer.Option("--context", "-c", help="tokens per request: 131072, 128K, 1M")]
 PricesOpt = Annotated[Path | None, typer.Option("--prices", help="price CSV (default: packaged)")]
 GpusOpt = Annotated[Path | None, typer.Option("--gpu-table", help="GPU spec CSV (default: packaged)")]
-AcceptOpt = Annotated[float, typer.Option("--acceptance", help="draft acceptance length")]
+AcceptOpt = Annotated[float | None, typer.Option(
+    "--acceptance", help="draft acceptance length at every batch (overrides --workload)")]
+WorkloadOpt = Annotated[str | None, typer.Option(
+    "--workload", help="published DSpark acceptance to plan with: chat, code, agent, reasoning "
+    "(also creative, long-context, mean; default mean), trimmed with batch by SGLang's adaptive "
+    "verify (capacity/data/dspark_acceptance.csv)")]
 GammaOpt = Annotated[int | None, typer.Option("--gamma", help="drafts per step (default: block_size)")]
 RollbackOpt = Annotated[str, typer.Option(
     "--kda-rollback", help="how the speculative verify rolls the KDA state back: scratch "
@@ -331,15 +372,17 @@ def model_cmd(
 
 def _plan_rows_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
-    for col in ("#", "GPU", "layout", "weights/KV", "GPUs", "nodes", "GB/GPU w+free",
-                "max req", "run", "tok/s user", "tok/s total", "TTFT s", "$/h", "$/Mtok",
-                "price"):
-        table.add_column(col, justify="left" if col in ("GPU", "layout", "price") else "right")
+    for col in ("#", "GPU", "layout", "weights/KV", "SGLang path", "GPUs", "nodes",
+                "GB/GPU w+free", "max req", "run", "tok/s user", "tok/s total", "TTFT s", "$/h",
+                "$/Mtok", "price"):
+        table.add_column(col, justify="left" if col in ("GPU", "layout", "price", "SGLang path")
+                         else "right")
     for i, r in enumerate(rows, start=1):
         table.add_row(
-            str(i), r["gpu"], r["layout"] + (f" x{r['replicas']}" if r["replicas"] > 1 else ""),
-            f"{r['weights']}/{r['kv_dtype']}", str(r["gpus"]), str(r["nodes"]),
-            f"{r['weights_gb_per_gpu']:.0f}+{r['free_gb_per_gpu']:.0f}",
+            str(i), r["gpu"] + ("" if r["k3_anchor"] else NO_ANCHOR_MARK),
+            r["layout"] + (f" x{r['replicas']}" if r["replicas"] > 1 else ""),
+            f"{r['weights']}/{r['kv_dtype']}", r["sglang_path"] or "-", str(r["gpus"]),
+            str(r["nodes"]), f"{r['weights_gb_per_gpu']:.0f}+{r['free_gb_per_gpu']:.0f}",
             str(r["max_concurrent_per_replica"]), str(r["concurrency_per_replica"]),
             f"{r['tokens_s_per_user']:.0f}", f"{r['tokens_s_total']:.0f}", f"{r['prefill_s']:.1f}",
             "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}",
@@ -347,6 +390,25 @@ def _plan_rows_table(rows: list[dict[str, Any]], title: str) -> Table:
             "-" if r["provider"] is None else f"{r['provider']} {r['price_date']}",
         )
     return table
+
+
+NO_ANCHOR_MARK = " \u2020"  # a dagger: no published K3 measurement on this GPU type
+
+
+def _plan_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Under a plan table: the K3 anchor marker's meaning and, per GPU type shown, the path
+    SGLang 0.5.23 runs K3 with and the source lines that decide it."""
+    lines = []
+    if any(not r["k3_anchor"] for r in rows):
+        lines.append(f"{NO_ANCHOR_MARK.strip()} no published K3 measurement on this GPU type "
+                     "(kimi-capacity calibrate): its rows are roofline extrapolations")
+    seen: set[str] = set()
+    for r in rows:
+        if r["sglang_path"] and r["gpu"] not in seen:
+            seen.add(r["gpu"])
+            lines.append(f"{r['gpu']}: SGLang 0.5.23 runs K3 as {r['sglang_path']} "
+                         f"({r['sglang_path_source']})")
+    return lines
 
 
 def _markdown(rows: list[dict[str, Any]], title: str) -> str:
@@ -362,7 +424,8 @@ def _markdown(rows: list[dict[str, Any]], title: str) -> str:
         per_m = "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.2f}"
         price = "-" if r["provider"] is None else f"{r['provider']} ({r['price_date']})"
         lines.append(
-            f"| {i} | {r['layout']} | {r['weights']}/{r['kv_dtype']} | {r['gpus']} | "
+            f"| {i} | {r['layout']}{'' if r['k3_anchor'] else NO_ANCHOR_MARK} | "
+            f"{r['weights']}/{r['kv_dtype']} | {r['gpus']} | "
             f"{r['weights_gb_per_gpu']:.0f} + {r['free_gb_per_gpu']:.0f} | "
             f"{r['max_concurrent_per_replica']} | {r['tokens_s_per_user']:.0f} | "
             f"{r['tokens_s_total']:.0f} | {r['prefill_s']:.1f} | {cost} | {per_m} | {price} |"
@@ -386,7 +449,8 @@ def plan_cmd(
     kv: Annotated[str, typer.Option(help="KV dtypes: bf16,fp8")] = "bf16",
     max_nodes: Annotated[int, typer.Option(help="largest replica in nodes")] = DEFAULT_MAX_NODES,
     mem_fraction: Annotated[float | None, typer.Option(help="engine static memory share")] = None,
-    acceptance: AcceptOpt = 3.45,
+    acceptance: AcceptOpt = None,
+    workload_name: WorkloadOpt = None,
     gamma: GammaOpt = None,
     prices: PricesOpt = None,
     gpu_table: GpusOpt = None,
@@ -417,7 +481,7 @@ def plan_cmd(
     if mem_fraction is not None and not 0 < mem_fraction <= 0.98:
         raise CapacityError(f"--mem-fraction must be in (0, 0.98], got {mem_fraction}")
     target = describe_model(model)
-    draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    draft_model, spec = _draft_and_spec(draft, acceptance, gamma, workload_name)
     _check_rollback(kda_rollback, spec, replay_ring_len)
     gpu_specs, price_rows = _tables(gpu_table, prices)
     allowed = _split(gpus) or None
@@ -469,6 +533,12 @@ def plan_cmd(
             "model": result.model, "draft": result.draft,
             "context_length": result.context_length, "layouts_evaluated": result.evaluated,
             "feasible": len(result.rows), "prices": _price_age_line(used_prices),
+            **({"speculation": {
+                "gamma": spec.gamma, "acceptance_length": spec.acceptance_length,
+                "adaptive_verify": spec.adaptive_verify,
+                "workload": (workload_acceptance(workload_name or DEFAULT_WORKLOAD).model_dump()
+                             if spec.adaptive_verify else None),
+            }} if spec else {}),
             **({"text_tokens": result.text_tokens, "images": vision_rows} if vision_rows
                else {}),
             "rows": dicts,
@@ -478,19 +548,25 @@ def plan_cmd(
     if markdown:
         print(_markdown(dicts, f"{what}, {result.context_length:,}-token context"))
         print(f"\n{_price_age_line(used_prices)}")
+        for note in _plan_notes(dicts):
+            print(f"\n{note}")
         return
     out.print(_plan_rows_table(dicts, f"{what} at {result.context_length:,} tokens "
                                       f"({len(result.rows)} of {result.evaluated} layouts fit)"))
     out.print(_price_age_line(used_prices))
+    for note in _plan_notes(dicts):
+        out.print(note, soft_wrap=True, highlight=False)
     for gpu, data in vision_rows.items():
         out.print(f"{gpu}: {_vision_line(data, gpu)}", soft_wrap=True, highlight=False)
     if vision_rows:
         out.print("TTFT includes the vision tower; the context is text + image tokens",
                   highlight=False)
     if spec:
-        out.print(f"speculation: gamma {spec.gamma}, acceptance {spec.acceptance_length}; "
-                  "tok/s are steady decode at full context; TTFT is one prompt alone")
         top_row = shown[0]
+        out.print(_speculation_line(spec, workload_name, top_row.concurrency_per_replica,
+                                    gpu_spec(gpu_specs, top_row.layout.gpu))
+                  + "; tok/s are steady decode at full context; TTFT is one prompt alone",
+                  soft_wrap=True, highlight=False)
         line = _rollback_line(running_fit(
             target, top_row.layout, gpu_spec(gpu_specs, top_row.layout.gpu),
             result.context_length, draft_model, spec, running=top_row.concurrency_per_replica,
@@ -499,7 +575,8 @@ def plan_cmd(
             out.print(f"#1 {top_row.layout.label()}: {line}", soft_wrap=True, highlight=False)
     if result.rejected:
         for gpu, why in sorted(result.rejected.items()):
-            out.print(f"[dim]{gpu}: no layout fits: {why}[/dim]", soft_wrap=True)
+            what_failed = "" if why.startswith("not servable") else "no layout fits: "
+            out.print(f"[dim]{gpu}: {what_failed}{why}[/dim]", soft_wrap=True, highlight=False)
 
 
 def _plan_modes(target: ModelDescriptor, draft: ModelDescriptor | None,
@@ -623,7 +700,8 @@ def explain_cmd(
     kv: Annotated[str, typer.Option()] = "bf16",
     mem_fraction: Annotated[float | None, typer.Option()] = None,
     concurrency: Annotated[int | None, typer.Option(help="default: most that fits")] = None,
-    acceptance: AcceptOpt = 3.45,
+    acceptance: AcceptOpt = None,
+    workload_name: WorkloadOpt = None,
     gamma: GammaOpt = None,
     kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
     replay_ring_len: RingLenOpt = DEFAULT_REPLAY_RING_LEN,
@@ -635,7 +713,7 @@ def explain_cmd(
     """Full memory and time breakdown of one layout."""
     images = parse_images(images_per_request, image_size)
     target = describe_model(model)
-    draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    draft_model, spec = _draft_and_spec(draft, acceptance, gamma, workload_name)
     _check_rollback(kda_rollback, spec, replay_ring_len)
     gpu_specs = load_gpus(gpu_table)
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
@@ -835,7 +913,8 @@ def emit_cmd(
         "stage when --prefill-nodes differs)")] = None,
     prefill_pp: Annotated[int | None, typer.Option(
         help="--pd: the prefill replicas' pipeline stages (default: --pp)")] = None,
-    acceptance: AcceptOpt = 3.45,
+    acceptance: AcceptOpt = None,
+    workload_name: WorkloadOpt = None,
     gamma: GammaOpt = None,
     kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
     replay_ring_len: RingLenOpt = DEFAULT_REPLAY_RING_LEN,
@@ -857,7 +936,7 @@ def emit_cmd(
         raise CapacityError(f"--replicas must be positive, got {replicas}")
     sides = _pd_sides(pd, transfer_backend)
     target = describe_model(model)
-    draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    draft_model, spec = _draft_and_spec(draft, acceptance, gamma, workload_name)
     gpu_specs = load_gpus()
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
                                   mem_fraction)

@@ -111,6 +111,10 @@ class Speculation(BaseModel):
 
     gamma: int = Field(default=DEFAULT_GAMMA, gt=0)
     acceptance_length: float = Field(default=DEFAULT_ACCEPTANCE_LENGTH, ge=1.0)
+    # True: acceptance_length is the verify-all value of a workload and SGLang's adaptive
+    # verify trims it (and the verified width) as the batch grows (capacity.acceptance);
+    # False: every step verifies gamma + 1 positions and accepts acceptance_length.
+    adaptive_verify: bool = False
 
     @model_validator(mode="after")
     def _acceptance_in_window(self) -> Speculation:

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import cache
 
+from capacity.acceptance import adaptive_acceptance, verify_width
 from capacity.config import Images, Layout, Speculation
 from capacity.formats import FOUR_BIT_FORMATS, WeightFormat
 from capacity.memory import _stage_bounds, _stage_component_bytes
@@ -383,7 +384,13 @@ def decode_step(
         speculation = Speculation.for_draft(draft)
     spec = speculation if draft is not None else None
     microbatch = concurrency / layout.pp
-    rows = (spec.gamma + 1) if spec else 1
+    rows: float = (spec.gamma + 1) if spec else 1
+    accepted = spec.acceptance_length if spec else 1.0
+    # The deployments verify adaptively on CUDA and statically on ROCm (capacity.emit's
+    # default: no ragged-verify CUDA graph there).
+    if spec is not None and spec.adaptive_verify and not _is_rocm(gpu):
+        accepted = adaptive_acceptance(spec.acceptance_length, concurrency)
+        rows = verify_width(spec.acceptance_length, accepted, spec.gamma + 1)
     independent = microbatch * (1 + (rows - 1) * constants.verify_token_independence)
     memory, compute, fixed, comm, moved, flops = _forward_s(
         model, layout, gpu, microbatch * rows, microbatch, context, constants,
@@ -394,7 +401,7 @@ def decode_step(
         if draft is not None and spec is not None else 0.0
     )
     # A request advances once per full pass of the pipeline; the stages overlap microbatches.
-    tokens = concurrency * (spec.acceptance_length if spec else 1.0)
+    tokens = concurrency * accepted
     return StepBreakdown(
         memory_s=memory,
         compute_s=compute,
