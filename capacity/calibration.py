@@ -56,6 +56,8 @@ class Anchor:
     model: str = "K3"  # "K3" or "K2"
     engine: str = ""  # the serving engine that produced the number
     vendor_claim: bool = False  # published by the hardware vendor or its own engineers
+    # False: printed with its error as a cross-check but left out of the fit (why: `assumption`)
+    fitted: bool = True
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,15 @@ SGLANG_MI355X = ("sgl-project/sglang#32548 '[Kimi-K3][AMD] Day 0 and Performance
                  "published TTT at c=2)")
 SGLANG_GB200 = ("sgl-project/sglang#32592 'update Kimi-K3 GB200 recipes from measured 4x4 runs' "
                 "(SGLang + NVIDIA), 2026-07-28: 4 x 4 GB200, aggregated prefill, ISL 8192 / OSL 1")
+SGLANG_GB200_DECODE = ("SGLang K3 cookbook config docs_new/src/snippets/configs/moonshotai/kimi-k3.jsx, "
+                       "GB200 decode cells (measurements added by sgl-project/sglang#32592, "
+                       "2026-07-28): PD decode side, 16 GB200, ISL 8192 / OSL 1024, behind a "
+                       "shared PP2 x TP8 prefill; out tok/s per user read (its tok/s per GPU "
+                       "counts GPUs the source does not list)")
+GB200_DECODE_CROSS_CHECK = (
+    "a cross-check, not fitted: day-0 SGLang GB200 decode measured without --enable-symm-mem "
+    "(the cell says so), 2-3x slower per token than the B300 and GB300 anchors at the same "
+    "batch, which no single set of hardware constants reproduces beside them")
 VLLM_MI325X = ("vllm-project/vllm#50817 'Enable AITER MXFP4 MoE on gfx942 ... Kimi K3 on MI325X' "
                "(open, unmerged), 2026-08-03: 8 x MI325X, TP8, real MXFP4 checkpoint, Triton "
                "a16w4 + SiTU MoE (the experts stay MXFP4, 16-bit math)")
@@ -119,6 +130,8 @@ def anchors() -> list[Anchor]:
     mi355x = _layout("MI355X", 8, 1, 8, ep=1)  # `--tp 8`, no --ep-size: MoE TP8
     gb200_tep16 = _layout("GB200", 4, 4, 16)
     gb200_pp16 = Layout(gpu="GB200", nodes=4, tp=1, pp=16, ep=1)  # the published prefill cell
+    gb200_tp16 = _layout("GB200", 4, 4, 16, ep=1)
+    gb200_pp2 = Layout(gpu="GB200", nodes=4, tp=8, pp=2, ep=1)
     mi325x = _layout("MI325X", 8, 1, 8, ep=1)  # vLLM TP8 without expert parallel
     # K2 disaggregated: one prefill group of 4 nodes and one decode group of 12 nodes, both
     # DP-attention + EP over the whole group (the SGLang large-EP recipe).
@@ -129,7 +142,7 @@ def anchors() -> list[Anchor]:
         return Speculation(gamma=7, acceptance_length=acceptance)
 
     def user_rate(layout: Layout, draft: ModelDescriptor | None, context: int,
-                  acceptance: float = 3.45, concurrency: int = 1
+                  acceptance: float = 3.45, concurrency: int = 1,
                   ) -> Callable[[TimeConstants], float]:
         gpu: GpuSpec = gpus[layout.gpu]
         speculation = spec(acceptance) if draft else None
@@ -237,6 +250,28 @@ def anchors() -> list[Anchor]:
                "stages overlap, so throughput = 16 / (sum of the stage times) (the planner's "
                "prefill_seconds sums stages for one prompt alone)",
                lambda c: 16 * prefill_per_gpu(gb200_pp16, 8192, 64)(c), gpu="GB200", **sglang),
+        Anchor("K3 16xGB200 TP16 decode, c=8", 40.7, "tok/s per user", SGLANG_GB200_DECODE,
+               f"decode only (PD: no prefill stalls), context 8.7k; 'TP16' read as --tp-size 16 "
+               f"without --ep-size (MoE TP16); {GB200_DECODE_CROSS_CHECK}",
+               user_rate(gb200_tp16, None, 8192 + 512, concurrency=8), gpu="GB200",
+               fitted=False, **sglang),
+        Anchor("K3 16xGB200 PP2xTP8 decode, c=8", 57.7, "tok/s per user", SGLANG_GB200_DECODE,
+               "as above; PP2 x TP8 (two pipeline stages of 2 x 4 GB200), MoE TP8; a "
+               "cross-check, not fitted (as above)",
+               user_rate(gb200_pp2, None, 8192 + 512, concurrency=8), gpu="GB200",
+               fitted=False, **sglang),
+        Anchor("K3 16xGB200 TP16 decode, c=256", 23.9, "tok/s per user", SGLANG_GB200_DECODE,
+               "as above; the cell says the batch caps at about 125 running requests, so "
+               "modeled at 125; a cross-check, not fitted (as above)",
+               user_rate(gb200_tp16, None, 8192 + 512, concurrency=125), gpu="GB200",
+               fitted=False, **sglang),
+        Anchor("K3 16xGB200 DCP8 x dp2 + EP16 decode, c=256", 25.4, "tok/s per user",
+               SGLANG_GB200_DECODE, "not modeled: decode context parallelism (--dcp-size) is "
+               "not in the time model yet (145.5 out tok/s per GPU beside it)", None,
+               gpu="GB200", **sglang),
+        Anchor("K3 16xGB200 DCP16 + EP16 decode, c=8", 39.7, "tok/s per user",
+               SGLANG_GB200_DECODE, "not modeled: decode context parallelism", None,
+               gpu="GB200", **sglang),
         # --- MI325X (gfx942) ---
         Anchor("K3 8xMI325X prefill, 36k prompt", 6537, "prefill tok/s (8 GPUs)", VLLM_MI325X,
                "'36k' read as one 36,864-token prompt; an unmerged vLLM patch, not SGLang "
@@ -272,18 +307,21 @@ def anchors() -> list[Anchor]:
                "LMSYS 'Deploying Kimi K2 with PD disaggregation and large-scale EP on 128 "
                "H200', 2025-07-17: 1 prefill + 1 decode group, 2000 in",
                "896k tok/s over all 128 GPUs; modeled as 32 GPUs DP32 EP32 prefilling 8 "
-               "prompts per GPU", k2_prefill_rate, gpu="H200", model="K2", **sglang),
+               "prompts per GPU; a cross-check, not fitted (K2's prefill kernels are not K3's)",
+               k2_prefill_rate, gpu="H200", model="K2", fitted=False, **sglang),
         Anchor("K2 128xH200 decode", 384_000 / 128, "tok/s per GPU",
                "LMSYS K2 large-scale EP blog, 2025-07-17: 100 out",
                "384k tok/s over all 128 GPUs; modeled as 96 GPUs DP96 EP96, 256 requests "
-               "per GPU at 2k context", k2_decode_rate, gpu="H200", model="K2", **sglang),
+               "per GPU at 2k context; a cross-check, not fitted", k2_decode_rate, gpu="H200",
+               model="K2", fitted=False, **sglang),
     ]
 
 
 @cache
 def k3_anchor_gpus() -> frozenset[str]:
     """GPU types (upper case) with at least one modeled K3 anchor."""
-    return frozenset(a.gpu.upper() for a in anchors() if a.model == "K3" and a.predict)
+    return frozenset(a.gpu.upper() for a in anchors()
+                     if a.model == "K3" and a.predict and a.fitted)
 
 
 def evaluate(constants: TimeConstants = DEFAULT_CONSTANTS,
@@ -295,16 +333,22 @@ def evaluate(constants: TimeConstants = DEFAULT_CONSTANTS,
 
 
 def calibration_summary(results: list[AnchorResult]) -> dict[str, object]:
-    """Per model: how many anchors are modeled, on which GPU types, and the worst and mean
-    absolute error (what `kimi-capacity calibrate` prints and the tests hold)."""
+    """Fitted K3 anchors, K3 cross-checks and K2: how many are modeled, on which GPU types, and
+    the worst and mean absolute error (what `kimi-capacity calibrate` prints and the tests
+    hold)."""
     gpus = load_gpus()
     summary: dict[str, object] = {
         "not_modeled": sum(1 for r in results if r.error is None)}
-    for model in ("K3", "K2"):
-        modeled = [r for r in results if r.anchor.model == model and r.error is not None]
+    groups = {
+        "k3": lambda a: a.model == "K3" and a.fitted,
+        "k3_cross_check": lambda a: a.model == "K3" and not a.fitted,
+        "k2": lambda a: a.model == "K2",
+    }
+    for key, member in groups.items():
+        modeled = [r for r in results if member(r.anchor) and r.error is not None]
         types = sorted({r.anchor.gpu.upper() for r in modeled})
         worst = max(modeled, key=lambda r: abs(r.error or 0.0), default=None)
-        summary[model.lower()] = {
+        summary[key] = {
             "modeled": len(modeled),
             "gpus": types,
             "amd_gpus": sum(1 for g in types if g in gpus and gpus[g].vendor.upper() == "AMD"),
@@ -325,9 +369,8 @@ def _loss(results: list[AnchorResult]) -> float:
 def fit(start: TimeConstants = DEFAULT_CONSTANTS, rounds: int = 8,
         steps: int = 17) -> TimeConstants:
     """Coordinate descent over the bounded constants, minimising squared log error over the
-    K3 anchors (the planner's model; the K2 anchors are printed as a cross-check, not fitted:
-    K2's prefill kernels are not K3's)."""
-    anchor_list = [a for a in anchors() if a.model == "K3"]
+    fitted anchors (K3's; the cross-checks are printed with their error but not fitted)."""
+    anchor_list = [a for a in anchors() if a.fitted]
     best = start
     best_loss = _loss(evaluate(best, anchor_list))
     names = [f.name for f in fields(TimeConstants)]

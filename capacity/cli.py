@@ -847,19 +847,22 @@ def calibrate_cmd(
             "anchors": [{
                 "name": r.anchor.name, "gpu": r.anchor.gpu, "model": r.anchor.model,
                 "engine": r.anchor.engine, "vendor_claim": r.anchor.vendor_claim,
+                "fitted": r.anchor.fitted,
                 "measured": r.anchor.measured, "unit": r.anchor.unit,
                 "predicted": r.predicted, "error": r.error, "assumption": r.anchor.assumption,
                 "source": r.anchor.source,
             } for r in results],
         }, indent=2))
         return
-    table = Table(title="calibration anchors (goal: within 25% each; * = vendor claim)")
+    table = Table(title="calibration anchors (goal: within 25% each; * = vendor claim, "
+                        "(x) = cross-check, not fitted)")
     for col in ("anchor", "GPU", "engine", "measured", "model", "error", "unit", "assumption"):
         table.add_column(col, justify="right" if col in ("measured", "model", "error") else "left")
     for r in results:
         error = "n/a" if r.error is None else f"{r.error * 100:+.1f}%"
         model_value = "-" if r.predicted is None else f"{r.predicted:,.2f}"
-        table.add_row(r.anchor.name + (" *" if r.anchor.vendor_claim else ""), r.anchor.gpu,
+        table.add_row(r.anchor.name + (" *" if r.anchor.vendor_claim else "")
+                      + ("" if r.anchor.fitted else " (x)"), r.anchor.gpu,
                       r.anchor.engine, f"{r.anchor.measured:,.2f}", model_value, error,
                       r.anchor.unit, r.anchor.assumption)
     out.print(table)
@@ -869,10 +872,12 @@ def calibrate_cmd(
               f"{k3['worst_error'] * 100:.1f}% ({k3['worst_anchor']}), mean "
               f"{k3['mean_error'] * 100:.1f}%; {summary['not_modeled']} anchors not modeled "
               "(why: their assumption column)", soft_wrap=True, highlight=False)
-    k2 = summary["k2"]
-    if k2["modeled"]:
-        out.print(f"K2 cross-check (not fitted): worst |error| {k2['worst_error'] * 100:.1f}% "
-                  f"({k2['worst_anchor']})", soft_wrap=True, highlight=False)
+    for key, what in (("k3_cross_check", "K3 cross-checks"), ("k2", "K2 cross-checks")):
+        group = summary[key]
+        if group["modeled"]:
+            out.print(f"{what} (printed, not fitted): {group['modeled']} anchors, worst |error| "
+                      f"{group['worst_error'] * 100:.1f}% ({group['worst_anchor']})",
+                      soft_wrap=True, highlight=False)
     out.print(f"constants: {constants}", soft_wrap=True, highlight=False)
 
 

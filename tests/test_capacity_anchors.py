@@ -15,7 +15,8 @@ from capacity.tables import load_gpus
 
 def test_k3_anchors_cover_five_gpu_types_two_of_them_amd():
     results = evaluate()
-    k3 = [r for r in results if r.anchor.model == "K3" and r.error is not None]
+    k3 = [r for r in results
+          if r.anchor.model == "K3" and r.anchor.fitted and r.error is not None]
     gpus = load_gpus()
     types = {r.anchor.gpu.upper() for r in k3}
     assert len(k3) >= 15
@@ -36,6 +37,14 @@ def test_every_anchor_names_a_dated_source_and_a_known_gpu():
             assert anchor.assumption.startswith("not modeled"), anchor.name
     # AMD's own day-0 numbers are marked as the vendor's claims.
     assert all(a.vendor_claim for a in anchors() if a.gpu == "MI355X" and a.predict)
+
+
+def test_cross_checks_say_why_they_are_not_fitted():
+    cross = [a for a in anchors() if a.predict and not a.fitted]
+    assert {a.model for a in cross} == {"K2", "K3"}
+    assert all("cross-check, not fitted" in a.assumption for a in cross)
+    summary = calibration_summary(evaluate())
+    assert summary["k3_cross_check"]["modeled"] == sum(1 for a in cross if a.model == "K3")
 
 
 def test_the_pd_and_dcp_frontier_is_listed_but_not_modeled():
@@ -67,5 +76,6 @@ def test_calibrate_prints_every_anchor_error_and_the_k3_summary():
         assert a.name in result.output
     assert re.search(r"K3: \d+ modeled anchors over \d+ GPU types .*2 AMD", result.output)
     data = json.loads(CliRunner().invoke(app, ["calibrate", "--json"]).output)
-    modeled = [a for a in data["anchors"] if a["error"] is not None and a["model"] == "K3"]
+    modeled = [a for a in data["anchors"]
+               if a["error"] is not None and a["model"] == "K3" and a["fitted"]]
     assert len(modeled) >= 15 and all(abs(a["error"]) <= 0.25 for a in modeled)
