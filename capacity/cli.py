@@ -41,7 +41,13 @@ from capacity.memory import (
     running_fit,
 )
 from capacity.model import Component, ModelDescriptor
-from capacity.planner import DEFAULT_MAX_NODES, explain_infeasible, plan
+from capacity.planner import (
+    DEFAULT_MAX_NODES,
+    explain_infeasible,
+    k3_paths_for,
+    not_servable_reason,
+    plan,
+)
 from capacity.sglang_recipe import TRANSFER_BACKENDS
 from capacity.tables import (
     GpuSpec,
@@ -393,6 +399,22 @@ def _plan_rows_table(rows: list[dict[str, Any]], title: str) -> Table:
 
 
 NO_ANCHOR_MARK = " \u2020"  # a dagger: no published K3 measurement on this GPU type
+
+
+def _sglang_path_line(target: ModelDescriptor, layout: Layout, gpu: GpuSpec) -> str | None:
+    """`explain`: what SGLang 0.5.23 runs K3 with on this GPU, and whether the layout's weight
+    format is what it holds in HBM (the planner's `plan` prices the runnable one itself)."""
+    paths = k3_paths_for(target, None)
+    if paths is None:
+        return None
+    path = paths.get(gpu.gpu.upper())
+    if path is None or not path.runnable:
+        return not_servable_reason(gpu.gpu, path)
+    line = f"SGLang 0.5.23 runs K3 on {gpu.gpu} as {path.label} ({path.decided_by})"
+    if path.experts_in_memory == "bf16" and layout.weight_format is None:
+        line += ("; it holds the experts as BF16, so this native-format layout understates "
+                 "their memory: rerun with --weights bf16")
+    return line
 
 
 def _plan_notes(rows: list[dict[str, Any]]) -> list[str]:
@@ -794,6 +816,9 @@ def explain_cmd(
         out.print(line, soft_wrap=True, highlight=False)
     if vision is not None:
         out.print(_vision_line(vision, spec_gpu.gpu), soft_wrap=True, highlight=False)
+    path_line = _sglang_path_line(target, layout, spec_gpu)
+    if path_line:
+        out.print(path_line, soft_wrap=True, highlight=False)
     t = data["time"]
     out.print(
         f"decode at {running} concurrent: step {t['step_ms']:.2f} ms = max(memory "

@@ -297,7 +297,7 @@ def plan(
     rows: list[PlanRow] = []
     rejected: dict[str, tuple[int, str]] = {}
     evaluated = 0
-    paths = _k3_paths(model, k3_paths)
+    paths = k3_paths_for(model, k3_paths)
     for spec in specs:
         price = best_price.get(spec.gpu.upper())
         if require_price and price is None:
@@ -388,7 +388,7 @@ def plan(
     )
 
 
-def _k3_paths(model: ModelDescriptor, paths: dict[str, SglangK3Path] | None
+def k3_paths_for(model: ModelDescriptor, paths: dict[str, SglangK3Path] | None
               ) -> dict[str, SglangK3Path] | None:
     """The runnable-path table for K3's MXFP4 checkpoint; None for other models."""
     if model.family is not Family.KIMI_K3 or model.native_format is not WeightFormat.MXFP4:

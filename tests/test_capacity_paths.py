@@ -176,3 +176,12 @@ def test_workload_and_acceptance_flags():
     explain = invoke("explain", "--gpu", "B300", "--draft", "kimi-k3-dspark", "--workload",
                      "chat", "--json")
     assert explain.exit_code == 0, explain.output
+
+
+def test_explain_names_the_path_and_warns_when_native_understates_it():
+    result = invoke("explain", "--gpu", "MI300X", "--nodes", "2")
+    assert result.exit_code == 0, result.output
+    assert "SGLang 0.5.23 runs K3 on MI300X as bf16 experts" in result.output
+    assert "rerun with --weights bf16" in result.output
+    b300 = invoke("explain", "--gpu", "B300")
+    assert "runs K3 on B300 as MXFP4 W4A8" in b300.output and "rerun" not in b300.output
