@@ -138,9 +138,8 @@ def _draft_and_spec(draft: str | None, acceptance: float | None, gamma: int | No
     batch; otherwise `--workload`'s published acceptance (default: the card's mean) with SGLang's
     adaptive verify trimming it as the batch grows (capacity.acceptance)."""
     if not draft:
-        if workload is not None or acceptance is not None:
-            raise CapacityError("--workload and --acceptance describe the draft: they need "
-                                "--draft")
+        if workload is not None:
+            workload_acceptance(workload)  # an unknown name is still one error line
         return None, None
     descriptor = describe_model(draft)
     if not descriptor.is_draft:
@@ -583,6 +582,9 @@ def plan_cmd(
     if vision_rows:
         out.print("TTFT includes the vision tower; the context is text + image tokens",
                   highlight=False)
+    if workload_name and not spec:
+        out.print(f"workload {workload_name}: no --draft, so plain decode (the workload sets "
+                  "only the draft's acceptance)", soft_wrap=True, highlight=False)
     if spec:
         top_row = shown[0]
         out.print(_speculation_line(spec, workload_name, top_row.concurrency_per_replica,

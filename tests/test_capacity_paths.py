@@ -172,7 +172,8 @@ def test_workload_and_acceptance_flags():
     assert (data["rows"][0]["tokens_s_per_user"] > pinned["rows"][0]["tokens_s_per_user"])
     bad = invoke("plan", "--workload", "poetry", "--draft", "kimi-k3-dspark")
     assert bad.exit_code == 2 and "unknown workload" in bad.output
-    assert "need" in invoke("plan", "--workload", "chat").output
+    plain = invoke("plan", "--workload", "chat", "--gpus", "B300")
+    assert plain.exit_code == 0 and "no --draft, so plain decode" in plain.output
     explain = invoke("explain", "--gpu", "B300", "--draft", "kimi-k3-dspark", "--workload",
                      "chat", "--json")
     assert explain.exit_code == 0, explain.output
