@@ -389,7 +389,7 @@ def plan(
 
 
 def k3_paths_for(model: ModelDescriptor, paths: dict[str, SglangK3Path] | None
-              ) -> dict[str, SglangK3Path] | None:
+                 ) -> dict[str, SglangK3Path] | None:
     """The runnable-path table for K3's MXFP4 checkpoint; None for other models."""
     if model.family is not Family.KIMI_K3 or model.native_format is not WeightFormat.MXFP4:
         return None
