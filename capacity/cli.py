@@ -148,6 +148,7 @@ def _draft_and_spec(draft: str | None, acceptance: float | None, gamma: int | No
     if acceptance is not None:
         return descriptor, validated(Speculation, gamma=block, acceptance_length=acceptance)
     row = workload_acceptance(workload or DEFAULT_WORKLOAD)
+    # The table's values are for gamma 7; a shorter --gamma can accept at most gamma + 1.
     return descriptor, validated(Speculation, gamma=block, acceptance_length=min(
         row.acceptance_length, block + 1), adaptive_verify=True)
 
