@@ -36,14 +36,14 @@ class TimeConstants:
     are a cross-check, not fitted). Ranges in the comments are the search bounds, chosen from
     what the hardware can physically reach."""
 
-    hbm_efficiency: float = 0.823  # share of HBM peak when streaming weights / KV [0.5, 0.95]
-    compute_efficiency: float = 0.6125  # decode GEMM share of dense peak [0.2, 0.8]
-    prefill_compute_efficiency: float = 0.256  # large prefill GEMMs [0.2, 0.8]
-    layer_overhead_us: float = 8.6  # launches, norms, routing per layer, batch 1 [5, 120]
+    hbm_efficiency: float = 0.8375  # share of HBM peak when streaming weights / KV [0.5, 0.95]
+    compute_efficiency: float = 0.725  # decode GEMM share of dense peak [0.2, 0.8]
+    prefill_compute_efficiency: float = 0.294  # large prefill GEMMs [0.2, 0.8]
+    layer_overhead_us: float = 5.0  # launches, norms, routing per layer, batch 1 [5, 120]
     collective_hop_us: float = 9.72  # per collective per log2(ranks) inside scale-up [0.5, 30]
     internode_collective_us: float = 0.0  # extra per collective crossing nodes [0, 100]
-    comm_efficiency: float = 0.523  # share of link bandwidth reached by collectives [0.3, 0.95]
-    draft_fixed_us: float = 1500.0  # DSpark forward + sequential Markov loop overhead [0, 3000]
+    comm_efficiency: float = 0.381  # share of link bandwidth reached by collectives [0.3, 0.95]
+    draft_fixed_us: float = 94.0  # DSpark forward + sequential Markov loop overhead [0, 3000]
     # Consecutive positions of one sequence share experts more than independent tokens do; a
     # verify window of w rows routes like 1 + (w - 1) x this many independent tokens [0.2, 1].
     verify_token_independence: float = 0.2
@@ -52,7 +52,7 @@ class TimeConstants:
     # the CUDA GEMM efficiencies their kernels reach [0.1, 1] (capacity.calibration's AMD
     # anchors; until those exist for a GPU, its rows are roofline extrapolations).
     rocm_layer_overhead_us: float = 134.0
-    rocm_efficiency: float = 0.6625
+    rocm_efficiency: float = 0.634
 
 
 DEFAULT_CONSTANTS = TimeConstants()
