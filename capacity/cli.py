@@ -16,7 +16,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from capacity.calibration import evaluate, fit
+from capacity.acceptance import (
+    DEFAULT_WORKLOAD,
+    adaptive_acceptance,
+    verify_width,
+    workload_acceptance,
+)
+from capacity.calibration import calibration_summary, evaluate, fit
 from capacity.config import DEFAULT_IMAGE_SIZE, Images, Layout, Speculation, Workload, validated
 from capacity.disagg import ModeRow, Targets, compare
 from capacity.errors import CapacityError
@@ -35,7 +41,14 @@ from capacity.memory import (
     running_fit,
 )
 from capacity.model import Component, ModelDescriptor
-from capacity.planner import DEFAULT_MAX_NODES, PlanResult, explain_infeasible, plan
+from capacity.planner import (
+    DEFAULT_MAX_NODES,
+    PlanResult,
+    explain_infeasible,
+    k3_paths_for,
+    not_servable_reason,
+    plan,
+)
 from capacity.sglang_recipe import TRANSFER_BACKENDS
 from capacity.tables import (
     GpuSpec,
@@ -120,15 +133,45 @@ def _price_age_line(rows: list[PriceRow], today: date | None = None) -> str:
             f"{(today or date.today()).isoformat()}); replace them with --prices FILE")
 
 
-def _draft_and_spec(draft: str | None, acceptance: float, gamma: int | None
+def _draft_and_spec(draft: str | None, acceptance: float | None, gamma: int | None,
+                    workload: str | None = None
                     ) -> tuple[ModelDescriptor | None, Speculation | None]:
+    """The draft and how it speculates: `--acceptance` pins the acceptance length at every
+    batch; otherwise `--workload`'s published acceptance (default: the card's mean) with SGLang's
+    adaptive verify trimming it as the batch grows (capacity.acceptance)."""
     if not draft:
+        if workload is not None:
+            workload_acceptance(workload)  # an unknown name is still one error line
         return None, None
     descriptor = describe_model(draft)
     if not descriptor.is_draft:
         raise CapacityError(f"--draft {draft!r} is not a DSpark draft config ({descriptor.family})")
     block = gamma or (descriptor.draft.block_size if descriptor.draft else 7)
-    return descriptor, validated(Speculation, gamma=block, acceptance_length=acceptance)
+    if acceptance is not None:
+        return descriptor, validated(Speculation, gamma=block, acceptance_length=acceptance)
+    row = workload_acceptance(workload or DEFAULT_WORKLOAD)
+    # The table's values are for gamma 7; a shorter --gamma can accept at most gamma + 1.
+    return descriptor, validated(Speculation, gamma=block, acceptance_length=min(
+        row.acceptance_length, block + 1), adaptive_verify=True)
+
+
+def _speculation_line(spec: Speculation, workload: str | None, batch: int,
+                      gpu: GpuSpec) -> str:
+    """What the plan assumed of the draft: the acceptance, its source, and at the top row's
+    batch what the adaptive verify makes of it."""
+    if not spec.adaptive_verify:
+        return (f"speculation: gamma {spec.gamma}, acceptance {spec.acceptance_length} at every "
+                "batch (--acceptance)")
+    row = workload_acceptance(workload or DEFAULT_WORKLOAD)
+    line = (f"speculation: gamma {spec.gamma}; workload {row.workload} ({row.task}): acceptance "
+            f"{row.acceptance_length} with every draft verified ({row.source}, {row.date}; "
+            f"T {row.temperature})")
+    if gpu.vendor.upper() == "AMD":
+        return line + "; verified statically on ROCm (no adaptive trim)"
+    accepted = adaptive_acceptance(spec.acceptance_length, batch)
+    width = verify_width(spec.acceptance_length, accepted, spec.gamma + 1)
+    return line + (f"; adaptive verify at {batch} running: {accepted:.2f} accepted of "
+                   f"{width:.1f} verified positions")
 
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m",
@@ -138,7 +181,12 @@ DraftOpt = Annotated[str | None, typer.Option("--draft", "-d",
 ContextOpt = Annotated[str, typer.Option("--context", "-c", help="tokens per request: 131072, 128K, 1M")]
 PricesOpt = Annotated[Path | None, typer.Option("--prices", help="price CSV (default: packaged)")]
 GpusOpt = Annotated[Path | None, typer.Option("--gpu-table", help="GPU spec CSV (default: packaged)")]
-AcceptOpt = Annotated[float, typer.Option("--acceptance", help="draft acceptance length")]
+AcceptOpt = Annotated[float | None, typer.Option(
+    "--acceptance", help="draft acceptance length at every batch (overrides --workload)")]
+WorkloadOpt = Annotated[str | None, typer.Option(
+    "--workload", help="published DSpark acceptance to plan with: chat, code, agent, reasoning "
+    "(also creative, long-context, mean; default mean), trimmed with batch by SGLang's adaptive "
+    "verify (capacity/data/dspark_acceptance.csv)")]
 GammaOpt = Annotated[int | None, typer.Option("--gamma", help="drafts per step (default: block_size)")]
 RollbackOpt = Annotated[str, typer.Option(
     "--kda-rollback", help="how the speculative verify rolls the KDA state back: scratch "
@@ -336,21 +384,23 @@ def _plan_rows_table(rows: list[dict[str, Any]], title: str) -> Table:
     miss the latency targets) which target."""
     table = Table(title=title)
     missed = any(r.get("missed") for r in rows)
-    cols = ["#", "P", "GPU", "layout", "levers", "weights/KV", "GPUs", "nodes", "GB/GPU w+free",
-            "max req", "run", "tok/s user", "tok/s total", "TTFT s", "$/h", "$/Mtok", "price"]
+    cols = ["#", "P", "GPU", "layout", "levers", "weights/KV", "SGLang path", "GPUs", "nodes",
+            "GB/GPU w+free", "max req", "run", "tok/s user", "tok/s total", "TTFT s", "$/h",
+            "$/Mtok", "price"]
     if missed:
         cols.append("missed")
     for col in cols:
         table.add_column(col, justify="left" if col in ("GPU", "layout", "price", "levers",
-                                                         "missed") else "right")
+                                                         "SGLang path", "missed") else "right")
     for i, r in enumerate(rows, start=1):
         table.add_row(
-            str(i), "*" if r.get("pareto") else "", r["gpu"],
+            str(i), "*" if r.get("pareto") else "",
+            r["gpu"] + ("" if r["k3_anchor"] else NO_ANCHOR_MARK),
             r["layout"] + (f" x{r['replicas']}" if r["replicas"] > 1 else ""),
             r.get("levers", "") + (f" ({r['host_sessions']} parked)"
                                    if r.get("host_sessions") else ""),
-            f"{r['weights']}/{r['kv_dtype']}", str(r["gpus"]), str(r["nodes"]),
-            f"{r['weights_gb_per_gpu']:.0f}+{r['free_gb_per_gpu']:.0f}",
+            f"{r['weights']}/{r['kv_dtype']}", r["sglang_path"] or "-", str(r["gpus"]),
+            str(r["nodes"]), f"{r['weights_gb_per_gpu']:.0f}+{r['free_gb_per_gpu']:.0f}",
             str(r["max_concurrent_per_replica"]), str(r["concurrency_per_replica"]),
             f"{r['tokens_s_per_user']:.0f}", f"{r['tokens_s_total']:.0f}", f"{r['prefill_s']:.1f}",
             "-" if r["usd_per_hour"] is None else f"{r['usd_per_hour']:.2f}",
@@ -367,6 +417,41 @@ def _plan_dicts(result: PlanResult, shown: list[Any]) -> list[dict[str, Any]]:
     index = {id(r): i for i, r in enumerate(result.rows)}
     return [{**r.as_dict(), "rank": index[id(r)] + 1, "pareto": index[id(r)] in front}
             for r in shown]
+
+
+NO_ANCHOR_MARK = " \u2020"  # a dagger: no published K3 measurement on this GPU type
+
+
+def _sglang_path_line(target: ModelDescriptor, layout: Layout, gpu: GpuSpec) -> str | None:
+    """`explain`: what SGLang 0.5.23 runs K3 with on this GPU, and whether the layout's weight
+    format is what it holds in HBM (the planner's `plan` prices the runnable one itself)."""
+    paths = k3_paths_for(target, None)
+    if paths is None:
+        return None
+    path = paths.get(gpu.gpu.upper())
+    if path is None or not path.runnable:
+        return not_servable_reason(gpu.gpu, path)
+    line = f"SGLang 0.5.23 runs K3 on {gpu.gpu} as {path.label} ({path.decided_by})"
+    if path.experts_in_memory == "bf16" and layout.weight_format is None:
+        line += ("; it holds the experts as BF16, so this native-format layout understates "
+                 "their memory: rerun with --weights bf16")
+    return line
+
+
+def _plan_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Under a plan table: the K3 anchor marker's meaning and, per GPU type shown, the path
+    SGLang 0.5.23 runs K3 with and the source lines that decide it."""
+    lines = []
+    if any(not r["k3_anchor"] for r in rows):
+        lines.append(f"{NO_ANCHOR_MARK.strip()} no published K3 measurement on this GPU type "
+                     "(kimi-capacity calibrate): its rows are roofline extrapolations")
+    seen: set[str] = set()
+    for r in rows:
+        if r["sglang_path"] and r["gpu"] not in seen:
+            seen.add(r["gpu"])
+            lines.append(f"{r['gpu']}: SGLang 0.5.23 runs K3 as {r['sglang_path']} "
+                         f"({r['sglang_path_source']})")
+    return lines
 
 
 def _markdown(rows: list[dict[str, Any]], title: str) -> str:
@@ -386,7 +471,8 @@ def _markdown(rows: list[dict[str, Any]], title: str) -> str:
         per_m = "-" if r["usd_per_million_tokens"] is None else f"{r['usd_per_million_tokens']:.2f}"
         price = "-" if r["provider"] is None else f"{r['provider']} ({r['price_date']})"
         lines.append(
-            f"| {i} | {'*' if r.get('pareto') else ''} | {r['layout']} | {r.get('levers', '')} | "
+            f"| {i} | {'*' if r.get('pareto') else ''} | {r['layout']}"
+            f"{'' if r['k3_anchor'] else NO_ANCHOR_MARK} | {r.get('levers', '')} | "
             f"{r['weights']}/{r['kv_dtype']} | {r['gpus']} | "
             f"{r['weights_gb_per_gpu']:.0f} + {r['free_gb_per_gpu']:.0f} | "
             f"{r['max_concurrent_per_replica']} | {r['tokens_s_per_user']:.0f} | "
@@ -412,7 +498,8 @@ def plan_cmd(
     kv: Annotated[str, typer.Option(help="KV dtypes: bf16,fp8")] = "bf16",
     max_nodes: Annotated[int, typer.Option(help="largest replica in nodes")] = DEFAULT_MAX_NODES,
     mem_fraction: Annotated[float | None, typer.Option(help="engine static memory share")] = None,
-    acceptance: AcceptOpt = 3.45,
+    acceptance: AcceptOpt = None,
+    workload_name: WorkloadOpt = None,
     gamma: GammaOpt = None,
     prices: PricesOpt = None,
     gpu_table: GpusOpt = None,
@@ -452,7 +539,7 @@ def plan_cmd(
     if mem_fraction is not None and not 0 < mem_fraction <= 0.98:
         raise CapacityError(f"--mem-fraction must be in (0, 0.98], got {mem_fraction}")
     target = describe_model(model)
-    draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    draft_model, spec = _draft_and_spec(draft, acceptance, gamma, workload_name)
     _check_rollback(kda_rollback, spec, replay_ring_len)
     gpu_specs, price_rows = _tables(gpu_table, prices)
     allowed = _split(gpus) or None
@@ -512,6 +599,12 @@ def plan_cmd(
             "model": result.model, "draft": result.draft,
             "context_length": result.context_length, "layouts_evaluated": result.evaluated,
             "feasible": len(result.rows), "prices": _price_age_line(used_prices),
+            **({"speculation": {
+                "gamma": spec.gamma, "acceptance_length": spec.acceptance_length,
+                "adaptive_verify": spec.adaptive_verify,
+                "workload": (workload_acceptance(workload_name or DEFAULT_WORKLOAD).model_dump()
+                             if spec.adaptive_verify else None),
+            }} if spec else {}),
             **({"text_tokens": result.text_tokens, "images": vision_rows} if vision_rows
                else {}),
             "targets": None if targets is None else {
@@ -530,6 +623,8 @@ def plan_cmd(
         if missed_dicts:
             print("\n" + _markdown(missed_dicts, "missing the targets"))
         print(f"\n{_price_age_line(used_prices)}")
+        for note in _plan_notes(dicts + missed_dicts):
+            print(f"\n{note}")
         return
     goal = "" if targets is None else f", {targets.context_class} targets: {targets.label()}"
     if dicts:
@@ -548,15 +643,22 @@ def plan_cmd(
               "r x: the host tier, with the full-context sessions it parks per replica); "
               "--no-levers plans without them", highlight=False)
     out.print(_price_age_line(used_prices))
+    for note in _plan_notes(dicts + missed_dicts):
+        out.print(note, soft_wrap=True, highlight=False)
     for gpu, data in vision_rows.items():
         out.print(f"{gpu}: {_vision_line(data, gpu)}", soft_wrap=True, highlight=False)
     if vision_rows:
         out.print("TTFT includes the vision tower; the context is text + image tokens",
                   highlight=False)
+    if workload_name and not spec:
+        out.print(f"workload {workload_name}: no --draft, so plain decode (the workload sets "
+                  "only the draft's acceptance)", soft_wrap=True, highlight=False)
     if spec:
-        out.print(f"speculation: gamma {spec.gamma}, acceptance {spec.acceptance_length}; "
-                  "tok/s are steady decode at full context; TTFT is one prompt alone")
         top_row = (shown or missed_rows)[0]
+        out.print(_speculation_line(spec, workload_name, top_row.concurrency_per_replica,
+                                    gpu_spec(gpu_specs, top_row.layout.gpu))
+                  + "; tok/s are steady decode at full context; TTFT is one prompt alone",
+                  soft_wrap=True, highlight=False)
         line = _rollback_line(running_fit(
             target, top_row.layout, gpu_spec(gpu_specs, top_row.layout.gpu),
             result.context_length, draft_model, spec, running=top_row.concurrency_per_replica,
@@ -565,7 +667,8 @@ def plan_cmd(
             out.print(f"#1 {top_row.layout.label()}: {line}", soft_wrap=True, highlight=False)
     if result.rejected:
         for gpu, why in sorted(result.rejected.items()):
-            out.print(f"[dim]{gpu}: no layout fits: {why}[/dim]", soft_wrap=True)
+            what_failed = "" if why.startswith("not servable") else "no layout fits: "
+            out.print(f"[dim]{gpu}: {what_failed}{why}[/dim]", soft_wrap=True, highlight=False)
 
 
 def _plan_modes(target: ModelDescriptor, draft: ModelDescriptor | None,
@@ -701,7 +804,8 @@ def explain_cmd(
     kv: Annotated[str, typer.Option()] = "bf16",
     mem_fraction: Annotated[float | None, typer.Option()] = None,
     concurrency: Annotated[int | None, typer.Option(help="default: most that fits")] = None,
-    acceptance: AcceptOpt = 3.45,
+    acceptance: AcceptOpt = None,
+    workload_name: WorkloadOpt = None,
     gamma: GammaOpt = None,
     kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
     replay_ring_len: RingLenOpt = DEFAULT_REPLAY_RING_LEN,
@@ -713,7 +817,7 @@ def explain_cmd(
     """Full memory and time breakdown of one layout."""
     images = parse_images(images_per_request, image_size)
     target = describe_model(model)
-    draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    draft_model, spec = _draft_and_spec(draft, acceptance, gamma, workload_name)
     _check_rollback(kda_rollback, spec, replay_ring_len)
     gpu_specs = load_gpus(gpu_table)
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
@@ -794,6 +898,9 @@ def explain_cmd(
         out.print(line, soft_wrap=True, highlight=False)
     if vision is not None:
         out.print(_vision_line(vision, spec_gpu.gpu), soft_wrap=True, highlight=False)
+    path_line = _sglang_path_line(target, layout, spec_gpu)
+    if path_line:
+        out.print(path_line, soft_wrap=True, highlight=False)
     t = data["time"]
     out.print(
         f"decode at {running} concurrent: step {t['step_ms']:.2f} ms = max(memory "
@@ -839,28 +946,46 @@ def calibrate_cmd(
     """Time-model error against each published measurement."""
     constants = fit() if refit else DEFAULT_CONSTANTS
     results = evaluate(constants)
+    summary = calibration_summary(results)
     if as_json:
         print(json.dumps({
             "constants": constants.__dict__,
+            "summary": summary,
             "anchors": [{
-                "name": r.anchor.name, "measured": r.anchor.measured, "unit": r.anchor.unit,
+                "name": r.anchor.name, "gpu": r.anchor.gpu, "model": r.anchor.model,
+                "engine": r.anchor.engine, "vendor_claim": r.anchor.vendor_claim,
+                "fitted": r.anchor.fitted,
+                "measured": r.anchor.measured, "unit": r.anchor.unit,
                 "predicted": r.predicted, "error": r.error, "assumption": r.anchor.assumption,
                 "source": r.anchor.source,
             } for r in results],
         }, indent=2))
         return
-    table = Table(title="calibration anchors (goal: within 25% each)")
-    for col in ("anchor", "measured", "model", "error", "unit", "assumption"):
+    table = Table(title="calibration anchors (goal: within 25% each; * = vendor claim, "
+                        "(x) = cross-check, not fitted)")
+    for col in ("anchor", "GPU", "engine", "measured", "model", "error", "unit", "assumption"):
         table.add_column(col, justify="right" if col in ("measured", "model", "error") else "left")
     for r in results:
         error = "n/a" if r.error is None else f"{r.error * 100:+.1f}%"
         model_value = "-" if r.predicted is None else f"{r.predicted:,.2f}"
-        table.add_row(r.anchor.name, f"{r.anchor.measured:,.2f}", model_value, error, r.anchor.unit,
-                      r.anchor.assumption)
+        table.add_row(r.anchor.name + (" *" if r.anchor.vendor_claim else "")
+                      + ("" if r.anchor.fitted else " (x)"), r.anchor.gpu,
+                      r.anchor.engine, f"{r.anchor.measured:,.2f}", model_value, error,
+                      r.anchor.unit, r.anchor.assumption)
     out.print(table)
-    errors = [abs(r.error) for r in results if r.error is not None]
-    out.print(f"worst |error| {max(errors) * 100:.1f}%, mean {sum(errors) / len(errors) * 100:.1f}%"
-              f" over {len(errors)} modeled anchors; constants: {constants}")
+    k3 = summary["k3"]
+    out.print(f"K3: {k3['modeled']} modeled anchors over {len(k3['gpus'])} GPU types "
+              f"({', '.join(k3['gpus'])}; {k3['amd_gpus']} AMD), worst |error| "
+              f"{k3['worst_error'] * 100:.1f}% ({k3['worst_anchor']}), mean "
+              f"{k3['mean_error'] * 100:.1f}%; {summary['not_modeled']} anchors not modeled "
+              "(why: their assumption column)", soft_wrap=True, highlight=False)
+    for key, what in (("k3_cross_check", "K3 cross-checks"), ("k2", "K2 cross-checks")):
+        group = summary[key]
+        if group["modeled"]:
+            out.print(f"{what} (printed, not fitted): {group['modeled']} anchors, worst |error| "
+                      f"{group['worst_error'] * 100:.1f}% ({group['worst_anchor']})",
+                      soft_wrap=True, highlight=False)
+    out.print(f"constants: {constants}", soft_wrap=True, highlight=False)
 
 
 @app.command("emit")
@@ -901,7 +1026,8 @@ def emit_cmd(
         "stage when --prefill-nodes differs)")] = None,
     prefill_pp: Annotated[int | None, typer.Option(
         help="--pd: the prefill replicas' pipeline stages (default: --pp)")] = None,
-    acceptance: AcceptOpt = 3.45,
+    acceptance: AcceptOpt = None,
+    workload_name: WorkloadOpt = None,
     gamma: GammaOpt = None,
     kda_rollback: RollbackOpt = DEFAULT_KDA_ROLLBACK,
     replay_ring_len: RingLenOpt = DEFAULT_REPLAY_RING_LEN,
@@ -927,7 +1053,7 @@ def emit_cmd(
         raise CapacityError(f"--replicas must be positive, got {replicas}")
     sides = _pd_sides(pd, transfer_backend)
     target = describe_model(model)
-    draft_model, spec = _draft_and_spec(draft, acceptance, gamma)
+    draft_model, spec = _draft_and_spec(draft, acceptance, gamma, workload_name)
     gpu_specs = load_gpus()
     layout = _layout_from_options(gpu_specs, gpu, nodes, tp, dp, ep, pp, weights, kv,
                                   mem_fraction, dcp)

@@ -144,6 +144,10 @@ class Speculation(BaseModel):
 
     gamma: int = Field(default=DEFAULT_GAMMA, gt=0)
     acceptance_length: float = Field(default=DEFAULT_ACCEPTANCE_LENGTH, ge=1.0)
+    # True: acceptance_length is the verify-all value of a workload and SGLang's adaptive
+    # verify trims it (and the verified width) as the batch grows (capacity.acceptance);
+    # False: every step verifies gamma + 1 positions and accepts acceptance_length.
+    adaptive_verify: bool = False
 
     @model_validator(mode="after")
     def _acceptance_in_window(self) -> Speculation:
@@ -157,8 +161,11 @@ class Speculation(BaseModel):
     @classmethod
     def for_draft(cls, draft: Any) -> Speculation:
         """The draft's own block size as gamma (DSpark's default window), the default
-        acceptance length."""
-        return cls(gamma=draft.draft.block_size if draft.draft else DEFAULT_GAMMA)
+        acceptance length (the default workload's, capacity/data/dspark_acceptance.csv), trimmed
+        by SGLang's adaptive verify where the layout verifies adaptively: what `kimi-capacity`
+        assumes when no --workload or --acceptance is given."""
+        return cls(gamma=draft.draft.block_size if draft.draft else DEFAULT_GAMMA,
+                   adaptive_verify=True)
 
 
 # Pillow's Image.MAX_IMAGE_PIXELS: above it Pillow warns of a decompression bomb (and refuses

@@ -33,6 +33,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from capacity.config import Layout
+from capacity.tables import gpu_vendor
+
 RAGGED_VERIFY_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 RAGGED_VERIFY_MODES = ("static", "cap-accept", "compact")
 # What `kimi-capacity emit` deploys a DSpark draft with.
@@ -116,3 +119,40 @@ def sps_table_problem(path: str | Path) -> str | None:
         return None
     except (OSError, ValueError, TypeError) as exc:
         return f"{path}: not an SGLang 0.5.23 DSpark SPS table ({exc})"
+
+
+# Why a GPU's default DSpark verify is static: SGLang 0.5.23 runs a compact (ragged) verify
+# in a CUDA graph only on attention backends that declare supports_ragged_verify_graph (fa3,
+# trtllm_mha / trtllm_mla, flashinfer_mla and flashmla, the KDA backend); the ROCm ones it
+# picks for K3 (aiter, triton) inherit False (base_attn_backend.py:65), so there every
+# adaptive step would run eagerly.
+STATIC_VERIFY_REASON = {
+    "AMD": "SGLang 0.5.23's ROCm attention backends (aiter, triton) have no ragged-verify CUDA "
+           "graph (base_attn_backend.py:65), so a compact verify would run eagerly here",
+}
+
+
+_DP_REASON = ("SGLang 0.5.23 refuses a dense DSpark draft's compact verify under attention DP "
+              "with CUDA graphs (dspark_worker_v2.py:336-347)")
+
+
+_DCP_REASON = ("SGLang 0.5.23 runs K3's decode context parallelism with DSPARK only under "
+               "SGLANG_RAGGED_VERIFY_MODE=static (arg_groups/model_overrides/kimi_k3.py:63-75)")
+
+
+def dp_static_reason() -> str:
+    return _DP_REASON
+
+
+def dcp_static_reason() -> str:
+    return _DCP_REASON
+
+
+def static_verify_reason(layout: Layout) -> str | None:
+    """Why `kimi-capacity emit` deploys this layout with the static DSpark verify; None: it
+    deploys the adaptive (compact) one."""
+    if layout.attention_dp > 1:
+        return _DP_REASON
+    if layout.dcp > 1:
+        return _DCP_REASON
+    return STATIC_VERIFY_REASON.get(gpu_vendor(layout.gpu))

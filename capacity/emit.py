@@ -29,8 +29,11 @@ from capacity.dspark_verify import (
     DEFAULT_RAGGED_VERIFY_MODE,
     RAGGED_VERIFY_ENV,
     RAGGED_VERIFY_MODES,
+    dcp_static_reason,
     default_sps_table,
+    dp_static_reason,
     sps_profile_recipe,
+    static_verify_reason,
 )
 from capacity.errors import CapacityError
 from capacity.formats import KvDtype
@@ -43,9 +46,9 @@ from capacity.memory import (
     running_fit,
 )
 from capacity.model import ModelDescriptor
-from capacity.ray_env import gpu_vendor, sglang_ray_env
+from capacity.ray_env import sglang_ray_env
 from capacity.sglang_recipe import SGLANG_GRAMMAR_ARGS, SGLANG_SECTION
-from capacity.tables import GpuSpec
+from capacity.tables import GpuSpec, gpu_vendor
 
 RAY_VERSION = "2.60.0"
 SERVE_IMPORT_PATH = "serve_app.app:build_app"
@@ -493,35 +496,6 @@ def _wrap(text: str, width: int = 96) -> list[str]:
     return textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False)
 
 
-# Why a GPU's default DSpark verify is static: SGLang 0.5.23 runs a compact (ragged) verify
-# in a CUDA graph only on attention backends that declare supports_ragged_verify_graph (fa3,
-# trtllm_mha / trtllm_mla, flashinfer_mla and flashmla, the KDA backend); the ROCm ones it
-# picks for K3 (aiter, triton) inherit False (base_attn_backend.py:65), so there every
-# adaptive step would run eagerly.
-STATIC_VERIFY_REASON = {
-    "AMD": "SGLang 0.5.23's ROCm attention backends (aiter, triton) have no ragged-verify CUDA "
-           "graph (base_attn_backend.py:65), so a compact verify would run eagerly here",
-}
-
-
-_DP_REASON = ("SGLang 0.5.23 refuses a dense DSpark draft's compact verify under attention DP "
-              "with CUDA graphs (dspark_worker_v2.py:336-347)")
-
-
-_DCP_REASON = ("SGLang 0.5.23 runs K3's decode context parallelism with DSPARK only under "
-               "SGLANG_RAGGED_VERIFY_MODE=static (arg_groups/model_overrides/kimi_k3.py:63-75)")
-
-
-def static_verify_reason(layout: Layout) -> str | None:
-    """Why `kimi-capacity emit` deploys this layout with the static DSpark verify; None: it
-    deploys the adaptive (compact) one."""
-    if layout.attention_dp > 1:
-        return _DP_REASON
-    if layout.dcp > 1:
-        return _DCP_REASON
-    return STATIC_VERIFY_REASON.get(gpu_vendor(layout.gpu))
-
-
 def default_verify(layout: Layout) -> str:
     """The DSpark verify `kimi-capacity emit` deploys on this layout."""
     return "static" if static_verify_reason(layout) else DEFAULT_RAGGED_VERIFY_MODE
@@ -544,10 +518,10 @@ def _ragged_verify(sglang: dict[str, Any], layout: Layout, verify: str | None,
                         f"request verifies the whole block every step: {why}.",)
     verify = chosen
     if chosen == "compact" and layout.attention_dp > 1:
-        raise CapacityError(f"--verify compact with --dp: {_DP_REASON}; use --verify "
+        raise CapacityError(f"--verify compact with --dp: {dp_static_reason()}; use --verify "
                             "cap-accept or static")
     if layout.dcp > 1:
-        raise CapacityError(f"--verify {chosen} with --dcp: {_DCP_REASON}; use --verify static")
+        raise CapacityError(f"--verify {chosen} with --dcp: {dcp_static_reason()}; use --verify static")
     table = sps_table or default_sps_table(draft_ref, layout.label())
     ordered: dict[str, Any] = {}
     anchor = ("linear_replayssm_cache_len" if "linear_replayssm_cache_len" in sglang

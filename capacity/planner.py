@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from functools import cache, cached_property
 
+from capacity.calibration import k3_anchor_gpus
 from capacity.config import Images, Layout, Speculation, Workload
 from capacity.errors import CapacityError
 from capacity.formats import KvDtype, WeightFormat
@@ -24,9 +25,16 @@ from capacity.memory import (
     max_running_requests,
     memory_per_gpu,
 )
-from capacity.model import ModelDescriptor
+from capacity.model import Family, ModelDescriptor
 from capacity.sglang_recipe import pipeline_problem
-from capacity.tables import GpuSpec, PriceRow, cheapest_prices, gpu_spec
+from capacity.tables import (
+    GpuSpec,
+    PriceRow,
+    SglangK3Path,
+    cheapest_prices,
+    gpu_spec,
+    load_k3_paths,
+)
 from capacity.targets import LatencyTargets
 from capacity.timing import (
     DEFAULT_CONSTANTS,
@@ -54,6 +62,9 @@ class PlanRow:
     vision_ms_per_image: float | None = None  # None: the plan's requests carry no images
     targets: LatencyTargets | None = None  # the plan's; None: none asked
     host_sessions: int = 0  # full-context sessions the HiCache host tier parks per replica
+    # What SGLang 0.5.23 runs K3 with on this GPU (capacity/data/sglang_k3_paths.csv); None
+    # for models the table does not cover.
+    sglang_path: SglangK3Path | None = None
 
     @property
     def meets_targets(self) -> bool:
@@ -139,6 +150,11 @@ class PlanRow:
                 None if self.usd_per_million_tokens is None
                 else round(self.usd_per_million_tokens, 3)
             ),
+            "sglang_path": self.sglang_path.label if self.sglang_path else None,
+            "sglang_path_source": self.sglang_path.decided_by if self.sglang_path else None,
+            # Whether a published K3 measurement on this GPU type anchors the time model; rows
+            # without one are roofline extrapolations.
+            "k3_anchor": layout.gpu.upper() in k3_anchor_gpus(),
             "provider": self.price.provider if self.price else None,
             "price_date": self.price.date_read if self.price else None,
             "price_age_days": self.price.age_days(today) if self.price else None,
@@ -318,6 +334,7 @@ def plan(
     images: Images | None = None,
     targets: LatencyTargets | None = None,
     levers: bool = False,
+    k3_paths: dict[str, SglangK3Path] | None = None,
 ) -> PlanResult:
     """Ranked feasible fleets (cheapest per million output tokens first). `kda_rollback` is how
     the speculative verify rolls the KDA state back (memory.kda_rollback_costs); the time model
@@ -330,7 +347,12 @@ def plan(
     per-user rate (all it holds when none does). `min_user_tokens_s` is the older hard floor:
     rows below it are dropped. `levers`: SGLang 0.5.23's K3 levers in the search (capacity/
     levers.py): decode context parallel layouts, extra_buffer_lazy state slots, and the
-    HiCache host tier where the node's host RAM is known."""
+    HiCache host tier where the node's host RAM is known.
+
+    For K3's MXFP4 checkpoint only what SGLang 0.5.23 can run is priced
+    (`k3_paths`, default capacity/data/sglang_k3_paths.csv): a GPU without a path is rejected
+    as not servable, and one that runs the experts dequantized to BF16 is priced with BF16
+    experts in place of `native`."""
     images = images or Images()
     text_tokens = context_length
     context_length = prompt_tokens(model, text_tokens, images)
@@ -359,12 +381,24 @@ def plan(
     rows: list[PlanRow] = []
     rejected: dict[str, tuple[int, str]] = {}
     evaluated = 0
+    paths = k3_paths_for(model, k3_paths)
     for spec in specs:
         price = best_price.get(spec.gpu.upper())
         if require_price and price is None:
             rejected[spec.gpu] = (10**18, "no price in the price table")
             continue
-        for layout in _candidate_layouts(model, spec, max_nodes, tuple(weight_formats),
+        formats = tuple(weight_formats)
+        path = None
+        if paths is not None:
+            path = paths.get(spec.gpu.upper())
+            if path is None or not path.runnable:
+                rejected[spec.gpu] = (10**18 + 1, not_servable_reason(spec.gpu, path))
+                continue
+            if path.experts_in_memory == "bf16":
+                # The checkpoint's MXFP4 experts are upcast at load: price what is in HBM.
+                formats = tuple(dict.fromkeys(
+                    WeightFormat.BF16 if f is None else f for f in formats))
+        for layout in _candidate_layouts(model, spec, max_nodes, formats,
                                          tuple(kv_dtypes), mem_fraction, levers, strategy):
             evaluated += 1
             refused = pipeline_problem(layout.pp, draft is not None)
@@ -439,6 +473,7 @@ def plan(
                     if images.per_request else None),
                 targets=targets,
                 host_sessions=host_sessions,
+                sglang_path=path,
             ))
     for row in rows:
         rejected.pop(row.layout.gpu, None)
@@ -459,6 +494,20 @@ def plan(
         text_tokens=text_tokens if images.per_request else None,
         targets=targets,
     )
+
+
+def k3_paths_for(model: ModelDescriptor, paths: dict[str, SglangK3Path] | None
+                 ) -> dict[str, SglangK3Path] | None:
+    """The runnable-path table for K3's MXFP4 checkpoint; None for other models."""
+    if model.family is not Family.KIMI_K3 or model.native_format is not WeightFormat.MXFP4:
+        return None
+    return paths if paths is not None else load_k3_paths()
+
+
+def not_servable_reason(gpu: str, path: SglangK3Path | None) -> str:
+    if path is None:
+        return f"not servable: no SGLang 0.5.23 path for K3 is recorded for {gpu}"
+    return f"not servable by SGLang 0.5.23: {path.path} ({path.decided_by})"
 
 
 def explain_infeasible(result: PlanResult, max_nodes: int) -> str:

@@ -10,6 +10,8 @@ amd_gpu.py), so both are set there.
 
 from __future__ import annotations
 
+from capacity.tables import gpu_vendor
+
 NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 NOSET_HIP_ENV = "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"
 
@@ -18,19 +20,6 @@ NOSET_ENV_BY_VENDOR: dict[str, tuple[str, ...]] = {
     "NVIDIA": (NOSET_CUDA_ENV,),
     "AMD": (NOSET_CUDA_ENV, NOSET_HIP_ENV),
 }
-
-
-def gpu_vendor(gpu: str | None) -> str:
-    """The vendor of a GPU name: the planner's GPU table's `vendor` column; a name the table
-    does not list is AMD when it is an Instinct part (MI...), else NVIDIA, as is no name."""
-    if not gpu:
-        return "NVIDIA"
-    from capacity.tables import load_gpus
-
-    spec = load_gpus().get(gpu.upper())
-    if spec is not None:
-        return spec.vendor.upper()
-    return "AMD" if gpu.upper().startswith("MI") else "NVIDIA"
 
 
 def sglang_ray_env(gpu: str | None, ragged_verify_mode: str = "static") -> dict[str, str]:

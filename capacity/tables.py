@@ -91,6 +91,24 @@ class PriceRow(BaseModel):
         return ((today or date.today()) - self.read_on).days
 
 
+class SglangK3Path(BaseModel):
+    """One row of sglang_k3_paths.csv: what SGLang 0.5.23 runs K3's MXFP4 checkpoint with on
+    one GPU type, read from its source (`decided_by`: file:line in the wheel's sglang/)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpu: str = Field(min_length=1)
+    arch: str = Field(min_length=1)
+    runnable: bool
+    experts_in_memory: Literal["mxfp4", "bf16", "none"]
+    label: str = Field(min_length=1, description="short name for plan rows")
+    moe_runner: str
+    flags: str = ""
+    path: str = Field(min_length=1)
+    decided_by: str = Field(min_length=1)
+    note: str = ""
+
+
 def _parse_loose_date(value: str) -> date:
     text = value.strip()
     try:
@@ -145,6 +163,14 @@ def _table_text(path: str | Path | None, packaged_name: str) -> tuple[str, str]:
     return file.read_text(), str(file)
 
 
+def read_table(model: type[T], packaged_name: str, key_fields: Sequence[str],
+               path: str | Path | None = None) -> list[T]:
+    """Rows of a CSV table in capacity/data/ (or `path`), validated into `model`; bad rows fail
+    with the file, line and column."""
+    text, label = _table_text(path, packaged_name)
+    return _read_rows(model, text, label, key_fields)
+
+
 def load_gpus(path: str | Path | None = None) -> dict[str, GpuSpec]:
     """GPU specs keyed by upper-case name; the packaged table unless a path is given."""
     text, label = _table_text(path, "gpus.csv")
@@ -162,6 +188,22 @@ def load_prices(path: str | Path | None = None) -> list[PriceRow]:
     """All price rows; the packaged table unless a path is given."""
     text, label = _table_text(path, "prices.csv")
     return _read_rows(PriceRow, text, label, ("provider", "gpu"))
+
+
+def load_k3_paths(path: str | Path | None = None) -> dict[str, SglangK3Path]:
+    """SGLang 0.5.23's K3 path per GPU type (upper-case name); the packaged table unless a
+    path is given."""
+    text, label = _table_text(path, "sglang_k3_paths.csv")
+    rows = _read_rows(SglangK3Path, text, label, ("gpu",))
+    table: dict[str, SglangK3Path] = {}
+    for row in rows:
+        if row.gpu.upper() in table:
+            raise CapacityError(f"{label}: GPU {row.gpu!r} is listed twice")
+        if row.runnable == (row.experts_in_memory == "none"):
+            raise CapacityError(f"{label}: GPU {row.gpu!r}: a runnable path keeps its experts "
+                                "as mxfp4 or bf16, an unrunnable one as none")
+        table[row.gpu.upper()] = row
+    return table
 
 
 def gpu_spec(gpus: dict[str, GpuSpec], name: str) -> GpuSpec:
@@ -195,3 +237,14 @@ def check_price_gpus(prices: Iterable[PriceRow], gpus: dict[str, GpuSpec], label
                 f"{label} line {index} (provider={row.provider!r}): unknown GPU {row.gpu!r}; "
                 f"allowed: {', '.join(g.gpu for g in gpus.values())}"
             )
+
+
+def gpu_vendor(gpu: str | None) -> str:
+    """The vendor of a GPU name: the planner's GPU table's `vendor` column; a name the table
+    does not list is AMD when it is an Instinct part (MI...), else NVIDIA, as is no name."""
+    if not gpu:
+        return "NVIDIA"
+    spec = load_gpus().get(gpu.upper())
+    if spec is not None:
+        return spec.vendor.upper()
+    return "AMD" if gpu.upper().startswith("MI") else "NVIDIA"

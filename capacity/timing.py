@@ -16,7 +16,9 @@ import math
 from dataclasses import dataclass, replace
 from functools import cache
 
+from capacity.acceptance import adaptive_acceptance, verify_width
 from capacity.config import Images, Layout, Speculation
+from capacity.dspark_verify import static_verify_reason
 from capacity.formats import FOUR_BIT_FORMATS, WeightFormat
 from capacity.memory import _stage_bounds, _stage_component_bytes
 from capacity.model import COMPONENT_SHARDING, Component, ModelDescriptor, Sharding
@@ -30,24 +32,45 @@ EP_BYTES_PER_ELEMENT = 3
 
 @dataclass(frozen=True)
 class TimeConstants:
-    """Fitted by `kimi-capacity calibrate --fit` against the anchors in capacity.calibration
-    (published K3 GB300/B300 and K2 H200 measurements). Ranges in the comments are the search
-    bounds, chosen from what the hardware can physically reach."""
+    """Fitted by `kimi-capacity calibrate --fit` against the K3 anchors in capacity.calibration
+    (published K3 measurements on GB300, B300, GB200, MI355X and MI325X; the K2 H200 anchors
+    are a cross-check, not fitted). Ranges in the comments are the search bounds, chosen from
+    what the hardware can physically reach."""
 
-    hbm_efficiency: float = 0.67  # share of HBM peak when streaming weights / KV [0.5, 0.95]
-    compute_efficiency: float = 0.5  # decode GEMM share of dense peak [0.2, 0.8]
-    prefill_compute_efficiency: float = 0.75  # large prefill GEMMs [0.2, 0.8]
-    layer_overhead_us: float = 29.0  # launches, norms, routing per layer, batch 1 [5, 120]
-    collective_hop_us: float = 5.0  # per collective per log2(ranks) inside scale-up [0.5, 30]
+    hbm_efficiency: float = 0.8375  # share of HBM peak when streaming weights / KV [0.5, 0.95]
+    compute_efficiency: float = 0.725  # decode GEMM share of dense peak [0.2, 0.8]
+    prefill_compute_efficiency: float = 0.294  # large prefill GEMMs [0.2, 0.8]
+    layer_overhead_us: float = 5.0  # launches, norms, routing per layer, batch 1 [5, 120]
+    collective_hop_us: float = 9.72  # per collective per log2(ranks) inside scale-up [0.5, 30]
     internode_collective_us: float = 0.0  # extra per collective crossing nodes [0, 100]
-    comm_efficiency: float = 0.73  # share of link bandwidth reached by collectives [0.3, 0.95]
-    draft_fixed_us: float = 0.0  # DSpark forward + sequential Markov loop overhead [0, 3000]
+    comm_efficiency: float = 0.381  # share of link bandwidth reached by collectives [0.3, 0.95]
+    draft_fixed_us: float = 94.0  # DSpark forward + sequential Markov loop overhead [0, 3000]
     # Consecutive positions of one sequence share experts more than independent tokens do; a
     # verify window of w rows routes like 1 + (w - 1) x this many independent tokens [0.2, 1].
-    verify_token_independence: float = 0.33
+    verify_token_independence: float = 0.2
+    # The ROCm stacks that serve K3 (SGLang/AITER on gfx950, vLLM on gfx942) are fitted apart
+    # from CUDA's: their per-layer launch + un-fused kernel latency [5, 300] and the share of
+    # the CUDA GEMM efficiencies their kernels reach [0.1, 1] (capacity.calibration's AMD
+    # anchors; until those exist for a GPU, its rows are roofline extrapolations).
+    rocm_layer_overhead_us: float = 134.0
+    rocm_efficiency: float = 0.634
 
 
 DEFAULT_CONSTANTS = TimeConstants()
+
+
+def _is_rocm(gpu: GpuSpec) -> bool:
+    return gpu.vendor.upper() == "AMD"
+
+
+def layer_overhead_s(gpu: GpuSpec, c: TimeConstants) -> float:
+    """Fixed latency per layer (launches, norms, routing) on this GPU's software stack."""
+    return (c.rocm_layer_overhead_us if _is_rocm(gpu) else c.layer_overhead_us) * 1e-6
+
+
+def efficiency(gpu: GpuSpec, c: TimeConstants, base: float) -> float:
+    """A fitted GEMM efficiency, scaled for the ROCm stacks."""
+    return base * (c.rocm_efficiency if _is_rocm(gpu) else 1.0)
 
 
 @dataclass(frozen=True)
@@ -140,10 +163,15 @@ def _stage_params(model: ModelDescriptor, stages: int) -> tuple[_StageParams, ..
 
 
 def _expert_peak_tflops(gpu: GpuSpec, fmt: WeightFormat) -> float:
-    """Expert GEMM peak: FP4 math only where the GPU has it natively; Hopper and MI300X/MI325X
-    run 4-bit weights with 16-bit math."""
-    if fmt in FOUR_BIT_FORMATS and gpu.native_fp4 and gpu.fp4_tflops:
+    """Expert GEMM peak at the precision the MoE kernels multiply in. MXFP4 experts run W4A8 on
+    GPUs with native FP4 (SGLang 0.5.23's K3 runners quantize activations to MXFP8/FP8: the
+    trtllm-gen SiTU runner on SM100, DeepGEMM fp8 x fp4, AITER A8W4 on gfx950), so they run at
+    the FP8 peak; only NVFP4 runs W4A4 at the FP4 peak. Hopper and MI300X/MI325X multiply 4-bit
+    weights in 16 bits (W4A16)."""
+    if fmt is WeightFormat.NVFP4 and gpu.native_fp4 and gpu.fp4_tflops:
         return gpu.fp4_tflops
+    if fmt in FOUR_BIT_FORMATS and gpu.native_fp4 and gpu.fp8_tflops:
+        return gpu.fp8_tflops
     if fmt is WeightFormat.FP8 and gpu.fp8_tflops:
         return gpu.fp8_tflops
     return gpu.bf16_tflops
@@ -232,6 +260,7 @@ def _forward_s(
     tokens_dp = tokens_total / (busy_dp or dp)
     requests_dp = requests / dp
     bw = gpu.hbm_tbps * 1e12 * c.hbm_efficiency
+    compute_efficiency = efficiency(gpu, c, compute_efficiency)
     bf16_peak = gpu.bf16_tflops * 1e12 * compute_efficiency
     expert_peak = _expert_peak_tflops(gpu, fmt) * 1e12 * compute_efficiency
     hidden = model.hidden_size
@@ -276,7 +305,7 @@ def _forward_s(
         compute = (linear_flops + attn_flops) / bf16_peak + expert_flops / expert_peak
         memory = moved / bw
 
-        fixed = params.layers * (c.layer_overhead_us * 1e-6 + collectives)
+        fixed = params.layers * (layer_overhead_s(gpu, c) + collectives)
         attn_comm = 2 * tokens_dp * hidden * BF16_BYTES * (tp - 1) / tp if tp > 1 else 0.0
         if model.moe and layout.ep > 1:
             comm = params.layers * (
@@ -346,9 +375,9 @@ def _draft_s(
         layout.tp
     ) + attn_flops
     memory = (weight_bytes + kv_read) / (gpu.hbm_tbps * 1e12 * c.hbm_efficiency)
-    compute = flops / (gpu.bf16_tflops * 1e12 * c.compute_efficiency)
+    compute = flops / (gpu.bf16_tflops * 1e12 * efficiency(gpu, c, c.compute_efficiency))
     collectives = 2 * _collective_latency_s(tp, _scale_up_reach(layout, gpu), c)
-    fixed = len(draft.layers) * (c.layer_overhead_us * 1e-6 + collectives) + c.draft_fixed_us * 1e-6
+    fixed = len(draft.layers) * (layer_overhead_s(gpu, c) + collectives) + c.draft_fixed_us * 1e-6
     return max(memory, compute) + fixed
 
 
@@ -368,7 +397,13 @@ def decode_step(
         speculation = Speculation.for_draft(draft)
     spec = speculation if draft is not None else None
     microbatch = concurrency / layout.pp
-    rows = (spec.gamma + 1) if spec else 1
+    rows: float = (spec.gamma + 1) if spec else 1
+    accepted = spec.acceptance_length if spec else 1.0
+    # The deployments verify adaptively unless SGLang needs the static verify for the layout
+    # (ROCm, attention DP, DCP: capacity.dspark_verify.static_verify_reason).
+    if spec is not None and spec.adaptive_verify and static_verify_reason(layout) is None:
+        accepted = adaptive_acceptance(spec.acceptance_length, concurrency)
+        rows = verify_width(spec.acceptance_length, accepted, spec.gamma + 1)
     independent = microbatch * (1 + (rows - 1) * constants.verify_token_independence)
     memory, compute, fixed, comm, moved, flops = _forward_s(
         model, layout, gpu, microbatch * rows, microbatch, context, constants,
@@ -379,7 +414,7 @@ def decode_step(
         if draft is not None and spec is not None else 0.0
     )
     # A request advances once per full pass of the pipeline; the stages overlap microbatches.
-    tokens = concurrency * (spec.acceptance_length if spec else 1.0)
+    tokens = concurrency * accepted
     return StepBreakdown(
         memory_s=memory,
         compute_s=compute,
@@ -419,8 +454,11 @@ def prefill_seconds(
     requests: int = 1,
     constants: TimeConstants = DEFAULT_CONSTANTS,
     chunk_tokens: int = 8192,
+    pipelined: bool = True,
 ) -> float:
     """Time to prefill `requests` prompts of `prompt_tokens` each, run together.
+    `pipelined` False: a pipeline's stages one after another (the sum a steady stream of
+    prompts overlaps, keeping every stage busy: throughput pp / that sum).
 
     FLOPs: 2 x active params x tokens, plus causal MLA attention (about L^2 x heads x
     (d_qk + d_v) per layer and request) and linear KDA. Attention of one request runs only on
@@ -441,9 +479,10 @@ def prefill_seconds(
             model.mla_layers * requests * float(prompt_tokens) ** 2 * model.mla.heads * qk_v
         )
     per_gpu = attention_flops / (busy_dp * layout.attention_tp)
-    attention_s = per_gpu / (gpu.bf16_tflops * 1e12 * constants.prefill_compute_efficiency)
+    attention_s = per_gpu / (gpu.bf16_tflops * 1e12
+                             * efficiency(gpu, constants, constants.prefill_compute_efficiency))
     sequential = max(memory, compute) + attention_s + fixed * passes + comm
-    if layout.pp == 1:
+    if layout.pp == 1 or not pipelined:
         return sequential
     # Chunked pipeline parallelism (SGLang's PP prefill): chunk k + 1 enters stage 0 while
     # chunk k is on stage 1, so `passes` chunks over pp balanced stages take (passes + pp - 1)
@@ -498,9 +537,9 @@ def _vision_pass_s(flops: float, weight_bytes: int, layers: int, gpu: GpuSpec,
                    c: TimeConstants) -> float:
     """One call of a replicated module on one GPU: the roofline, plus the per-layer launch cost
     the text model is fitted with."""
-    compute = flops / (gpu.bf16_tflops * 1e12 * c.prefill_compute_efficiency)
+    compute = flops / (gpu.bf16_tflops * 1e12 * efficiency(gpu, c, c.prefill_compute_efficiency))
     memory = weight_bytes / (gpu.hbm_tbps * 1e12 * c.hbm_efficiency)
-    return max(compute, memory) + layers * c.layer_overhead_us * 1e-6
+    return max(compute, memory) + layers * layer_overhead_s(gpu, c)
 
 
 def vision_seconds(

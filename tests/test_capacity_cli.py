@@ -514,8 +514,8 @@ def test_every_fleet_plan_disagg_lists_is_emitted_by_its_command(tmp_path: Path)
                   ["--context", "1M", "--gpus", "H200", "--max-nodes", "2",
                    "--output-tokens", "8192"],
                   ["--context", "34K", "--gpus", "MI325X", "--output-tokens", "2048",
-                   "--ttft", "5", "--itl", "30", "--weights", "native,int4", "--top", "4"]):
-        plan = invoke("plan", "--disagg", "--ttft", "300", "--itl", "50", "--draft",
+                   "--ttft", "30", "--itl", "30", "--weights", "native,int4", "--top", "4"]):
+        plan = invoke("plan", "--disagg", "--ttft", "1500", "--itl", "50", "--draft",
                       "kimi-k3-dspark", "--kv", "fp8", *extra, "--json")
         assert plan.exit_code == 0, plan.output
         rows += json.loads(plan.output)["rows"]
