@@ -45,10 +45,9 @@ from capacity.planner import (
     DEFAULT_MAX_NODES,
     PlanResult,
     explain_infeasible,
-    k3_paths_for,
-    not_servable_reason,
     plan,
 )
+from capacity.sglang_k3_paths import NotServable, runnable_path, served_layout
 from capacity.sglang_recipe import TRANSFER_BACKENDS
 from capacity.tables import (
     GpuSpec,
@@ -425,12 +424,12 @@ NO_ANCHOR_MARK = " \u2020"  # a dagger: no published K3 measurement on this GPU 
 def _sglang_path_line(target: ModelDescriptor, layout: Layout, gpu: GpuSpec) -> str | None:
     """`explain`: what SGLang 0.5.23 runs K3 with on this GPU, and whether the layout's weight
     format is what it holds in HBM (the planner's `plan` prices the runnable one itself)."""
-    paths = k3_paths_for(target, None)
-    if paths is None:
+    try:
+        path = runnable_path(target, gpu.gpu)
+    except NotServable as refused:
+        return refused.reason
+    if path is None:
         return None
-    path = paths.get(gpu.gpu.upper())
-    if path is None or not path.runnable:
-        return not_servable_reason(gpu.gpu, path)
     line = f"SGLang 0.5.23 runs K3 on {gpu.gpu} as {path.label} ({path.decided_by})"
     if path.experts_in_memory == "bf16" and layout.weight_format is None:
         line += ("; it holds the experts as BF16, so this native-format layout understates "
@@ -1073,9 +1072,14 @@ def emit_cmd(
     for side in (layout, prefill_layout):
         if side is None:
             continue
-        report = memory_per_gpu(target, side, workload, spec_gpu, draft_model, spec)
+        # With the weights SGLang 0.5.23 holds there (refused where it has no K3 path).
+        held, path = served_layout(target, side)
+        report = memory_per_gpu(target, held, workload, spec_gpu, draft_model, spec)
         if not report.fits and not report.reasons[0].startswith("one "):
-            raise CapacityError(f"{side.label()} does not fit: {'; '.join(report.reasons)}")
+            how = (f" (with the weights SGLang 0.5.23 holds there: {path.label})"
+                   if path is not None and held != side else "")
+            raise CapacityError(f"{side.label()} does not fit{how}: "
+                                f"{'; '.join(report.reasons)}")
     # The planner sizes max_running_requests and the KDA state pool, and refuses a layout on
     # which one request of the advertised context does not fit (capacity.emit.describe_layout).
     result = emit(out_dir, target, model_ref or target.name, layout, tokens, spec_gpu, replicas,

@@ -43,6 +43,7 @@ from capacity.memory import (
 )
 from capacity.model import ModelDescriptor
 from capacity.planner import DEFAULT_MAX_NODES, _candidate_layouts
+from capacity.sglang_k3_paths import NotServable, held_formats, runnable_path
 from capacity.sglang_recipe import pipeline_problem
 from capacity.tables import GpuSpec, PriceRow, cheapest_prices, gpu_spec
 from capacity.timing import DEFAULT_CONSTANTS, TimeConstants, decode_rate, prefill_seconds
@@ -258,7 +259,9 @@ def compare(
 ) -> list[ModeRow]:
     """Every GPU type's best aggregated fleet per layout and its best disaggregated fleet per
     (prefill, decode) pair that meet the targets, cheapest per million output tokens first
-    (unpriced rows last, by requests per GPU)."""
+    (unpriced rows last, by requests per GPU). Only what SGLang 0.5.23 runs is priced, as
+    `plan` does (capacity/sglang_k3_paths.py): GPUs without a K3 path are left out, and the
+    native checkpoint is sized as BF16 where SGLang upcasts its experts."""
     isl, osl = targets.input_tokens, targets.output_tokens
     if isl <= 0 or osl <= 0:
         raise CapacityError(f"input and output tokens must be positive, got {isl} and {osl}")
@@ -280,7 +283,13 @@ def compare(
         # Decode context parallel layouts too (capacity/levers.py); the radix-cache strategy
         # stays extra_buffer: SGLang refuses extra_buffer_lazy under PD disaggregation
         # (arg_groups/mamba_hook.py:123-128), and the aggregated rows are sized alike.
-        for layout in _candidate_layouts(model, spec, max_nodes, tuple(weight_formats),
+        try:
+            path = runnable_path(model, spec.gpu)
+        except NotServable:
+            continue  # SGLang 0.5.23 cannot run K3 here (capacity/sglang_k3_paths.py)
+        # Priced as SGLang holds the weights (BF16 experts where it upcasts the MXFP4 ones).
+        formats = held_formats(model, weight_formats, path)
+        for layout in _candidate_layouts(model, spec, max_nodes, formats,
                                          tuple(kv_dtypes), None, True):
             one = _Layout(model, draft, speculation, constants, kda_rollback, spec, layout,
                           targets, running_cap)

@@ -47,6 +47,7 @@ from capacity.memory import (
 )
 from capacity.model import ModelDescriptor
 from capacity.ray_env import sglang_ray_env
+from capacity.sglang_k3_paths import path_note, served_layout
 from capacity.sglang_recipe import SGLANG_GRAMMAR_ARGS, SGLANG_SECTION
 from capacity.tables import GpuSpec, gpu_vendor
 
@@ -388,6 +389,9 @@ def describe_layout(
     a layout on which not even one request of the advertised context fits. `kda_rollback`
     "replay" (ring `ring_len`) sizes them for SGLang's ReplaySSM verify and turns it on
     (enable_linear_replayssm_spec, linear_replayssm_cache_len); "scratch" is SGLang's default.
+    The layout is sized with the weights SGLang 0.5.23 holds on its GPU (capacity/
+    sglang_k3_paths.py: BF16 experts where it upcasts K3's MXFP4 ones), the path and its source
+    lines in the header; a GPU without a K3 path is refused (NotServable, a CapacityError).
     `verify`: SGLang's DSpark verify with a draft (SGLANG_RAGGED_VERIFY_MODE, capacity/
     dspark_verify.py; None: `default_verify` for the GPU): compact, the adaptive one, plans
     from the SPS table `sps_table` (default: beside the draft, named by the layout), whose
@@ -397,6 +401,10 @@ def describe_layout(
     if kda_rollback == "replay" and draft is None:
         raise CapacityError("kda_rollback 'replay' is the speculative verify's rollback: it "
                             "needs a draft")
+    # Sized as SGLang 0.5.23 runs K3 here (capacity/sglang_k3_paths.py, as `plan` prices it):
+    # refused without a path, BF16 experts where it upcasts the MXFP4 ones at load.
+    layout, path = served_layout(model, layout)
+    path_notes = tuple(_wrap(path_note(path, layout))) if path is not None else ()
     lever_notes: tuple[str, ...] = ()
     lever_settings: dict[str, Any] = {}
     if levers:
@@ -483,7 +491,8 @@ def describe_layout(
         tp=layout.tp, ep=layout.ep,
         attention_dp=layout.attention_dp, pp=layout.pp, dcp=layout.dcp, replicas=replicas,
         served_model_name=model.name.lower(), what=what,
-        notes=(memory_notes(fit, other, layout.gpu, max_running_requests(draft)) + verify_notes
+        notes=(path_notes + memory_notes(fit, other, layout.gpu, max_running_requests(draft))
+               + verify_notes
                + lever_notes + (tuple(_wrap(known[2] + ".")) if known is not None else ())))
     return dataclasses.replace(desc, command=emit_command(desc, layout, model_arg, draft_arg,
                                                           levers))
@@ -542,14 +551,17 @@ def _ragged_verify(sglang: dict[str, Any], layout: Layout, verify: str | None,
     return ordered, notes
 
 
-def plain_layout(gpu: GpuSpec, nodes: int, kv_dtype: KvDtype = KvDtype.BF16) -> Layout:
-    """TP = EP = every GPU of the replica, no attention DP or pipeline stages, native weights:
-    what `kimi-capacity emit --gpu G --nodes N --kv KV` plans."""
+def plain_layout(gpu: GpuSpec, nodes: int, kv_dtype: KvDtype = KvDtype.BF16,
+                 attention_dp: int = 1) -> Layout:
+    """TP = EP = every GPU of the replica, `attention_dp` attention data parallel groups, no
+    pipeline stages, native weights: what `kimi-capacity emit --gpu G --nodes N --kv KV --dp D`
+    plans."""
     world = nodes * gpu.gpus_per_node
     extra = {}
     if default_mem_fraction(gpu.gpu) is not None:
         extra["mem_fraction"] = default_mem_fraction(gpu.gpu)
-    return Layout(gpu=gpu.gpu, nodes=nodes, tp=world, ep=world, kv_dtype=kv_dtype, **extra)
+    return Layout(gpu=gpu.gpu, nodes=nodes, tp=world, ep=world, attention_dp=attention_dp,
+                  kv_dtype=kv_dtype, **extra)
 
 
 # --- cluster launcher ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from capacity.model import (
     ModelDescriptor,
     Sharding,
 )
+from capacity.sglang_k3_paths import held_layout
 from capacity.tables import GIB, GpuSpec
 from capacity.vision import activation_peak
 
@@ -640,9 +641,14 @@ def running_fit(
     requests' KV then fit. `max_running_requests` 0 means one full-context request does not fit
     even alone. With `running` given (a deployment's setting), that many run: how many of them
     may be at full context. `kda_rollback` ("scratch", SGLang's default, or "replay" with a
-    ring of `ring_len`) is how the verify rolls KDA states back (kda_rollback_costs)."""
+    ring of `ring_len`) is how the verify rolls KDA states back (kda_rollback_costs).
+    A deployment's pools are what SGLang 0.5.23 leaves beside the weights it holds: K3's
+    native layout is sized with BF16 experts where SGLang upcasts the MXFP4 ones at load
+    (capacity/sglang_k3_paths.py), as `plan` and `emit` size it and the app's start-up check
+    verifies it."""
     if draft is not None and speculation is None:
         speculation = Speculation.for_draft(draft)
+    layout = held_layout(model, layout)
     slots = mamba_slots_per_request(layout.mamba_strategy)
     report = memory_per_gpu(model, layout, Workload(context_length=context_length), gpu, draft,
                             speculation, kda_rollback, ring_len)

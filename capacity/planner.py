@@ -25,7 +25,13 @@ from capacity.memory import (
     max_running_requests,
     memory_per_gpu,
 )
-from capacity.model import Family, ModelDescriptor
+from capacity.model import ModelDescriptor
+from capacity.sglang_k3_paths import (
+    NotServable,
+    held_formats,
+    k3_paths_for,
+    runnable_path,
+)
 from capacity.sglang_recipe import pipeline_problem
 from capacity.tables import (
     GpuSpec,
@@ -33,7 +39,6 @@ from capacity.tables import (
     SglangK3Path,
     cheapest_prices,
     gpu_spec,
-    load_k3_paths,
 )
 from capacity.targets import LatencyTargets
 from capacity.timing import (
@@ -387,17 +392,13 @@ def plan(
         if require_price and price is None:
             rejected[spec.gpu] = (10**18, "no price in the price table")
             continue
-        formats = tuple(weight_formats)
-        path = None
-        if paths is not None:
-            path = paths.get(spec.gpu.upper())
-            if path is None or not path.runnable:
-                rejected[spec.gpu] = (10**18 + 1, not_servable_reason(spec.gpu, path))
-                continue
-            if path.experts_in_memory == "bf16":
-                # The checkpoint's MXFP4 experts are upcast at load: price what is in HBM.
-                formats = tuple(dict.fromkeys(
-                    WeightFormat.BF16 if f is None else f for f in formats))
+        try:
+            path = runnable_path(model, spec.gpu, paths)
+        except NotServable as refused:
+            rejected[spec.gpu] = (10**18 + 1, refused.reason)
+            continue
+        # Where the checkpoint's MXFP4 experts are upcast at load, price what is in HBM.
+        formats = held_formats(model, weight_formats, path)
         for layout in _candidate_layouts(model, spec, max_nodes, formats,
                                          tuple(kv_dtypes), mem_fraction, levers, strategy):
             evaluated += 1
@@ -494,20 +495,6 @@ def plan(
         text_tokens=text_tokens if images.per_request else None,
         targets=targets,
     )
-
-
-def k3_paths_for(model: ModelDescriptor, paths: dict[str, SglangK3Path] | None
-                 ) -> dict[str, SglangK3Path] | None:
-    """The runnable-path table for K3's MXFP4 checkpoint; None for other models."""
-    if model.family is not Family.KIMI_K3 or model.native_format is not WeightFormat.MXFP4:
-        return None
-    return paths if paths is not None else load_k3_paths()
-
-
-def not_servable_reason(gpu: str, path: SglangK3Path | None) -> str:
-    if path is None:
-        return f"not servable: no SGLang 0.5.23 path for K3 is recorded for {gpu}"
-    return f"not servable by SGLang 0.5.23: {path.path} ({path.decided_by})"
 
 
 def explain_infeasible(result: PlanResult, max_nodes: int) -> str:

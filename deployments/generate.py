@@ -5,7 +5,7 @@
 
 Outputs (all generated; edit this file, not them):
 - deployments/kimi_dspark.yaml             K3 + DSpark, 2 x 8 H200, TP16/EP16, FP8 KV (published recipe)
-- deployments/variants/kimi_dspark_*.yaml  8 x B300, 8 x MI355X (TP8); 2 x 8 MI300X (TP16)
+- deployments/variants/kimi_dspark_*.yaml  8 x B300, 8 x MI355X (TP8); 6 x 8 MI300X (TP12 x DP4)
 - cluster/aws-p5-h100.yaml, cluster/aws-p5e-h200.yaml, cluster/gcp-a3-h100.yaml,
   cluster/onprem-amd.yaml                  Ray cluster-launcher configs (GPU-free head)
 - cluster/kuberay/rayservice.yaml          KubeRay RayService embedding deployments/kimi_dspark.yaml
@@ -23,6 +23,20 @@ EPLB, each chosen by capacity.levers.choose_levers with its reason in the file's
 the MI355X memory fraction and prefill chunk known to fit, capacity.emit.KNOWN_FIT); the start-up
 rules (NOSET variables, project install, CPUs per rank, GPU-free head, RAY_AUTH_MODE) are
 capacity's too.
+
+Every file is sized with the weights SGLang 0.5.23 really holds on its GPU (capacity/
+sglang_k3_paths.py, the table `plan` prices with). MI300X (gfx942) has no MXFP4 MoE path for K3
+in SGLang 0.5.23: AITER's MXFP4 SiTU kernels are gfx95x-only and without SGLANG_USE_AITER the
+Triton runner upcasts the experts to BF16 at load (srt/layers/quantization/mxfp4.py:1115-1135),
+about 4x their bytes. The 2 x 8 MI300X variant shipped before was sized for MXFP4 experts and
+would not load (BF16 experts need about 350 GB per GPU at TP16). Its replacement is the smallest
+MI300X fleet the planner finds that holds the BF16 experts, the DSpark draft and one 1M-token
+request: 6 nodes (5 give 40 GPUs, and no tensor-parallel size over them divides K3's 96 heads),
+at the cheapest 6-node layout of `kimi-capacity plan --context 1M --draft kimi-k3-dspark --gpus
+MI300X`, TP12 x attention DP4 over EP48 (four full-context requests at once where TP48 holds
+one). It misses the 1M latency target's TTFT (about 370 s against 120 s, no published SGLang K3
+run on gfx942 to check it): it is the AMD on-premise fleet that runs today, not a recommendation
+over MI355X (1 x 8, MXFP4 experts).
 """
 
 from __future__ import annotations
@@ -61,12 +75,13 @@ class Variant:
     gpu: str
     nodes: int
     kv: KvDtype = KvDtype.BF16
+    attention_dp: int = 1
 
     @property
     def description(self) -> ServeDescription:
         gpu = load_gpus()[self.gpu]
         return emit.describe_layout(
-            describe_model(MODEL), TARGET, emit.plain_layout(gpu, self.nodes, self.kv),
+            describe_model(MODEL), TARGET, emit.plain_layout(gpu, self.nodes, self.kv, self.attention_dp),
             CONTEXT, gpu, draft=describe_model(DRAFT_MODEL), draft_ref=DRAFT,
             planner_refs=(MODEL, DRAFT_MODEL), levers=True)
 
@@ -77,10 +92,12 @@ VARIANTS = (
     Variant("deployments/kimi_dspark.yaml", "H200", 2, KvDtype.FP8),
     Variant("deployments/variants/kimi_dspark_b300.yaml", "B300", 1),
     Variant("deployments/variants/kimi_dspark_mi355x.yaml", "MI355X", 1),
-    # 192 GB GPUs: 8 cannot hold the weights.
-    Variant("deployments/variants/kimi_dspark_mi300x.yaml", "MI300X", 2),
+    # 192 GB GPUs holding BF16 experts (SGLang 0.5.23's only K3 path on gfx942): 6 nodes, the
+    # planner's cheapest 6-node layout (see the module docstring).
+    Variant("deployments/variants/kimi_dspark_mi300x.yaml", "MI300X", 6, attention_dp=4),
 )
 PRODUCTION = VARIANTS[0]
+MI300X = VARIANTS[3]
 
 
 def checked(desc: ServeDescription) -> ServeDescription:
@@ -96,7 +113,9 @@ def checked(desc: ServeDescription) -> ServeDescription:
 
 
 def cluster_files() -> dict[str, tuple[str, dict[str, Any]]]:
-    # K3 needs 1.56 TB of weights: H100 (80 GB) needs 4 nodes (TP32), H200 2 nodes, MI300X 2.
+    # K3 needs 1.56 TB of weights as MXFP4 experts: H100 (80 GB) needs 4 nodes (TP32), H200 2
+    # nodes; MI300X holds the experts as BF16 (see the module docstring): its variant's nodes.
+    amd_workers = MI300X.description.worker_nodes
     return {
         "cluster/aws-p5-h100.yaml": ("AWS p5.48xlarge, 8 x H100 per node; K3 needs 4 nodes",
                                      emit.aws_config("kimi-k3-p5", "p5.48xlarge", 4)),
@@ -105,8 +124,9 @@ def cluster_files() -> dict[str, tuple[str, dict[str, Any]]]:
                                       emit.aws_config("kimi-k3-p5e", "p5e.48xlarge", 2)),
         "cluster/gcp-a3-h100.yaml": ("GCP a3-highgpu-8g, 8 x H100 per node; K3 needs 4 nodes",
                                      emit.gcp_config("kimi-k3-a3", "a3-highgpu-8g", 4)),
-        "cluster/onprem-amd.yaml": ("on-premise MI300X (2 workers) or MI355X (keep 1 worker)",
-                                    emit.onprem_config("kimi-k3-amd", 2)),
+        "cluster/onprem-amd.yaml": (f"on-premise MI300X ({amd_workers} workers) or MI355X "
+                                    "(keep 1 worker)",
+                                    emit.onprem_config("kimi-k3-amd", amd_workers)),
     }
 
 

@@ -198,17 +198,18 @@ def test_calibrate_lists_every_anchor():
 
 
 def test_emit_writes_valid_configs(tmp_path: Path):
-    result = invoke("emit", "--gpu", "MI300X", "--nodes", "2", "--draft", "kimi-k3-dspark",
+    # MI300X holds K3's experts as BF16 in SGLang 0.5.23: 6 nodes is its smallest fleet.
+    result = invoke("emit", "--gpu", "MI300X", "--nodes", "6", "--draft", "kimi-k3-dspark",
                     "--model-ref", "/models/Kimi-K3", "--out-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
-    serve = yaml.safe_load((tmp_path / "serve-mi300x-2x8.yaml").read_text())
-    cluster = yaml.safe_load((tmp_path / "cluster-mi300x-2x8.yaml").read_text())
+    serve = yaml.safe_load((tmp_path / "serve-mi300x-6x8.yaml").read_text())
+    cluster = yaml.safe_load((tmp_path / "cluster-mi300x-6x8.yaml").read_text())
     validate_serve_config(serve)
     validate_cluster_config(cluster)
     app_cfg = serve["applications"][0]
     assert app_cfg["import_path"] == "serve_app.app:build_app"
     assert app_cfg["args"]["parallelism"] == {
-        "tp": 16, "ep": 16, "attention_dp": 1, "nodes": 2,
+        "tp": 48, "ep": 48, "attention_dp": 1, "nodes": 6,
     }
     # The args are the Serve app's own config tree: its model accepts them, and the placement
     # it derives is the plan's (one 8-GPU bundle per node, spread over the nodes).
@@ -217,13 +218,13 @@ def test_emit_writes_valid_configs(tmp_path: Path):
 
     app = AppConfig.model_validate(app_cfg["args"])
     # One CPU per rank (capacity.emit.CPUS_PER_RANK, as the shipped files).
-    assert app.bundles() == [{"CPU": 8.0, "GPU": 8.0}] * 2
+    assert app.bundles() == [{"CPU": 8.0, "GPU": 8.0}] * 6
     assert app.strategy == "STRICT_SPREAD"
     assert (app.engine.sglang.planner_model, app.engine.sglang.planner_draft) == (
         "kimi-k3", "kimi-k3-dspark")
     server_args = sglang_server_args(app)
     assert server_args["speculative_algorithm"] == "DSPARK"
-    assert server_args["tp_size"] == 16 and server_args["nnodes"] == 2
+    assert server_args["tp_size"] == 48 and server_args["nnodes"] == 6
     assert "--num-gpus=0" in cluster["head_start_ray_commands"][1]
     assert all("RAY_AUTH_MODE=token" in c for c in cluster["worker_start_ray_commands"][1:])
 
@@ -241,10 +242,11 @@ def test_emitted_files_start_a_replica(tmp_path: Path, gpu: str, vendor_env: set
     from serve_app.config import AppConfig
     from serve_app.engines.sglang.args import runtime_env_vars
 
-    result = invoke("emit", "--gpu", gpu, "--nodes", "2", "--draft", "kimi-k3-dspark",
+    nodes = 6 if gpu == "MI300X" else 2  # MI300X holds K3's experts as BF16 (6 nodes)
+    result = invoke("emit", "--gpu", gpu, "--nodes", str(nodes), "--draft", "kimi-k3-dspark",
                     "--model-ref", "/models/Kimi-K3", "--out-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
-    stem = f"{gpu.lower()}-2x8"
+    stem = f"{gpu.lower()}-{nodes}x8"
     serve = yaml.safe_load((tmp_path / f"serve-{stem}.yaml").read_text())
     cluster = yaml.safe_load((tmp_path / f"cluster-{stem}.yaml").read_text())
     app_cfg = serve["applications"][0]
@@ -305,12 +307,13 @@ def test_emit_refuses_layout_that_does_not_fit(tmp_path: Path):
 
 # Every GPU vendor the shipped files name (NVIDIA H100/H200/B300, AMD MI300X/MI355X) on 1, 2
 # and 4 nodes, at K3's full context; what the planner emits, with BF16 KV where one
-# full-context request fits and FP8 otherwise. The rest it must refuse.
+# full-context request fits and FP8 otherwise. The rest it must refuse: MI300X on all three,
+# since SGLang 0.5.23 holds K3's experts there as BF16 (capacity/sglang_k3_paths.py).
 FLEET_GPUS = ("H100", "H200", "B300", "MI300X", "MI355X")
 FLEET_NODES = (1, 2, 4)
 EMITTED_FLEETS = {
     ("H100", 4): "fp8", ("H200", 2): "fp8", ("H200", 4): "bf16", ("B300", 1): "bf16",
-    ("B300", 2): "bf16", ("B300", 4): "bf16", ("MI300X", 2): "bf16", ("MI300X", 4): "bf16",
+    ("B300", 2): "bf16", ("B300", 4): "bf16",
     ("MI355X", 1): "bf16", ("MI355X", 2): "bf16", ("MI355X", 4): "bf16",
 }
 
@@ -513,8 +516,10 @@ def test_every_fleet_plan_disagg_lists_is_emitted_by_its_command(tmp_path: Path)
                   # the flagship: its cheapest prefill side pipelines (PP2)
                   ["--context", "1M", "--gpus", "H200", "--max-nodes", "2",
                    "--output-tokens", "8192"],
+                  # MI325X: K3's checkpoint as SGLang 0.5.23 holds it there (BF16 experts),
+                  # the format the app's start-up check sizes a deployment with.
                   ["--context", "34K", "--gpus", "MI325X", "--output-tokens", "2048",
-                   "--ttft", "30", "--itl", "30", "--weights", "native,int4", "--top", "4"]):
+                   "--ttft", "30", "--itl", "30", "--top", "4"]):
         plan = invoke("plan", "--disagg", "--ttft", "1500", "--itl", "50", "--draft",
                       "kimi-k3-dspark", "--kv", "fp8", *extra, "--json")
         assert plan.exit_code == 0, plan.output

@@ -211,3 +211,102 @@ def test_the_path_tables_source_lines_say_what_the_table_claims():
     assert "MXFP4 Marlin requires SM90+" in line(mxfp4, 655)
     assert "flashinfer_mxfp4" in line("srt/arg_groups/model_overrides/kimi_k3.py", 190)
     assert '"situ"' in line("srt/layers/moe/moe_runner/triton_utils/fused_moe.py", 825)
+
+
+# --- the emitted files use the same table (capacity/sglang_k3_paths.py) ----------------------
+
+MIB_1M = 1_048_576
+
+
+def _describe(gpu: str, nodes: int, dp: int = 1):
+    from capacity import emit
+
+    gpus = load_gpus()
+    return emit.describe_layout(
+        describe_model("kimi-k3"), "/models/Kimi-K3",
+        emit.plain_layout(gpus[gpu], nodes, attention_dp=dp), MIB_1M, gpus[gpu],
+        draft=describe_model("kimi-k3-dspark"), draft_ref="/models/Kimi-K3-DSpark",
+        planner_refs=("kimi-k3", "kimi-k3-dspark"), levers=True)
+
+
+def test_emit_sizes_mi300x_with_the_bf16_experts_sglang_holds(env):
+    """describe_layout sizes a native-format MI300X layout as SGLang 0.5.23 holds it (BF16
+    experts, mxfp4.py:1115-1135): its running requests are running_fit's on the BF16 layout,
+    not the native one's; the header names the path and its source lines; 2 x 8 no longer
+    holds the weights."""
+    from capacity.config import Workload
+    from capacity.emit import plain_layout
+    from capacity.memory import memory_per_gpu, running_fit
+
+    k3, draft, gpus, _ = env
+    desc = _describe("MI300X", 6, dp=4)
+    header = " ".join(" ".join(desc.notes).split())
+    assert "SGLang 0.5.23 runs K3 on MI300X as bf16 experts / Triton" in header
+    assert "mxfp4.py:1115-1135" in header and "sized with BF16 experts" in header
+    assert "--weights bf16" in desc.command
+    native = plain_layout(gpus["MI300X"], 6, attention_dp=4).model_copy(update={
+        "mamba_strategy": "extra_buffer_lazy"})
+    held = native.model_copy(update={"weight_format": WeightFormat.BF16})
+    fit_held = running_fit(k3, held, gpus["MI300X"], MIB_1M, draft)
+    # running_fit (what the app's start-up check calls) sizes the native layout as held too,
+    # while memory_per_gpu prices the layout literally: MXFP4 experts leave more HBM free.
+    assert running_fit(k3, native, gpus["MI300X"], MIB_1M, draft) == fit_held
+    literal = [memory_per_gpu(k3, lay, Workload(context_length=MIB_1M), gpus["MI300X"], draft)
+               .worst_stage.free_for_requests for lay in (native, held)]
+    assert literal[0] > literal[1]
+    assert desc.sglang["max_mamba_cache_size"] == fit_held.mamba_cache_slots
+    assert f"{fit_held.free_bytes / 1e9:.1f} GB free after weights" in header
+    with pytest.raises(CapacityError, match="cannot serve one 1,048,576-token request"):
+        _describe("MI300X", 2)
+    # A GPU whose path keeps the MXFP4 experts is sized natively and says so without the upcast.
+    b300 = " ".join(" ".join(_describe("B300", 1).notes).split())
+    assert "runs K3 on B300 as MXFP4 W4A8 / trtllm-gen" in b300 and "upcast" not in b300
+
+
+def test_emit_refuses_a_gpu_without_a_path(monkeypatch):
+    """No runnable path: describe_layout refuses with a CapacityError naming the GPU, the
+    reason and the source lines (the planner's own reason string)."""
+    import capacity.sglang_k3_paths as k3_paths
+    from capacity.sglang_k3_paths import NotServable
+
+    paths = dict(load_k3_paths())
+    paths["MI355X"] = paths["MI355X"].model_copy(update={
+        "runnable": False, "experts_in_memory": "none", "path": "no kernel for this test"})
+    del paths["B300"]
+    monkeypatch.setattr(k3_paths, "packaged_paths", lambda: paths)
+    with pytest.raises(NotServable) as refused:
+        _describe("MI355X", 1)
+    message = str(refused.value)
+    assert isinstance(refused.value, CapacityError)
+    assert message.startswith("Kimi-K3 on MI355X: not servable by SGLang 0.5.23: no kernel")
+    assert SOURCE_LINE.search(message)
+    with pytest.raises(NotServable, match=r"B300: not servable: no SGLang 0\.5\.23 path"):
+        _describe("B300", 1)
+    # The CLI says the same and writes nothing.
+    result = CliRunner().invoke(app, ["emit", "--gpu", "B300", "--nodes", "1", "--context",
+                                      "1M", "--out-dir", "/nonexistent/never"])
+    assert result.exit_code == 2 and "not servable" in result.output
+
+
+def test_the_mi300x_variant_is_the_planners_smallest_mi300x_fleet(env):
+    """deployments/variants/kimi_dspark_mi300x.yaml: no MI300X layout of fewer nodes holds K3's
+    BF16 experts + DSpark + one 1M-token request (5 nodes: no TP over 40 GPUs divides 96
+    heads), and the variant is the cheapest 6-node row the planner ranks."""
+    from sglang_helpers import ROOT, generator
+
+    from capacity.targets import default_targets
+
+    k3, draft, gpus, prices = env
+    result = plan(k3, gpus, prices, MIB_1M, draft, allowed_gpus=["MI300X"],
+                  targets=default_targets(MIB_1M), levers=True)
+    smallest = min(r.layout.nodes for r in result.rows)
+    assert smallest == 6
+    cheapest = next(r for r in result.rows if r.layout.nodes == smallest)
+    variant = generator().MI300X
+    desc = variant.description
+    assert (desc.nodes, desc.tp, desc.attention_dp, desc.ep) == (
+        cheapest.layout.nodes, cheapest.layout.tp, cheapest.layout.attention_dp,
+        cheapest.layout.ep)
+    assert desc.sglang["max_running_requests"] >= 1
+    text = (ROOT / variant.file).read_text()
+    assert "bf16 experts / Triton" in text and "--weights bf16" in text

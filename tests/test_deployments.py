@@ -48,7 +48,7 @@ def test_variants_layouts() -> None:
         "kimi_dspark": ("H200", 2, 8, 16, "STRICT_SPREAD"),
         "kimi_dspark_b300": ("B300", 1, 8, 8, "STRICT_PACK"),
         "kimi_dspark_mi355x": ("MI355X", 1, 8, 8, "STRICT_PACK"),
-        "kimi_dspark_mi300x": ("MI300X", 2, 8, 16, "STRICT_SPREAD"),
+        "kimi_dspark_mi300x": ("MI300X", 6, 8, 48, "STRICT_SPREAD"),
     }
 
 
