@@ -147,6 +147,10 @@ class ServeDescription:
     ingress: dict[str, Any] = field(default_factory=lambda: {
         "max_tokens_limit": 32768, "max_ongoing_requests": 256})
     cpus_per_rank: float = CPUS_PER_RANK
+    # Variables SGLang's processes need for the K3 path on this GPU (capacity/data/
+    # sglang_k3_paths.csv `env`: SGLANG_USE_AITER picks AITER's MXFP4 MoE or the Triton
+    # runner on ROCm), beside the Ray ones.
+    env_vars: dict[str, str] = field(default_factory=dict)
     # Lines of the Serve file's header after its first: the command that writes it and the
     # planner's memory notes (why this KV dtype, what fits).
     command: str = EMIT_TOOL
@@ -236,8 +240,8 @@ def serve_file_config(desc: ServeDescription) -> dict[str, Any]:
             # SGLang's Ray backend selects its GPUs itself: Ray must not narrow the visible
             # devices (CUDA's, and HIP's on AMD), the variables the app's SGLang start-up check
             # requires (one table: capacity.ray_env).
-            "runtime_env": {"env_vars": sglang_ray_env(
-                desc.gpu, desc.sglang.get("ragged_verify_mode", "static"))},
+            "runtime_env": {"env_vars": {**sglang_ray_env(
+                desc.gpu, desc.sglang.get("ragged_verify_mode", "static")), **desc.env_vars}},
             "args": app_args(desc),
         }],
     }
@@ -491,6 +495,7 @@ def describe_layout(
         tp=layout.tp, ep=layout.ep,
         attention_dp=layout.attention_dp, pp=layout.pp, dcp=layout.dcp, replicas=replicas,
         served_model_name=model.name.lower(), what=what,
+        env_vars=path.env_vars() if path is not None else {},
         notes=(path_notes + memory_notes(fit, other, layout.gpu, max_running_requests(draft))
                + verify_notes
                + lever_notes + (tuple(_wrap(known[2] + ".")) if known is not None else ())))

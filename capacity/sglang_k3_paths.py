@@ -108,6 +108,8 @@ def path_note(path: SglangK3Path, layout: Layout) -> str:
     note = f"SGLang 0.5.23 runs K3 on {path.gpu} as {path.label} ({path.decided_by})"
     if path.flags:
         note += f"; needs {path.flags}"
+    if path.env:
+        note += f"; the runtime_env sets {path.env} (srt/layers/quantization/mxfp4.py:200)"
     if upcast:
         note += ("; the MXFP4 experts are upcast to BF16 at load, so this file is sized with "
                  "BF16 experts")

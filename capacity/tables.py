@@ -107,6 +107,21 @@ class SglangK3Path(BaseModel):
     path: str = Field(min_length=1)
     decided_by: str = Field(min_length=1)
     note: str = ""
+    env: str = Field(default="", description=(
+        "NAME=VALUE pairs (space-separated) SGLang's processes need for this path; emit writes "
+        "them into the Serve file's runtime_env"))
+
+    @field_validator("env")
+    @classmethod
+    def _env_pairs(cls, value: str) -> str:
+        for pair in value.split():
+            name, sep, _ = pair.partition("=")
+            if not sep or not name:
+                raise ValueError(f"env {pair!r} is not NAME=VALUE")
+        return value
+
+    def env_vars(self) -> dict[str, str]:
+        return dict(pair.split("=", 1) for pair in self.env.split())
 
 
 def _parse_loose_date(value: str) -> date:

@@ -244,6 +244,8 @@ def test_emit_sizes_mi300x_with_the_bf16_experts_sglang_holds(env):
     assert "SGLang 0.5.23 runs K3 on MI300X as bf16 experts / Triton" in header
     assert "mxfp4.py:1115-1135" in header and "sized with BF16 experts" in header
     assert "--weights bf16" in desc.command
+    # Without AITER (mxfp4.py:200) SGLang takes the Triton path the file is sized for.
+    assert desc.env_vars == {"SGLANG_USE_AITER": "0"}
     native = plain_layout(gpus["MI300X"], 6, attention_dp=4).model_copy(update={
         "mamba_strategy": "extra_buffer_lazy"})
     held = native.model_copy(update={"weight_format": WeightFormat.BF16})
@@ -310,3 +312,21 @@ def test_the_mi300x_variant_is_the_planners_smallest_mi300x_fleet(env):
     assert desc.sglang["max_running_requests"] >= 1
     text = (ROOT / variant.file).read_text()
     assert "bf16 experts / Triton" in text and "--weights bf16" in text
+
+
+def test_shipped_amd_files_set_the_aiter_switch_their_path_needs():
+    """SGLANG_USE_AITER decides the ROCm path (srt/layers/quantization/mxfp4.py:200,
+    1443-1446): on for MI355X's MXFP4 AITER MoE, off for MI300X's BF16 Triton one; the Serve
+    file's runtime_env carries it, the NVIDIA files carry nothing of it."""
+    import yaml
+    from sglang_helpers import ROOT
+
+    def env(rel: str) -> dict[str, str]:
+        data = yaml.safe_load((ROOT / rel).read_text())
+        return data["applications"][0]["runtime_env"]["env_vars"]
+
+    assert env("deployments/variants/kimi_dspark_mi355x.yaml")["SGLANG_USE_AITER"] == "1"
+    assert env("deployments/variants/kimi_dspark_mi300x.yaml")["SGLANG_USE_AITER"] == "0"
+    for rel in ("deployments/kimi_dspark.yaml", "deployments/variants/kimi_dspark_b300.yaml"):
+        assert "SGLANG_USE_AITER" not in env(rel)
+    assert load_k3_paths()["MI355X"].env_vars() == {"SGLANG_USE_AITER": "1"}
