@@ -135,6 +135,8 @@ def anchors() -> list[Anchor]:
     gb200_pp16 = Layout(gpu="GB200", nodes=4, tp=1, pp=16, ep=1)  # the published prefill cell
     gb200_tp16 = _layout("GB200", 4, 4, 16, ep=1)
     gb200_pp2 = Layout(gpu="GB200", nodes=4, tp=8, pp=2, ep=1)
+    gb200_dcp8_dp2 = Layout(gpu="GB200", nodes=4, tp=16, attention_dp=2, ep=16, dcp=8)
+    gb200_dcp16 = Layout(gpu="GB200", nodes=4, tp=16, ep=16, dcp=16)
     mi325x = _layout("MI325X", 8, 1, 8, ep=1)  # vLLM TP8 without expert parallel
     # K2 disaggregated: one prefill group of 4 nodes and one decode group of 12 nodes, both
     # DP-attention + EP over the whole group (the SGLang large-EP recipe).
@@ -269,13 +271,22 @@ def anchors() -> list[Anchor]:
                "modeled at 125; a cross-check, not fitted (as above)",
                user_rate(gb200_tp16, None, 8192 + 512, concurrency=125), gpu="GB200",
                fitted=False, **sglang),
+        # The DCP cells, now that the time model has decode context parallelism (KV read and
+        # MLA attention / dcp plus two collectives per MLA layer: capacity/timing.py): the
+        # same day-0 decode as the cells above, so cross-checks, not fitted.
         Anchor("K3 16xGB200 DCP8 x dp2 + EP16 decode, c=256", 25.4, "tok/s per user",
-               SGLANG_GB200_DECODE, "not modeled: decode context parallelism (--dcp-size) is "
-               "not in the time model yet (145.5 out tok/s per GPU beside it)", None,
-               gpu="GB200", **sglang),
+               SGLANG_GB200_DECODE,
+               "as above; DCP8 inside each of 2 attention-DP groups of TP8, EP16 (--dcp-size 8 "
+               "--dp 2 --ep-size 16), 256 running (145.5 out tok/s per GPU beside it); the DCP "
+               "collectives' cost is the planner's estimate (no published K3 DCP step "
+               f"breakdown); {GB200_DECODE_CROSS_CHECK}",
+               user_rate(gb200_dcp8_dp2, None, 8192 + 512, concurrency=256), gpu="GB200",
+               fitted=False, **sglang),
         Anchor("K3 16xGB200 DCP16 + EP16 decode, c=8", 39.7, "tok/s per user",
-               SGLANG_GB200_DECODE, "not modeled: decode context parallelism", None,
-               gpu="GB200", **sglang),
+               SGLANG_GB200_DECODE,
+               "as above; TP16 with DCP16 and EP16; a cross-check, not fitted (as above)",
+               user_rate(gb200_dcp16, None, 8192 + 512, concurrency=8), gpu="GB200",
+               fitted=False, **sglang),
         # --- MI325X (gfx942) ---
         Anchor("K3 8xMI325X prefill, 36k prompt", 6537, "prefill tok/s (8 GPUs)", VLLM_MI325X,
                "'36k' read as one 36,864-token prompt; an unmerged vLLM patch, not SGLang "
@@ -287,18 +298,19 @@ def anchors() -> list[Anchor]:
                "published", None, gpu="MI325X", engine="vLLM (PR)"),
         # --- the PD / DCP frontier (LMSYS): layouts the time model cannot express yet ---
         Anchor("K3 PD 2xPP8 prefill -> 2xDCP8 decode", 2633, "tok/s per GPU", LMSYS_K3_DAY0,
-               "not modeled: decode context parallelism (--dcp-size) is not in the time model "
-               "yet, and the ISL/OSL, GPU type (the blog's other runs are 2 x 4 GB300) and "
-               "whether tok/s counts input are not stated", None, gpu="GB300", **sglang),
+               "not modeled: a PD frontier point: the ISL/OSL, GPU type (the blog's other runs "
+               "are 2 x 4 GB300), the load and whether tok/s counts input are not stated, so "
+               "no `plan --disagg` fleet can be set beside it", None, gpu="GB300", **sglang),
         Anchor("K3 PD PP8 -> TP8, 1P:1D, fp4", 2808, "tok/s per GPU", LMSYS_K3_DAY0,
-               "not modeled: PP8 chunked prefill is not priced (the planner's prefill sums "
-               "pipeline stages), ISL/OSL and GPU type are not stated", None, gpu="GB300",
-               **sglang),
+               "not modeled: a PD frontier point: ISL/OSL, GPU type and load are not stated",
+               None, gpu="GB300", **sglang),
         Anchor("K3 PD PP8 -> 4 x TP8 decode", 86, "tok/s per user", LMSYS_K3_DAY0,
                "not modeled: 'out past 86 tok/s per user' is read off a figure, load not stated",
                None, gpu="GB300", **sglang),
         Anchor("K3 2x4 GB300 DCP8 + HiCache, 48 agent sessions", 541, "tok/s", LMSYS_K3_DAY0,
-               "not modeled: DCP8 and a host KV tier replaying coding-agent sessions", None,
+               "not modeled: the HiCache host tier's reuse of an agent's prefix between turns "
+               "(no TTFT or throughput credit in the planner) on sessions whose lengths and "
+               "turns are not stated", None,
                gpu="GB300", **sglang),
         Anchor("K3 GB300 Dynamo aggregated", 84, "tok/s per GPU",
                "NVIDIA Dynamo Kimi-K3 recipe (ai-dynamo/dynamo recipes/kimi-k3, refreshed in "

@@ -47,10 +47,31 @@ def test_cross_checks_say_why_they_are_not_fitted():
     assert summary["k3_cross_check"]["modeled"] == sum(1 for a in cross if a.model == "K3")
 
 
-def test_the_pd_and_dcp_frontier_is_listed_but_not_modeled():
-    frontier = [a for a in anchors() if a.name.startswith("K3 PD") or "DCP" in a.name]
+def test_the_pd_frontier_is_listed_but_not_modeled():
+    frontier = [a for a in anchors() if a.name.startswith("K3 PD") or "HiCache" in a.name]
     assert len(frontier) >= 3
     assert all(a.predict is None and "not modeled" in a.assumption for a in frontier)
+
+
+def test_the_gb200_dcp_cells_are_predicted_as_cross_checks():
+    """The GB200 DCP decode cells run through the time model's DCP (KV and MLA attention over
+    dcp ranks): printed beside the measurement, not fitted (the same day-0 decode as the other
+    GB200 decode cells)."""
+    from capacity.config import Layout
+    from capacity.families import describe_model
+    from capacity.timing import decode_rate
+
+    rows = {r.anchor.name: r for r in evaluate() if "GB200 DCP" in r.anchor.name}
+    assert len(rows) == 2
+    for row in rows.values():
+        assert row.anchor.predict is not None and not row.anchor.fitted
+        # Like the other day-0 GB200 decode cells, the model is faster than the measurement.
+        assert row.predicted is not None and row.error is not None and row.error > 0
+    # At 8.7k tokens the DCP16 collectives cost more than the 1/16 KV read saves: the same
+    # layout without DCP decodes faster in the model.
+    plain = decode_rate(describe_model("kimi-k3"), Layout(gpu="GB200", nodes=4, tp=16, ep=16),
+                        load_gpus()["GB200"], 8, 8192 + 512, None, None).per_user_tokens_s
+    assert rows["K3 16xGB200 DCP16 + EP16 decode, c=8"].predicted < plain
 
 
 def test_b300_tok_s_per_gpu_is_input_plus_output():
