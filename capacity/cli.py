@@ -6,7 +6,7 @@ import csv
 import json
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import date
 from functools import wraps
 from pathlib import Path
@@ -47,7 +47,7 @@ from capacity.planner import (
     explain_infeasible,
     plan,
 )
-from capacity.sglang_k3_paths import NotServable, runnable_path, served_layout
+from capacity.sglang_k3_paths import NotServable, k3_paths_for, runnable_path, served_layout
 from capacity.sglang_recipe import TRANSFER_BACKENDS
 from capacity.tables import (
     GpuSpec,
@@ -437,9 +437,11 @@ def _sglang_path_line(target: ModelDescriptor, layout: Layout, gpu: GpuSpec) -> 
     return line
 
 
-def _plan_notes(rows: list[dict[str, Any]]) -> list[str]:
-    """Under a plan table: the K3 anchor marker's meaning and, per GPU type shown, the path
-    SGLang 0.5.23 runs K3 with and the source lines that decide it."""
+def _plan_notes(rows: list[dict[str, Any]], target: ModelDescriptor,
+                planned: Sequence[str] = ()) -> list[str]:
+    """Under a plan table: the K3 anchor marker's meaning and, per GPU type shown or
+    `planned`, the path SGLang 0.5.23 runs K3 with and the source lines that decide it (a GPU
+    with no path is among the plan's rejected ones, with its reason)."""
     lines = []
     if any(not r["k3_anchor"] for r in rows):
         lines.append(f"{NO_ANCHOR_MARK.strip()} no published K3 measurement on this GPU type "
@@ -450,6 +452,12 @@ def _plan_notes(rows: list[dict[str, Any]]) -> list[str]:
             seen.add(r["gpu"])
             lines.append(f"{r['gpu']}: SGLang 0.5.23 runs K3 as {r['sglang_path']} "
                          f"({r['sglang_path_source']})")
+    paths = k3_paths_for(target, None) or {}
+    for gpu in planned:
+        path = paths.get(gpu.upper())
+        if gpu.upper() not in {g.upper() for g in seen} and path is not None and path.runnable:
+            lines.append(f"{gpu}: SGLang 0.5.23 runs K3 as {path.label} ({path.decided_by}); "
+                         "none of its rows is shown (--per-gpu N shows N per GPU)")
     return lines
 
 
@@ -544,6 +552,8 @@ def plan_cmd(
     allowed = _split(gpus) or None
     for name in allowed or []:
         gpu_spec(gpu_specs, name)
+    # The GPUs this plan prices, each named under the table with its SGLang path.
+    planned = [gpu_spec(gpu_specs, name).gpu for name in allowed] if allowed else []
     if disagg:
         if images.per_request:
             raise CapacityError("--disagg does not price images yet: plan them without "
@@ -622,7 +632,7 @@ def plan_cmd(
         if missed_dicts:
             print("\n" + _markdown(missed_dicts, "missing the targets"))
         print(f"\n{_price_age_line(used_prices)}")
-        for note in _plan_notes(dicts + missed_dicts):
+        for note in _plan_notes(dicts + missed_dicts, target, planned):
             print(f"\n{note}")
         return
     goal = "" if targets is None else f", {targets.context_class} targets: {targets.label()}"
@@ -642,7 +652,7 @@ def plan_cmd(
               "r x: the host tier, with the full-context sessions it parks per replica); "
               "--no-levers plans without them", highlight=False)
     out.print(_price_age_line(used_prices))
-    for note in _plan_notes(dicts + missed_dicts):
+    for note in _plan_notes(dicts + missed_dicts, target, planned):
         out.print(note, soft_wrap=True, highlight=False)
     for gpu, data in vision_rows.items():
         out.print(f"{gpu}: {_vision_line(data, gpu)}", soft_wrap=True, highlight=False)

@@ -157,6 +157,18 @@ def test_plan_says_what_runs_on_mi300x_with_the_source_line():
     assert "\u2020 no published K3 measurement" in result.output
 
 
+def test_every_planned_gpu_gets_its_path_line_shown_or_not():
+    """The issue's command as written: MI300X has no row among those shown, and its SGLang path
+    is still named with its source lines."""
+    result = invoke("plan", "--context", "1M", "--workload", "agent", "--gpus",
+                    "H200,B300,GB300,MI300X,MI355X")
+    assert result.exit_code == 0, result.output
+    line = next(ln for ln in result.output.splitlines() if ln.startswith("MI300X: "))
+    assert "bf16 experts" in line and "mxfp4.py:1115-1135" in line
+    assert "none of its rows is shown" in line
+    assert "DCP" in result.output and "HiCache" in result.output
+
+
 def test_workload_and_acceptance_flags():
     data = json.loads(invoke("plan", "--context", "128K", "--gpus", "B300", "--draft",
                              "kimi-k3-dspark", "--workload", "code", "--json").output)
