@@ -51,7 +51,7 @@ rank's K3State holds its own heads' KDA states and the (replicated) latent MLA c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -161,6 +161,12 @@ class LayerStates(Protocol):
 
     def mla(self, layer: int, attn: K3MLA, x: torch.Tensor) -> torch.Tensor: ...
 
+    def per_token(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+                  ) -> torch.Tensor:
+        """fn (a position-wise block: the MLP or MoE) over x [B, T, H]; where rows are padded,
+        over their tokens only (a pad's output is never read: every block is causal)."""
+        ...
+
 
 class DenseStates:
     """LayerStates over a K3State (read, not modified) into `new_state` (a K3State, or a
@@ -183,6 +189,10 @@ class DenseStates:
     def mla(self, layer: int, attn: K3MLA, x: torch.Tensor) -> torch.Tensor:
         y, self.new_state.mla[layer] = attn(x, self.state.mla.get(layer))
         return y
+
+    def per_token(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+                  ) -> torch.Tensor:
+        return fn(x)  # dense rows are never padded
 
 
 # --- decoder layer -------------------------------------------------------------------------------
@@ -247,12 +257,12 @@ class K3DecoderLayer(nn.Module):
         m_in = self.post_attention_layernorm(
             attn_res_mix([*bank, p], self.mlp_res_norm, self.mlp_res_proj)
         )
-        return p + self.mlp(m_in)
+        return p + states.per_token(self.mlp, m_in)
 
     def forward_plain(self, h: torch.Tensor, states: LayerStates) -> torch.Tensor:
         """The plain pre-norm residual layer (attn_res_block_size null)."""
         h = h + self.attention(self.input_layernorm(h), states)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + states.per_token(self.mlp, self.post_attention_layernorm(h))
 
 
 # --- model ---------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ slot for the prefix cache, which decides when and what to evict (prefix_cache.py
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
 import torch
@@ -315,6 +315,20 @@ class PagedStates:
         self.cache, self.counts, self.batch, self.verify = cache, counts, batch, verify
         self.slots = torch.tensor([cache.states.slot(r) for r in rids], dtype=torch.long,
                                   device=cache.device)
+        # Packed when rows are padded: a ragged verify pads every row to the longest window
+        # (a one-request probe widens a 16-request batch from 16 tokens to 128), and the
+        # MLP and MoE, a position-wise third of a decode forward, then run on real tokens only.
+        width = batch.valid.shape[1]
+        self.packed = (batch.valid.nonzero(as_tuple=True)
+                       if sum(counts) < len(counts) * width else None)
+
+    def per_token(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+                  ) -> torch.Tensor:
+        if self.packed is None:
+            return fn(x)
+        out = x.new_zeros(x.shape)
+        out[self.packed] = fn(x[self.packed][None])[0]
+        return out
 
     def mla(self, layer: int, attn: K3MLA, x: torch.Tensor) -> torch.Tensor:
         pool = self.cache.latent.buffers["latent"][self.cache.mla_index[layer]]
