@@ -69,6 +69,15 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True)
 
+
+@app.callback()
+def _consoles_for_this_command() -> None:
+    """Build the consoles when a command runs: a Console reads COLUMNS once, when it is made, so
+    consoles made at import keep the width of whatever environment imported the module."""
+    global out, err
+    out = Console()
+    err = Console(stderr=True)
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
