@@ -309,10 +309,13 @@ def _tp_job(engine: EngineCore, prompts: list[list[int]]) -> tuple:
 @pytest.mark.slow
 def test_tp2_matches_tp1_on_the_hybrid(pair: tuple[Path, Path]) -> None:
     prompts = prompts_crossing_chunks()[3:7]
-    single = engine_from(pair, engine=CHUNKED, kda_rollback="replay")
+    # Fixed windows: the statistics are compared across engines, and the adaptive budget's
+    # windows follow each engine's measured step times (CI: 92 verifies against 91).
+    single = engine_from(pair, engine=CHUNKED, kda_rollback="replay", adaptive=False)
     expected = [o.token_ids for o in single.generate(prompts, GREEDY)]
     cfg = ReferenceEngineConfig(kv_capacity_tokens=4096, **CHUNKED,
-                                speculation={"kda_rollback": "replay"},  # type: ignore[arg-type]
+                                speculation={"kda_rollback": "replay",  # type: ignore[arg-type]
+                                             "adaptive": False},
                                 prefix_cache={"enabled": True, "snapshot_interval": 32,
                                               "decode_snapshot_interval": 32})
     tokens, stats, slot_bytes, again, cached = run_tensor_parallel(pair, cfg, 2, _tp_job,
