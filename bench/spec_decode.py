@@ -27,7 +27,8 @@ DSpark speculation (the adaptive budget, as the engine runs by default), alterna
   drafts) summed over requests;
 - greedy only: whether speculative outputs are identical to target-only outputs (lossless);
 - a per-call time breakdown: target decode forward (1 token), verify forward (1 + gamma),
-  draft propose, commit (cache rollback + draft context append).
+  draft propose (with the draft context rows it writes for the tokens since it last drafted),
+  commit (cache rollback).
 
 `--pair random` builds a target and a draft of the same shapes with random weights on the fly:
 its acceptance is meaningless (about 1) and it is labelled as such; it shows the engine's cost
@@ -42,8 +43,9 @@ roll back partially, `--proposer oracle-partial` (the default here) keeps the DS
 running (timed) but replaces its tokens by the target's greedy continuation with a uniform
 0..gamma of them right (`--proposer dspark`: the random draft's own, ~0 accepted). Reported per
 variant: tok/s, acceptance, lossless, per step (full verify windows) the verify forward, the
-commit split into HybridCache.commit (the KDA state copy or replay) and the rest (the draft
-context append), the verify scratch per request measured from the windows' tensors beside the
+commit split into HybridCache.commit (the KDA state copy or replay) and the rest (allocator
+truncation, holding the draft's taps; the draft's context rows are written inside its propose),
+the verify scratch per request measured from the windows' tensors beside the
 state slot; then what the capacity planner says each strategy costs for the real K3 on
 2 x 8 H200 (TP16). A table, then the report as one JSON line.
 
@@ -511,7 +513,7 @@ def window_bytes(windows: dict[int, Any]) -> tuple[int, int, int]:
 
 
 class OracleDrafts:
-    """`--proposer oracle-partial`: the draft still runs (its propose and its context append are
+    """`--proposer oracle-partial`: the draft still runs (its propose and its context writes are
     timed as for DSpark), then its tokens are replaced by the target's own greedy continuation
     (a reference decoded once per prompt, target-only), of which the first n stay right and
     the rest are made wrong; n is uniform in 0..gamma, a function of (prompt, position) only,
@@ -544,7 +546,7 @@ class OracleDrafts:
 class StepLog:
     """Per verify step (batch 1): the verify forward's time and width, the commit's time split
     into HybridCache.commit (the KDA state copy or replay, and the latent truncation) and the
-    rest (allocator truncation, the draft's context append), the drafts accepted; and the
+    rest (allocator truncation, the draft's taps held for its context), the drafts accepted; and the
     verify scratch the windows hold per request, by window width."""
 
     def __init__(self) -> None:
@@ -623,8 +625,9 @@ def make_k3_engine(target: Path, draft: Path, rollback: str | None, timer: CallT
         runner.cache.commit = timer.wrap(  # type: ignore[method-assign]
             "commit_kda_truncate", runner.cache.commit)
         assert runner.proposer is not None
-        runner.proposer.append = timer.wrap(  # type: ignore[method-assign]
-            "commit_draft_append", runner.proposer.append)
+        # The draft's context rows are written when it next drafts (inside draft_propose).
+        runner.proposer.settle = timer.wrap(  # type: ignore[method-assign]
+            "draft_context_write", runner.proposer.settle)
     return engine
 
 
@@ -885,7 +888,7 @@ def print_k3_table(report: dict[str, Any]) -> None:
         print(f"ms per call; verify/commit/truncate/rest/v+c: full windows "
               f"({vs['scratch']['window_rows']} rows) only; "
               "truncate = HybridCache.commit (KDA state copy or replay + latent truncation), "
-              "rest = the rest of commit (allocator truncation, draft context append); "
+              "rest = the rest of commit (allocator truncation, the draft's taps held); "
               "dec tok/s: aggregate, without the prefill forwards and their first tokens; "
               "decode: the target-only decode forward")
         for v in ("scratch", "replay"):

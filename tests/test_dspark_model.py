@@ -499,3 +499,47 @@ def test_cli_config_error_has_no_traceback(tmp_path: Path, capsys: pytest.Captur
 
 def test_dtype_names_cover_torch_floats() -> None:
     assert DTYPE_NAMES[torch.bfloat16] == "BF16" and DTYPE_NAMES[torch.float32] == "F32"
+
+
+def test_the_proposer_writes_held_context_rows_when_it_next_drafts() -> None:
+    """A plain step only holds the draft's taps (DSparkProposer.append); the rows are written
+    when the request is next drafted for, exported or shared, as if written every step."""
+    from types import SimpleNamespace
+
+    from serve_app.engines.reference.proposer import HOLD_STEPS, DSparkProposer
+    from serve_app.engines.reference.sampling import SamplingParams
+    from serve_app.models.kv_cache import PagedAllocator
+
+    draft = make_draft(seed=5)
+    cfg = draft.config
+    g = torch.Generator().manual_seed(11)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    tap_dim = len(cfg.target_layer_ids) * cfg.target_hidden_size
+    holding, writing = (DSparkProposer(draft, embed, lm_head, PagedAllocator(1024, 4))
+                        for _ in range(2))
+    rids = ["a", "b"]
+    for p in (holding, writing):
+        for rid in rids:
+            p.add(rid)
+    written = 0
+    for n in (9, 1, 3, 1, 1):  # a prefill chunk, then decode and verify steps
+        rows = [torch.randn(n, tap_dim, generator=g) for _ in rids]
+        written += n
+        for p in (holding, writing):
+            for rid in rids:  # the target's forward took the pages
+                p.cache.allocator.reserve(rid, written)
+            p.append(rids, rows)
+        writing.settle(rids)
+        assert holding.cache.length("a") == 0 and writing.cache.length("a") == written
+    greedy = SamplingParams(temperature=0.0)
+    seq = SimpleNamespace(request_id="a", anchor=3, params=greedy, generator=None)
+    torch.testing.assert_close(holding.propose([seq]).logits, writing.propose([seq]).logits)
+    assert holding.cache.length("a") == 15 and holding.cache.length("b") == 0
+    for name, rows in holding.export("b").items():  # an export writes what it held
+        torch.testing.assert_close(rows, writing.export("b")[name])
+    # A request never drafted for holds at most HOLD_STEPS steps of rows.
+    for _ in range(HOLD_STEPS):
+        holding.cache.allocator.reserve("a", holding.cache.allocator.length("a") + 1)
+        holding.append(["a"], [torch.randn(1, tap_dim, generator=g)])
+    assert holding.cache.length("a") == 15 + HOLD_STEPS and not holding.held.get("a")

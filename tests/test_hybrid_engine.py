@@ -118,9 +118,11 @@ def test_a_batch_above_the_speculation_limit_decodes_plainly_and_stays_exact(
         decoded.append(len(seqs))
         ok = decode(seqs)
         # The draft's context holds every committed token but the anchor (its taps come
-        # with the next forward), after plain steps and speculative ones alike.
+        # with the next forward), after plain steps and speculative ones alike: written as
+        # rows, or held until it next drafts for the request.
         for seq in ok:
-            assert proposer.cache.length(seq.request_id) == seq.num_cached
+            held = sum(len(t) for t in proposer.held.get(seq.request_id, []))
+            assert proposer.cache.length(seq.request_id) + held == seq.num_cached
         return ok
 
     runner.propose = counting_propose  # type: ignore[method-assign]

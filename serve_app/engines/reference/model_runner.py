@@ -130,6 +130,8 @@ class ModelRunner:
             return
         if self.prefix is not None:
             if donate:
+                if self.proposer is not None:
+                    self.proposer.settle([rid])
                 self.prefix.store(rid, donate, self.allocator.pages(rid))
             self.prefix.unlock(rid)
         for state in self.windowed:
@@ -241,13 +243,16 @@ class ModelRunner:
     def _commit(self, rids: Sequence[Hashable], lengths: Sequence[int],
                 tap_rows: Sequence[int],
                 cache_at: dict[Hashable, list[int]] | None = None) -> None:
-        if cache_at and self.prefix is not None:
-            for rid, tokens in cache_at.items():
-                self.prefix.store(rid, tokens, self.allocator.pages(rid))
         if self.proposer is not None and self._taps is not None:
             index = {rid: b for b, rid in enumerate(self._tap_rids)}
             taps = [self._taps[index[rid], :n] for rid, n in zip(rids, tap_rows, strict=True)]
             self.proposer.append(rids, taps)
+        if cache_at and self.prefix is not None:
+            if self.proposer is not None:
+                # Another request matching these pages reads the draft's rows in them too.
+                self.proposer.settle(list(cache_at))
+            for rid, tokens in cache_at.items():
+                self.prefix.store(rid, tokens, self.allocator.pages(rid))
         for state in self.windowed:
             state.commit(rids, lengths)
         for rid, n in zip(rids, lengths, strict=True):

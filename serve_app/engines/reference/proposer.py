@@ -1,9 +1,11 @@
 """Draft proposers behind one interface: the DSpark draft, or anything a test plugs in.
 
 A proposer sees the target's taps for every committed token (`append`) and proposes gamma
-tokens per request after its anchor (`propose`). It is windowed state (target.py): `commit`
-keeps a prefix of what it holds, like the target's cache. On tensor-parallel followers only the part
-with collectives runs (`follow_propose`); drafts are chosen on rank 0.
+tokens per request after its anchor (`propose`). It may hold taps back until it next drafts
+for the request (`settle` writes them; the runner settles a request before its pages are shared
+through the prefix cache). It is windowed state (target.py): `commit` keeps a prefix of what it
+holds, like the target's cache. On tensor-parallel followers only the part with collectives
+runs (`follow_propose`); drafts are chosen on rank 0.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from serve_app.engines.reference.sequence import Sequence
 from serve_app.models.dspark import DraftMask, DraftOutput, DSparkDraft
 from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
 
+# The most steps of taps a request holds back before they are written anyway (a request the
+# budget never drafts for keeps no more than this many rows in memory twice).
+HOLD_STEPS = 64
+
 
 class Proposer(Protocol):
     gamma: int
@@ -31,6 +37,9 @@ class Proposer(Protocol):
 
     def append(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
         """Rows of the target's committed tokens, in order, per request."""
+
+    def settle(self, rids: Seq[Hashable]) -> None:
+        """Whatever `append` held back of `rids` is in their pages from now on."""
 
     def commit(self, rids: Seq[Hashable], lengths: Seq[int]) -> None:
         """Keep `lengths[i]` tokens of rids[i] (target.py's WindowedState)."""
@@ -70,16 +79,23 @@ class DSparkProposer:
         self.cache: PagedKVCache = draft.new_cache(
             allocator.capacity_tokens, allocator.page_size, allocator=allocator
         )
+        # Taps of committed tokens not yet in the context cache, per request, in order. The
+        # context rows are written when the request is next drafted for (or its pages are
+        # exported or shared), so a step the verify budget decodes plainly only keeps its
+        # taps: writing every request's row every step cost a plain step at 16 requests 2-3%.
+        self.held: dict[Hashable, list[torch.Tensor]] = {}
 
     def add(self, rid: Hashable, cached: int = 0) -> None:
         self.cache.add(rid, cached)
 
     def free(self, rid: Hashable) -> None:
+        self.held.pop(rid, None)
         if rid in self.cache:
             self.cache.free(rid)
 
     def export(self, rid: Hashable) -> dict[str, torch.Tensor]:
         # The context rows (k/v of every draft layer) of the committed tokens.
+        self.settle([rid])
         return self.cache.export(rid)
 
     def adopt(self, rid: Hashable, entries: dict[str, torch.Tensor]) -> None:
@@ -88,7 +104,21 @@ class DSparkProposer:
     def append(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
         rows = [t for t in taps if t is not None]
         assert len(rows) == len(rids), "DSpark needs the target's taps for every commit"
-        self.draft.append_context(self.cache, rids, rows)
+        full = []
+        for rid, row in zip(rids, rows, strict=True):
+            # A copy: the rows are views of the whole forward's taps.
+            held = self.held.setdefault(rid, [])
+            held.append(row.clone())
+            if len(held) >= HOLD_STEPS:
+                full.append(rid)
+        self.settle(full)
+
+    def settle(self, rids: Seq[Hashable]) -> None:
+        """One batched projection of every held-back row of `rids`."""
+        ready = [rid for rid in dict.fromkeys(rids) if rid in self.held]
+        if ready:
+            rows = [torch.cat(self.held.pop(rid)) for rid in ready]
+            self.draft.append_context(self.cache, ready, rows)
 
     def commit(self, rids: Seq[Hashable], lengths: Seq[int]) -> None:
         # The draft caches context rows of committed tokens only (`append`), so none of its
@@ -98,6 +128,7 @@ class DSparkProposer:
 
     def propose(self, seqs: Seq[Sequence], masks: DraftMask | None = None) -> DraftOutput:
         rids = [s.request_id for s in seqs]
+        self.settle(rids)
         anchors = torch.tensor([s.anchor for s in seqs])
         temps = torch.tensor([0.0 if s.params.greedy else s.params.temperature for s in seqs])
         return self.draft.draft(self.cache, rids, anchors, self.embed_tokens, self.lm_head,
@@ -105,4 +136,5 @@ class DSparkProposer:
 
     @torch.no_grad()
     def follow_propose(self, rids: Seq[Hashable], anchors: torch.Tensor) -> None:
+        self.settle(rids)
         self.draft.block_hidden(self.cache, rids, anchors, self.embed_tokens)
