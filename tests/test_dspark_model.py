@@ -506,7 +506,7 @@ def test_the_proposer_writes_held_context_rows_when_it_next_drafts() -> None:
     when the request is next drafted for, exported or shared, as if written every step."""
     from types import SimpleNamespace
 
-    from serve_app.engines.reference.proposer import HOLD_STEPS, DSparkProposer
+    from serve_app.engines.reference.proposer import HOLD_TOKENS, DSparkProposer
     from serve_app.engines.reference.sampling import SamplingParams
     from serve_app.models.kv_cache import PagedAllocator
 
@@ -516,7 +516,7 @@ def test_the_proposer_writes_held_context_rows_when_it_next_drafts() -> None:
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
     tap_dim = len(cfg.target_layer_ids) * cfg.target_hidden_size
-    holding, writing = (DSparkProposer(draft, embed, lm_head, PagedAllocator(1024, 4))
+    holding, writing = (DSparkProposer(draft, embed, lm_head, PagedAllocator(2048, 4))
                         for _ in range(2))
     rids = ["a", "b"]
     for p in (holding, writing):
@@ -538,8 +538,9 @@ def test_the_proposer_writes_held_context_rows_when_it_next_drafts() -> None:
     assert holding.cache.length("a") == 15 and holding.cache.length("b") == 0
     for name, rows in holding.export("b").items():  # an export writes what it held
         torch.testing.assert_close(rows, writing.export("b")[name])
-    # A request never drafted for holds at most HOLD_STEPS steps of rows.
-    for _ in range(HOLD_STEPS):
-        holding.cache.allocator.reserve("a", holding.cache.allocator.length("a") + 1)
-        holding.append(["a"], [torch.randn(1, tap_dim, generator=g)])
-    assert holding.cache.length("a") == 15 + HOLD_STEPS and not holding.held.get("a")
+    # A request never drafted for holds at most HOLD_TOKENS tokens of rows.
+    for n in (HOLD_TOKENS - 1, 1):
+        holding.cache.allocator.reserve("a", holding.cache.allocator.length("a") + n)
+        holding.append(["a"], [torch.randn(n, tap_dim, generator=g)])
+        assert holding.cache.length("a") == (15 if n > 1 else 15 + HOLD_TOKENS)
+    assert not holding.held.get("a")

@@ -20,9 +20,10 @@ from serve_app.engines.reference.sequence import Sequence
 from serve_app.models.dspark import DraftMask, DraftOutput, DSparkDraft
 from serve_app.models.kv_cache import PagedAllocator, PagedKVCache
 
-# The most steps of taps a request holds back before they are written anyway (a request the
-# budget never drafts for keeps no more than this many rows in memory twice).
-HOLD_STEPS = 64
+# The most tokens of taps a request holds back before they are written anyway: a request the
+# budget never drafts for keeps no more than this many rows in memory twice (the embedded
+# pair's taps: 3 KB a token), and one that finishes first never has them written.
+HOLD_TOKENS = 1024
 
 
 class Proposer(Protocol):
@@ -109,7 +110,7 @@ class DSparkProposer:
             # A copy: the rows are views of the whole forward's taps.
             held = self.held.setdefault(rid, [])
             held.append(row.clone())
-            if len(held) >= HOLD_STEPS:
+            if sum(len(t) for t in held) >= HOLD_TOKENS:
                 full.append(rid)
         self.settle(full)
 
