@@ -122,6 +122,7 @@ def test_a_batch_above_the_speculation_limit_decodes_plainly_and_stays_exact(
         # rows, or held until it next drafts for the request.
         for seq in ok:
             held = sum(len(t) for t in proposer.held.get(seq.request_id, []))
+            assert held == proposer.held_tokens.get(seq.request_id, 0)
             assert proposer.cache.length(seq.request_id) + held == seq.num_cached
         return ok
 

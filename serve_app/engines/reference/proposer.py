@@ -85,12 +85,14 @@ class DSparkProposer:
         # exported or shared), so a step the verify budget decodes plainly only keeps its
         # taps: writing every request's row every step cost a plain step at 16 requests 2-3%.
         self.held: dict[Hashable, list[torch.Tensor]] = {}
+        self.held_tokens: dict[Hashable, int] = {}
 
     def add(self, rid: Hashable, cached: int = 0) -> None:
         self.cache.add(rid, cached)
 
     def free(self, rid: Hashable) -> None:
         self.held.pop(rid, None)
+        self.held_tokens.pop(rid, None)
         if rid in self.cache:
             self.cache.free(rid)
 
@@ -108,9 +110,9 @@ class DSparkProposer:
         full = []
         for rid, row in zip(rids, rows, strict=True):
             # A copy: the rows are views of the whole forward's taps.
-            held = self.held.setdefault(rid, [])
-            held.append(row.clone())
-            if sum(len(t) for t in held) >= HOLD_TOKENS:
+            self.held.setdefault(rid, []).append(row.clone())
+            self.held_tokens[rid] = self.held_tokens.get(rid, 0) + len(row)
+            if self.held_tokens[rid] >= HOLD_TOKENS:
                 full.append(rid)
         self.settle(full)
 
@@ -119,6 +121,8 @@ class DSparkProposer:
         ready = [rid for rid in dict.fromkeys(rids) if rid in self.held]
         if ready:
             rows = [torch.cat(self.held.pop(rid)) for rid in ready]
+            for rid in ready:
+                del self.held_tokens[rid]
             self.draft.append_context(self.cache, ready, rows)
 
     def commit(self, rids: Seq[Hashable], lengths: Seq[int]) -> None:
