@@ -80,6 +80,15 @@ def make_draft(seed: int = 0, **overrides: object) -> DSparkDraft:
     return draft
 
 
+def shared_weights(draft: DSparkDraft, g: torch.Generator
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Random embedding and LM head the draft shares with its target, and a tap row's width."""
+    cfg = draft.config
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    return embed, lm_head, len(cfg.target_layer_ids) * cfg.target_hidden_size
+
+
 # --- the published checkpoint ------------------------------------------------------------------
 
 
@@ -233,9 +242,7 @@ def test_cached_drafting_equals_recompute_from_scratch() -> None:
     draft = make_draft(seed=3)
     cfg = draft.config
     g = torch.Generator().manual_seed(7)
-    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-    tap_dim = len(cfg.target_layer_ids) * cfg.target_hidden_size
+    embed, lm_head, tap_dim = shared_weights(draft, g)
     rids = ["r0", "r1", "r2"]
     history = {r: torch.randn(n, tap_dim, generator=g) for r, n in zip(rids, (5, 17, 33), strict=True)}
     cache = draft.new_cache(capacity_tokens=512, page_size=4)
@@ -511,11 +518,8 @@ def test_the_proposer_writes_held_context_rows_when_it_next_drafts() -> None:
     from serve_app.models.kv_cache import PagedAllocator
 
     draft = make_draft(seed=5)
-    cfg = draft.config
     g = torch.Generator().manual_seed(11)
-    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-    tap_dim = len(cfg.target_layer_ids) * cfg.target_hidden_size
+    embed, lm_head, tap_dim = shared_weights(draft, g)
     holding, writing = (DSparkProposer(draft, embed, lm_head, PagedAllocator(2048, 4))
                         for _ in range(2))
     rids = ["a", "b"]
