@@ -171,6 +171,11 @@ def test_spec_decode_embedded(tmp_path: Path) -> None:
         steps = row["adaptive_speculative_steps"]
         assert steps <= sum(row["adaptive_draft_histogram"]) <= 2 * steps
         assert row["adaptive_speculative_steps"] + row["adaptive_plain_steps"] > 0
+    # The model cards quote this report (`python -m serve_app.training cards --bench-json`).
+    from serve_app.training.cards import bench_lines
+
+    card = "\n".join(bench_lines(report))
+    assert "| k3-thinking | 2 |" in card and "| greedy (T 0.0, top_p 1.0) |" in card
 
 
 def test_spec_decode_random_k3(tmp_path: Path) -> None:

@@ -73,13 +73,16 @@ def bench_lines(bench: dict[str, Any]) -> list[str]:
     lines.append("")
     conc = bench.get("concurrency")
     if conc:
-        lines += [f"Concurrent requests at K3's thinking parameters, {conc['max_tokens']} tokens "
-                  f"each (tokens/s, median of {conc['repeats']}):", "",
-                  "| requests | target-only | speculation always on | speculation.max_batch_size "
-                  f"{conc['speculation_max_batch']} |", "|---|---|---|---|"]
-        lines += [f"| {row['concurrency']} | {row['target_only_tok_s']:.1f} | "
-                  f"{row['speculative_tok_s']:.1f} ({row['speedup']:.2f}x) | "
-                  f"{row['limited_tok_s']:.1f} ({row['limited_speedup']:.2f}x) |"
+        lines += [f"Concurrent requests, all submitted at once, {conc['max_tokens']} tokens each "
+                  f"(tokens/s, median of {conc['repeats']}; the adaptive verify budget is the "
+                  "engine's default):", "",
+                  "| sampling | requests | target-only | every draft verified | adaptive budget "
+                  "| plain / all steps (adaptive) |", "|---|---|---|---|---|---|"]
+        lines += [f"| {row['sampling']} | {row['concurrency']} | {row['target_only_tok_s']:.1f} | "
+                  f"{row['always_on_tok_s']:.1f} ({row['always_on_speedup']:.2f}x) | "
+                  f"{row['adaptive_tok_s']:.1f} ({row['adaptive_speedup']:.2f}x) | "
+                  f"{row['adaptive_plain_steps']} / "
+                  f"{row['adaptive_plain_steps'] + row['adaptive_speculative_steps']} |"
                   for row in conc["rows"]]
         lines.append("")
     for r in bench["results"]:
