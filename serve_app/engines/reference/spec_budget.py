@@ -205,19 +205,18 @@ def save_cost_model(model: StepCostModel, path: str | os.PathLike[str]) -> None:
 class _Counts:
     """Decayed sums per block position j (1..gamma) over the verdicts that show whether the
     first j drafts were all accepted (the window reached j): how often they were (survived),
-    what the draft's confidence predicted for it (the running product of its per-position
-    confidence), and how many such verdicts (seen)."""
+    and what the draft's confidence predicted for it (the running product of its per-position
+    confidence)."""
 
     survived: list[float]
     predicted: list[float]
-    seen: list[float]
     # Over every block the draft proposed, verified that far or not: the decayed sum of the
     # confidence's running product at each position, and how many blocks.
     drawn: list[float]
     blocks: float
 
     def fade(self, factor: float) -> None:
-        for values in (self.survived, self.predicted, self.seen):
+        for values in (self.survived, self.predicted):
             values[:] = [v * factor for v in values]
 
 
@@ -257,7 +256,7 @@ class AcceptanceModel:
         if name not in self._classes:
             n = self._prior_steps
             start = [p * n for p in self._prior]  # survived, predicted and drawn alike
-            self._classes[name] = _Counts(start, list(start), [n] * self.gamma, list(start), n)
+            self._classes[name] = _Counts(start, list(start), list(start), n)
         return self._classes[name]
 
     def class_ratio(self, name: str) -> list[float]:
@@ -335,7 +334,6 @@ class AcceptanceModel:
         for j in range(drafted):
             counts.survived[j] += 1.0 if j < accepted else 0.0
             counts.predicted[j] += raw[j]
-            counts.seen[j] += 1.0
         acc, pred = self._requests.get(rid, (0.0, 0.0))
         self._requests[rid] = (_REQUEST_DECAY * acc + float(accepted),
                                _REQUEST_DECAY * pred + expected)
