@@ -130,13 +130,20 @@ class ModelRunner:
             return
         if self.prefix is not None:
             if donate:
-                if self.proposer is not None:
-                    self.proposer.settle([rid])
-                self.prefix.store(rid, donate, self.allocator.pages(rid))
+                self._store_prefixes({rid: list(donate)})
             self.prefix.unlock(rid)
         for state in self.windowed:
             state.free(rid)
         self.allocator.free(rid)
+
+    def _store_prefixes(self, tokens: dict[Hashable, list[int]]) -> None:
+        """Each request's `tokens` into the prefix cache, with the pages holding them."""
+        assert self.prefix is not None
+        if self.proposer is not None:
+            # Another request matching these pages reads the draft's rows in them too.
+            self.proposer.settle(list(tokens))
+        for rid, ids in tokens.items():
+            self.prefix.store(rid, ids, self.allocator.pages(rid))
 
     def export(self, rid: Hashable) -> list[RankShare]:
         """Every rank's copy of what its caches hold of `rid` (committed, outside a verify
@@ -248,11 +255,7 @@ class ModelRunner:
             taps = [self._taps[index[rid], :n] for rid, n in zip(rids, tap_rows, strict=True)]
             self.proposer.append(rids, taps)
         if cache_at and self.prefix is not None:
-            if self.proposer is not None:
-                # Another request matching these pages reads the draft's rows in them too.
-                self.proposer.settle(list(cache_at))
-            for rid, tokens in cache_at.items():
-                self.prefix.store(rid, tokens, self.allocator.pages(rid))
+            self._store_prefixes(cache_at)
         for state in self.windowed:
             state.commit(rids, lengths)
         for rid, n in zip(rids, lengths, strict=True):
