@@ -2,7 +2,7 @@
 an engine, whatever the backend (the reference engine, SGLang).
 
 Required calls are abstract. Optional capabilities are explicit, as in Ray Serve LLM's
-`LLMEngine`: a backend says what it supports (`supports_handoff`), the base class answers for
+`LLMEngine`: a backend says what it supports (`supports_handoff`, `supports_migration`), the base class answers for
 one that does not (`prefill` / `adopt` raise `Unsupported`; `prefix_events` is None), and the
 server asks the declaration, never `hasattr`.
 """
@@ -36,10 +36,13 @@ class Engine(ABC):
 
     # Prefill/decode disaggregation: `prefill` on a prefill replica, `adopt` on a decode one.
     supports_handoff: ClassVar[bool] = False
+    # Running requests move off a leaving replica: `evacuate` here, `adopt` on another.
+    supports_migration: ClassVar[bool] = False
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Stream committed tokens; the last event has finished=True and the spec stats.
+        """Stream committed tokens; the last event has finished=True and the spec stats (or
+        is a `Moved`, after `evacuate`).
         Raises ValueError for a request the engine can never serve (it is not queued).
         Closing the stream early aborts the request and frees what it holds."""
 
@@ -69,7 +72,7 @@ class Engine(ABC):
     async def shutdown(self) -> None:
         """Stop: every open stream ends with EngineUnavailable, the ranks are let go."""
 
-    # --- optional: prefill/decode disaggregation (supports_handoff) ---------------------------
+    # --- optional: disaggregation (supports_handoff) and migration (supports_migration) ------
 
     async def prefill(self, request: GenerateRequest) -> Handoff | RequestOutput:
         """Prefill only (a prefill replica): the request's hand-over to a decode engine, or
@@ -77,8 +80,17 @@ class Engine(ABC):
         raise Unsupported(f"{type(self).__name__} cannot hand a request over")
 
     def adopt(self, handoff: Handoff) -> AsyncIterator[RequestOutput]:
-        """Decode a request another engine prefilled, streaming from its first token."""
+        """Decode a request another engine prefilled (or ran and `evacuate`d), streaming
+        what its client has not been sent yet."""
         raise Unsupported(f"{type(self).__name__} cannot adopt a request")
+
+    async def evacuate(self) -> int:
+        """Its replica is leaving (scaled down, restarted): every client request leaves its
+        `generate` / `adopt` stream with a `Moved` (its hand-over, or nothing for one that
+        has not started), for its caller to continue elsewhere; returns how many. Without
+        the capability the replica's requests finish where they are, within the drain
+        timeout."""
+        raise Unsupported(f"{type(self).__name__} cannot move its requests")
 
     # --- optional: the prefix cache's events, which the router's prefix index follows ----------
 

@@ -109,6 +109,19 @@ class Prefilled:
     handoff: Any  # ray.ObjectRef[RequestHandoff]
 
 
+@dataclass
+class Moved:
+    """The last item of a stream whose replica is leaving (scaled down, restarted): the
+    request goes on elsewhere. `handoff`: the engine's hand-over of the running request
+    (the reference engine's RequestHandoff, sent inline: its replica, which would own an
+    object-store copy, is about to exit); None for a request that had not started (no
+    token out), which simply starts again. The caller's dispatcher sends it to another
+    replica and the client's stream goes on (serving/dispatch.py)."""
+
+    request_id: str
+    handoff: Any = None
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str

@@ -28,11 +28,13 @@ from typing import Any
 from serve_app.engines.interface import Engine
 from serve_app.engines.reference.engine import EngineCore
 from serve_app.engines.reference.handoff import RequestHandoff
+from serve_app.engines.reference.sequence import Status
 from serve_app.engines.reference.telemetry import EngineTelemetry
 from serve_app.models.kv_capacity import KVCapacityError
 from serve_app.protocol.generation import (
     EngineUnavailable,
     GenerateRequest,
+    Moved,
     RequestFailed,
     RequestOutput,
     SamplingParams,
@@ -50,17 +52,23 @@ SHUT_DOWN = "engine is shut down"  # the message clients have always seen
 class _Stream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | RequestHandoff | BaseException] = \
+        self.queue: asyncio.Queue[RequestOutput | RequestHandoff | Moved | BaseException] = \
             asyncio.Queue()
 
-    def put(self, item: RequestOutput | RequestHandoff | BaseException) -> None:
+    def put(self, item: RequestOutput | RequestHandoff | Moved | BaseException) -> None:
         # RuntimeError: the caller's event loop is closed, so nobody is listening.
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _settle(future: asyncio.Future[int], value: int) -> None:
+    if not future.done():  # the caller may have stopped waiting
+        future.set_result(value)
+
+
 class ReferenceAsyncEngine(Engine):
     supports_handoff = True
+    supports_migration = True
 
     def __init__(self, core: EngineCore, replica: str = "local",
                  watchdog_s: float | None = None) -> None:
@@ -88,6 +96,7 @@ class ReferenceAsyncEngine(Engine):
         self._busy_since: float | None = None
         self._stopping = False
         self._health_ids = itertools.count()
+        self._own: set[str] = set()  # the engine's own requests (health probes): never moved
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self._watchdog: threading.Thread | None = None
@@ -172,6 +181,41 @@ class ReferenceAsyncEngine(Engine):
             elif op == "abort":
                 self.core.abort(arg)
                 self._streams.pop(arg, None)
+            elif op == "evacuate":
+                done: asyncio.Future[int] = arg
+                with contextlib.suppress(RuntimeError):  # the caller's loop has closed
+                    done.get_loop().call_soon_threadsafe(_settle, done, self._evacuate())
+
+    def _evacuate(self) -> int:
+        """On the loop thread, between steps: every client request leaves its stream with a
+        `Moved` (a decoding one with its hand-over, one not started yet with nothing to
+        carry: it starts again elsewhere). Prefill hand-off requests and the engine's own
+        health probes stay (they end within a step or two). Returns how many moved."""
+        with self._lock:
+            streams = [(rid, st) for rid, st in self._streams.items()
+                       if rid not in self._own]
+        moved = 0
+        for rid, stream in streams:
+            seq = self.core.sequences.get(rid)
+            if seq is None or seq.hand_off:
+                continue
+            item: Moved | BaseException
+            if seq.status is Status.DECODING:
+                try:
+                    item = Moved(rid, self.core.export(rid))
+                except Exception:
+                    logger.exception("request %s: export failed; it finishes here", rid)
+                    continue
+            elif seq.status in (Status.WAITING, Status.PREFILLING):
+                self.core.abort(rid)
+                item = Moved(rid)
+            else:
+                continue
+            with self._lock:
+                self._streams.pop(rid, None)
+            stream.put(item)
+            moved += 1
+        return moved
 
     def _refuse(self, request_id: str, stream: _Stream, exc: BaseException) -> None:
         stream.put(exc)
@@ -253,7 +297,8 @@ class ReferenceAsyncEngine(Engine):
             raise ValueError(f"{spec.param}: the grammar did not compile within "
                              f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s") from None
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest
+                       ) -> AsyncIterator[RequestOutput | Moved]:
         await self._prepare_grammar(request)
         async for out in self._run_stream("add", request.request_id, request):
             yield out
@@ -267,9 +312,9 @@ class ReferenceAsyncEngine(Engine):
                 return item
         raise RequestFailed("the prefill ended without a result")
 
-    async def adopt(self, handoff: RequestHandoff) -> AsyncIterator[RequestOutput]:
-        """Decode a request another engine prefilled (its `prefill`), streaming from the
-        first token."""
+    async def adopt(self, handoff: RequestHandoff) -> AsyncIterator[RequestOutput | Moved]:
+        """Decode a request another engine prefilled (its `prefill`) or ran (its `evacuate`),
+        streaming what its client has not been sent yet."""
         if handoff.params.grammar is not None and self.core.grammar is not None:
             await asyncio.get_running_loop().run_in_executor(
                 self._compiles, self.core.grammar.prepare, handoff.params.grammar)
@@ -277,7 +322,7 @@ class ReferenceAsyncEngine(Engine):
             yield out
 
     async def _run_stream(self, op: str, request_id: str, arg: Any
-                          ) -> AsyncIterator[RequestOutput | RequestHandoff]:
+                          ) -> AsyncIterator[RequestOutput | RequestHandoff | Moved]:
         """Send `op` for one request and relay its stream until it ends."""
         stream = _Stream(asyncio.get_running_loop())
         # Checked and registered under the lock that _fail_engine takes: a stream is either
@@ -295,7 +340,7 @@ class ReferenceAsyncEngine(Engine):
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = isinstance(item, RequestHandoff) or item.finished
+                finished = isinstance(item, RequestHandoff | Moved) or item.finished
                 yield item
                 if finished:
                     return
@@ -306,6 +351,14 @@ class ReferenceAsyncEngine(Engine):
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
+
+    async def evacuate(self) -> int:
+        """Every client request this engine runs leaves its stream with a `Moved` (between
+        two steps, on the loop thread that owns the engine); returns how many."""
+        self._check_alive()
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._send("evacuate", done)
+        return await done
 
     async def health(self, timeout_s: float) -> None:
         """A real 1-token generation through every rank; EngineUnavailable if the engine has
@@ -322,12 +375,15 @@ class ReferenceAsyncEngine(Engine):
                     raise EngineUnavailable(f"health generation returned {out.completion_tokens} "
                                             "tokens")
 
+        self._own.add(rid)
         try:
             await asyncio.wait_for(one_token(), timeout_s)
         except TimeoutError:
             raise EngineUnavailable(f"health generation took longer than {timeout_s} s") from None
         except RequestFailed as exc:
             raise EngineUnavailable(f"health generation failed: {exc}") from None
+        finally:
+            self._own.discard(rid)
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()

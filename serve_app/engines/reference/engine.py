@@ -200,41 +200,54 @@ class EngineCore:
         return True
 
     def export(self, request_id: str) -> RequestHandoff:
-        """A prefilled hand-off request (`add_request(hand_off=True)`, after its `prefilled`
-        output) leaves this engine as a RequestHandoff; its prompt stays in the prefix cache
-        if there is one."""
+        """A request leaves this engine as a RequestHandoff, between steps: a prefilled
+        hand-off request (`add_request(hand_off=True)`, after its `prefilled` output), or a
+        decoding one moving to another engine (a migration); what it computed stays in the
+        prefix cache if there is one."""
         seq = self.sequences.get(request_id)
-        if seq is None or seq.status is not Status.PREFILLED:
-            raise ValueError(f"request {request_id!r} is not a prefilled hand-off request")
+        if seq is None or seq.status not in (Status.PREFILLED, Status.DECODING):
+            raise ValueError(f"request {request_id!r} is neither prefilled for a hand-over nor "
+                             "decoding")
         handoff = RequestHandoff(
             request_id, list(seq.prompt_ids), list(seq.output_ids), seq.params, seq.num_cached,
             seq.cached_tokens, seq.generator.get_state(), self.runner.export(request_id),
-            images=tuple(image_keys(seq.images)))
+            images=tuple(image_keys(seq.images)), reported_tokens=seq.reported_tokens,
+            streamed_text=seq.streamed_text, text=seq.text, stats=seq.stats)
         self._retire(seq, "handoff")
         return handoff
 
     def adopt(self, handoff: RequestHandoff, request_id: str | None = None) -> str:
-        """A request another engine prefilled (`export`) joins this one's running batch and
-        decodes exactly as if it had been prefilled here; its first output carries the tokens
-        sampled on the prefill side. Raises ValueError / KVCapacityError (nothing changed)
-        when it cannot: the sender still holds nothing, so the caller retries elsewhere."""
+        """A request another engine `export`ed (prefilled there, or decoding there) joins this
+        one's running batch and decodes exactly as if it had run here from the start; its
+        first output carries the tokens the client has not been sent yet. Raises ValueError /
+        KVCapacityError (nothing changed) when it cannot: the sender still holds nothing, so
+        the caller retries elsewhere."""
         rid = request_id or handoff.request_id
         if rid in self.sequences:
             raise ValueError(f"request id {rid!r} is already in use")
         params = handoff.params
         self._validate(handoff.prompt_ids, params)
         check_images(len(handoff.prompt_ids), handoff.images)
-        if not handoff.output_ids or handoff.num_cached != len(handoff.prompt_ids):
-            raise ValueError("a hand-over carries a prefilled prompt and its first token")
+        outputs = len(handoff.output_ids)
+        if not outputs or handoff.num_cached != len(handoff.prompt_ids) + outputs - 1:
+            raise ValueError("a hand-over carries its prompt and outputs in the caches, all but "
+                             "the newest output (the next step's anchor)")
+        if not 0 <= handoff.reported_tokens <= outputs or outputs > params.max_tokens:
+            raise ValueError("a hand-over's outputs disagree with what it reported and its "
+                             "max_tokens")
         seq = Sequence(rid, list(handoff.prompt_ids), params, self.eos_token_ids,
                        self.detokenize, images=tuple(handoff.images))
         seq.output_ids = list(handoff.output_ids)
         seq.num_cached = handoff.num_cached
         seq.cached_tokens = handoff.cached_tokens
+        seq.reported_tokens = handoff.reported_tokens
+        seq.text, seq.streamed_text = handoff.text, handoff.streamed_text
+        if handoff.stats is not None:
+            seq.stats = handoff.stats
         seq.generator.set_state(handoff.generator_state)
         seq.grammar = self._grammar(params, len(seq.prompt_ids))
         if seq.grammar is not None:
-            # The matcher of a fresh request, walked over what the prefill side sampled.
+            # The matcher of a fresh request, walked over what the other side sampled.
             seq.grammar.consume(seq.output_ids)
         self.scheduler.adopt(seq)
         try:

@@ -1,12 +1,18 @@
-"""A request moving from a prefill engine to a decode engine (prefill/decode disaggregation).
+"""A request moving from one engine to another: from a prefill engine to a decode engine
+(prefill/decode disaggregation), or a running request leaving a replica that is scaled down or
+restarted (a migration: `EngineCore.export` of a decoding request, docs/runbook.md
+"Autoscaling").
 
-After its prompt is prefilled and its first token sampled, everything a request is on the
-prefill engine fits in one `RequestHandoff`: its tokens and sampling parameters, the sampler's
+After its prompt is prefilled and its first token sampled, or between any two decode steps,
+everything a request is on its engine fits in one `RequestHandoff`: its tokens and sampling
+parameters, the sampler's
 generator state (a seeded request draws the same numbers on either side), and each tensor-
 parallel rank's share of its caches (`ModelRunner.export`): the target's (for K3: the MLA
 latents of every prompt token, and every KDA layer's conv window and recurrent state) and the
-DSpark draft's context rows. The decode engine `adopt`s it and decodes exactly as if it had
-prefilled the prompt itself; the grammar matcher, if any, is rebuilt there from the tokens.
+DSpark draft's context rows. The other engine `adopt`s it and decodes exactly as if it had
+run the request from the start; the grammar matcher, if any, is rebuilt there from the tokens,
+and what the client has already been sent (`reported_tokens`, `streamed_text`) is not sent
+again.
 
 An image prompt travels as it is (the pad runs in its ids) with its images' descriptors, whose
 digests key the pad runs in the decode side's prefix cache as on the prefill side; their
@@ -21,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from serve_app.engines.spec_stats import SpecStats
 from serve_app.protocol.generation import SamplingParams
 from serve_app.protocol.media import ImageInput
 
@@ -32,13 +39,20 @@ RankShare = dict[str, dict[str, torch.Tensor]]
 class RequestHandoff:
     request_id: str
     prompt_ids: list[int]
-    output_ids: list[int]  # sampled on the prefill side; the last is the next step's anchor
+    output_ids: list[int]  # sampled on the sending side; the last is the next step's anchor
     params: SamplingParams
-    num_cached: int  # tokens in the shares' caches (the prompt)
+    num_cached: int  # tokens in the shares' caches: prompt + outputs except the anchor
     cached_tokens: int  # prompt tokens the prefill side's prefix cache supplied (usage)
     generator_state: torch.Tensor
     shares: list[RankShare]  # per tensor-parallel rank of the prefill engine, in rank order
     images: tuple[ImageInput, ...] = ()  # the prompt's images, without pixels (`image_keys`)
+    # A migrated request's stream so far: the outputs and text already sent to the client
+    # (a prefill hand-over has sent nothing), its detokenized text, and its speculative
+    # counts (its final usage covers both engines).
+    reported_tokens: int = 0
+    streamed_text: int = 0
+    text: str = ""
+    stats: SpecStats | None = None
 
     @property
     def nbytes(self) -> int:

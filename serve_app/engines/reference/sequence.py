@@ -56,7 +56,7 @@ class Sequence:
     # The output's constraint (a matcher that has consumed exactly the committed outputs, plus
     # a verify window's drafts); None: free.
     grammar: RequestGrammar | None = None
-    _streamed_text: int = 0
+    streamed_text: int = 0  # characters of `text` already handed out
     generator: torch.Generator = field(init=False)
     # What the prefix cache keys the prompt on: the ids, each image's pad run replaced by its
     # pixels' key, so two prompts share a cached prefix only where their images are the same.
@@ -162,10 +162,10 @@ class Sequence:
         hold = 0 if self.finished or not self.params.stop else max(map(len, self.params.stop)) - 1
         # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the rest of it.
         end = len(self.text) - hold
-        while not self.finished and end > self._streamed_text and self.text[end - 1] == "\ufffd":
+        while not self.finished and end > self.streamed_text and self.text[end - 1] == "\ufffd":
             end -= 1
-        if end <= self._streamed_text:
+        if end <= self.streamed_text:
             return ""
-        delta = self.text[self._streamed_text:end]
-        self._streamed_text = end
+        delta = self.text[self.streamed_text:end]
+        self.streamed_text = end
         return delta
