@@ -28,6 +28,12 @@ from serve_app.tokenizer import load_tokenizer
 # 0.2 s instead of 2 s on every scale-down, redeploy and `serve.delete`; in-flight generations
 # are still drained up to graceful_shutdown_timeout_s.
 SHUTDOWN_POLL_S = 0.2
+# How long a leaving target replica of a fixed-size deployment may take: its running requests
+# move to other replicas at once (an engine that cannot move them finishes them within this).
+DRAIN_TIMEOUT_S = 60.0
+# How long a redeployed ingress keeps the streams it holds (longer streams are cut: a client
+# retries them; an app being deleted waits at most this for its ingress).
+INGRESS_DRAIN_S = 120.0
 
 
 def validate(config: AppConfig) -> None:
@@ -115,10 +121,40 @@ def build_app(config: AppConfig) -> Application:
         num_replicas=config.ingress.replicas,
         ray_actor_options={"num_cpus": config.ingress.ingress_cpus},
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+        # A redeployed ingress (new weights or config restart every deployment) keeps the
+        # streams it holds until they end: they follow their requests' moves between target
+        # replicas, and a client's connection is with this ingress.
+        graceful_shutdown_timeout_s=INGRESS_DRAIN_S,
         logging_config=logging_config,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
     )
     return ingress.bind(target, raw)
+
+
+def _scaling(config: AppConfig) -> dict[str, Any]:
+    """A target deployment's size: a fixed `replicas`, or Serve's autoscaling with this
+    project's policy (serve_app/routing/serve_autoscaling.py) within
+    `placement.autoscaling`'s bounds; and how long a leaving replica may take (its requests
+    that cannot move finish first)."""
+    auto = config.placement.autoscaling
+    if auto is None:
+        return {"num_replicas": config.placement.replicas,
+                "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S}
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+
+    return {
+        "num_replicas": "auto",
+        "autoscaling_config": AutoscalingConfig(
+            min_replicas=auto.min_replicas, max_replicas=auto.max_replicas,
+            initial_replicas=auto.initial_replicas or auto.min_replicas,
+            upscale_delay_s=auto.upscale_delay_s, downscale_delay_s=auto.downscale_delay_s,
+            metrics_interval_s=auto.metrics_interval_s,
+            look_back_period_s=auto.look_back_period_s,
+            policy=AutoscalingPolicy(
+                policy_function="serve_app.routing.serve_autoscaling:LedgerPolicy",
+                policy_kwargs=auto.model_dump())),
+        "graceful_shutdown_timeout_s": auto.drain_timeout_s,
+    }
 
 
 def _target_deployment(config: AppConfig, name: str, logging_config: dict[str, Any]) -> Any:
@@ -133,14 +169,13 @@ def _target_deployment(config: AppConfig, name: str, logging_config: dict[str, A
     max_ongoing = (config.engine.sglang.max_running_requests * 2 if sglang
                    else config.engine.reference.max_batch_size * 4)
     return serve.deployment(TargetReplica, name=name).options(
-        num_replicas=pl.replicas,
+        **_scaling(config),
         ray_actor_options=actor_options,
         placement_group_bundles=config.bundles(),
         placement_group_strategy=config.strategy,
         max_ongoing_requests=max_ongoing,
         health_check_timeout_s=config.engine.health_check_timeout_s + 10,
         health_check_period_s=config.engine.health_check_period_s,
-        graceful_shutdown_timeout_s=10,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         logging_config=logging_config,
         **_router_options(config),

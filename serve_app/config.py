@@ -29,7 +29,7 @@ from serve_app.models.kimi_config import KimiConfig
 from serve_app.models.target_config import load_target_config
 from serve_app.observability.tracing import TracingConfig
 from serve_app.protocol.grammar import ToolStrictLevel
-from serve_app.routing.settings import RouterSettings
+from serve_app.routing.settings import AutoscalingSettings, RouterSettings
 from serve_app.vision import ImagePolicy, MediaConfig
 
 ASSETS = Path(__file__).parent / "assets"
@@ -85,7 +85,10 @@ class PlacementConfig(_Strict):
         default="auto", description="auto: STRICT_PACK on one node, STRICT_SPREAD across nodes")
     cpus_per_rank: float = Field(default=1.0, gt=0, description="CPU reserved per rank worker; "
                                  "keep small on small machines")
-    replicas: int = Field(default=1, ge=1, description="target replicas (engines)")
+    replicas: int = Field(default=1, ge=1, description="target replicas (engines); with "
+                          "`autoscaling`, Serve's to change within its bounds")
+    autoscaling: AutoscalingSettings | None = Field(default=None, description="replicas that "
+                                                  "follow load; None: `replicas`, fixed")
     gpu_type: str | None = Field(default=None, description="GPU model of the nodes (a row of "
                                  "capacity/data/gpus.csv, e.g. H200, B300, MI355X, MI300X); "
                                  "the SGLang backend checks that the weights fit it")
@@ -521,6 +524,8 @@ class DisaggregationSide(_Strict):
     running requests and the KDA state pool that fit this side's GPUs)."""
 
     replicas: int = Field(default=1, ge=1)
+    autoscaling: AutoscalingSettings | None = Field(default=None, description="this side's "
+                                                  "pool follows its own load")
     parallelism: ParallelismConfig | None = None
     sglang: dict[str, Any] = Field(default_factory=dict, description=(
         "engine.sglang fields for this side's servers (engine.backend sglang), e.g. "
@@ -616,7 +621,8 @@ class AppConfig(_Strict):
         side = getattr(self.disaggregation, role)
         update: dict[str, Any] = {
             "parallelism": side.parallelism or self.parallelism,
-            "placement": self.placement.model_copy(update={"replicas": side.replicas})}
+            "placement": self.placement.model_copy(update={"replicas": side.replicas,
+                                                           "autoscaling": side.autoscaling})}
         if side.sglang:
             update["engine"] = self.engine.model_copy(update={"sglang": self._side_sglang(role)})
         return self.model_copy(update=update)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from starlette.responses import StreamingResponse
 
+from serve_app.protocol.generation import GenerateRequest
 from serve_app.serving.dispatch import Lease
 from serve_app.serving.responses import LeasedStream
 
@@ -64,10 +65,18 @@ async def client_gone_before_the_first_byte(response: StreamingResponse) -> None
     await response(scope, receive, send)
 
 
+def lease_for(request_id: str, router: Releases) -> Lease:
+    async def no_move(lease: Lease, moved: Any) -> Any:
+        raise AssertionError("nothing moves here")
+
+    request = GenerateRequest(request_id, [1])
+    return Lease(request, router, no_move, 16)  # type: ignore[arg-type]
+
+
 def test_the_race_a_plain_streaming_response_leaves_the_lease_held(no_gc: None) -> None:
     """The premise: the body generator never starts, so its `finally` never runs."""
     router, ran = Releases(), []
-    lease = Lease("r1", router)  # type: ignore[arg-type]
+    lease = lease_for("r1", router)
     lease.hold()
     response = StreamingResponse(body(lease, ran), media_type="text/event-stream")
     asyncio.run(client_gone_before_the_first_byte(response))
@@ -77,7 +86,7 @@ def test_the_race_a_plain_streaming_response_leaves_the_lease_held(no_gc: None) 
 def test_a_leased_stream_releases_when_the_client_left_before_the_first_byte(
         no_gc: None) -> None:
     router, ran, abandoned = Releases(), [], []
-    lease = Lease("r2", router)  # type: ignore[arg-type]
+    lease = lease_for("r2", router)
     lease.hold()
     response = LeasedStream(body(lease, ran), lease, lambda: abandoned.append(1))
     asyncio.run(client_gone_before_the_first_byte(response))
@@ -87,7 +96,7 @@ def test_a_leased_stream_releases_when_the_client_left_before_the_first_byte(
 
 def test_a_leased_stream_that_finishes_releases_once_and_is_not_abandoned(no_gc: None) -> None:
     router, abandoned, sent = Releases(), [], []
-    lease = Lease("r3", router)  # type: ignore[arg-type]
+    lease = lease_for("r3", router)
     lease.hold()
 
     async def sse() -> AsyncIterator[str]:

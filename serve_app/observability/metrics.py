@@ -113,6 +113,21 @@ class AppMetrics:
             "kimi_router_kv_tokens_committed", "KV tokens the router has committed on a "
             "replica (prompt + max_tokens of its in-flight requests), per ingress.",
             tag_keys=replica)
+        # Autoscaling (Serve's controller runs the policy; a leaving replica counts its moves).
+        deployment = ("deployment",)
+        self.autoscaling_desired_replicas = Gauge(
+            "kimi_autoscaling_desired_replicas", "Replicas the autoscaling policy asks for "
+            "(before Serve's bounds and delays).", tag_keys=deployment)
+        self.autoscaling_running_replicas = Gauge(
+            "kimi_autoscaling_running_replicas", "Replicas serving, as the policy saw them.",
+            tag_keys=deployment)
+        self.autoscaling_decisions = Counter(
+            "kimi_autoscaling_decisions_total", "Policy decisions by reason (kv, slots, "
+            "queue_wait, ttft, underused, within_band, starting, no_reports).",
+            tag_keys=("deployment", "reason"))
+        self.requests_moved = Counter(
+            "kimi_requests_moved_total", "Running requests a leaving replica (scaled down, "
+            "restarted) moved to another.", tag_keys=replica)
 
 
 _metrics: AppMetrics | None = None

@@ -84,6 +84,7 @@ class AdmissionStage:
         # prefix index follows: serve_app/engines/reference/prefix_cache.py).
         self.prefix_seq: dict[str, int] = {}
         self.refusals = 0
+        self.moves = 0  # requests handed back by leaving replicas, moved to another
         self._wake: asyncio.Event | None = None
         self._lock = threading.RLock()
         self._waiters: dict[str, asyncio.Future[str]] = {}
@@ -255,6 +256,35 @@ class AdmissionStage:
             started = req.arrival
         return await self._wait(request_id, fut, started)
 
+    async def move(self, request_id: str, leaving: str | None, prompt_ids: list[int],
+                   max_tokens: int, client: str = "", near: str | None = None) -> str:
+        """The request's replica is leaving (scaled down, restarted) and has handed the
+        request back: that replica takes nothing more from this stage (its capacity reads 0
+        until a sync forgets it), the request's reservation there is released, and it waits
+        at the front of its queue for another replica, like `requeue`. A request this stage
+        forgot meanwhile (a sync saw its replica gone) enters again at the front, with the
+        same facts as at `admit`."""
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        with self._lock:
+            self.moves += 1
+            if leaving is not None:
+                self._leaving(leaving)
+            if not self.policy.requeue(request_id):
+                self.policy.resubmit(RouteRequest(
+                    request_id, len(prompt_ids), max_tokens,
+                    block_hashes(prompt_ids, self.settings.block_size), client, near=near), now)
+            self._waiters[request_id] = fut
+            self._pump()
+        return await self._wait(request_id, fut, now)
+
+    def _leaving(self, replica: str) -> None:
+        """Nothing more goes to `replica` (it answers `Moved`, or reports no capacity, until
+        a sync forgets it). Called with the lock held."""
+        if replica in self.capacity and self.capacity[replica] != (0, 0):
+            self.capacity[replica] = (0, 0)
+            self.policy.add_replica(replica, 0, 0)
+
     def _apply_refusal(self, request_id: str, replica: str, info: Mapping[str, Any]) -> None:
         # The refused request is still committed here; the refusal's numbers do not count it.
         local = self.policy.ledger
@@ -290,6 +320,14 @@ class AdmissionStage:
             self.policy.complete(request_id)
             self._pump()
 
+    def queue_report(self) -> dict[str, Any]:
+        """This stage's queue for the replicas' autoscaling reports (`routing_info`): its
+        caller name, the requests waiting, their KV tokens and the oldest wait."""
+        with self._lock:
+            queued, tokens, wait = self.policy.queue_demand(time.monotonic())
+        return {"caller": self.me, "queued": queued, "queued_tokens": tokens,
+                "oldest_wait_s": wait}
+
     async def view(self) -> dict[str, Any]:
         """The snapshot once the replicas have answered at least once (right after start-up
         there is nothing to show yet, which is not the truth about the replicas)."""
@@ -304,6 +342,7 @@ class AdmissionStage:
                 "ingress": self.me,
                 "queued": p.queued(),
                 "refusals": self.refusals,
+                "moves": self.moves,
                 "replicas": {r: self._replica_state(r) for r in p.replicas()},
                 "clients": len(p.clients),
                 "recent": [{"id": rid, "replica": rep} for rid, rep in self.decisions],

@@ -202,6 +202,15 @@ class Policy(ABC):
     def queued(self) -> int:
         return len(self.queue)
 
+    def queue_demand(self, now: float) -> tuple[int, int, float]:
+        """What waits: (requests, their KV tokens (prompt + max_tokens), the oldest wait in
+        seconds): the demand the autoscaling policy adds to what the replicas hold."""
+        waiting = [r for q in self._queues() for r in q]
+        if not waiting:
+            return 0, 0, 0.0
+        return (len(waiting), sum(r.total_tokens for r in waiting),
+                max(0.0, now - min(r.arrival for r in waiting)))
+
     @abstractmethod
     def dispatch(self, now: float) -> list[tuple[RouteRequest, str]]: ...
 
@@ -288,6 +297,18 @@ class Policy(ABC):
 
     def _enqueue_front(self, req: RouteRequest) -> None:
         self.queue.appendleft(req)
+
+    def resubmit(self, req: RouteRequest, now: float) -> None:
+        """A request the router forgot with its replica (`remove_replica`) that is not lost:
+        the leaving replica handed it back (a scale-down moves its running requests). It
+        enters again at the front of its queue, past the queue and client limits: it is not
+        a new request."""
+        req.arrival = now
+        req.is_long = req.prompt_tokens >= self.s.long_threshold
+        if req.client:
+            self.clients.setdefault(req.client, _Client()).requests += 1
+        self._requests[req.request_id] = req
+        self._enqueue_front(req)
 
     def complete(self, request_id: str) -> None:
         """Idempotent: the routing hook and error paths may both call it."""

@@ -1,6 +1,8 @@
-"""The router's settings: one definition of every field, its default and its meaning.
+"""The router's settings, and the autoscaling policy's it feeds: one definition of every
+field, its default and its meaning.
 
-The app's config tree uses this model as `router:` (`serve_app.config.RouterConfig` subclasses
+The app's config tree uses RouterSettings as `router:` and AutoscalingSettings as
+`placement.autoscaling:` (`serve_app.config.RouterConfig` subclasses
 it, only widening `long_threshold` and `share_prefix` to a `null` default that it resolves from
 the deployment); the policies, the Serve admission stage and the simulator take it as is.
 Defaults: the simulator runs in docs/router.md (bench/router_sim.py on K3 + DSpark, 2 x 8 H200
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class RouterSettings(BaseModel):
@@ -63,3 +65,60 @@ class RouterSettings(BaseModel):
     sglang_balance_abs_threshold: int = Field(default=32, ge=0)
     sglang_balance_rel_threshold: float = Field(default=1.0001, ge=1)
     seed: int = Field(default=0, description="power_of_two's random choices")
+
+
+class AutoscalingSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    """Replicas that follow load (docs/runbook.md "Autoscaling"): Ray Serve's autoscaling with
+    this project's policy (serve_app/routing/autoscaling.py), fed by what the router holds:
+    the replicas' reserved KV tokens and state slots against their capacity, the requests
+    waiting in the admission queues and the oldest wait, and the measured time to first
+    token. It scales up to hold the demand at `target_utilization` and down only when one
+    replica fewer would still run under `scale_down_utilization` (the band between them, and
+    the delays, keep it from flapping); a replica that leaves moves its running requests to
+    the others. `kimi-capacity emit` writes these from the plan's SLA targets."""
+
+    min_replicas: int = Field(default=1, ge=1, description="never fewer (a K3 replica's cold "
+                              "start loads its weights for minutes: no scale to zero)")
+    max_replicas: int = Field(default=4, ge=1)
+    initial_replicas: int | None = Field(default=None, ge=1, description="at deploy time "
+                                         "(default: min_replicas)")
+    target_utilization: float = Field(default=0.75, gt=0, le=1, description="the share of "
+                                      "the pool's KV tokens and state slots that reserved + "
+                                      "queued requests may fill before it scales up")
+    scale_down_utilization: float = Field(default=0.45, gt=0, le=1, description="scale down "
+                                          "only when one replica fewer would hold the demand "
+                                          "under this share")
+    max_queue_wait_s: float = Field(default=5.0, gt=0, description="a request waiting in an "
+                                    "admission queue longer than this scales up by one")
+    ttft_slo_s: float | None = Field(default=None, gt=0, description="the measured TTFT (p90 "
+                                     "over the look-back) above this scales up by one; None: "
+                                     "not used")
+    max_step: int = Field(default=4, ge=1, description="replicas added in one decision")
+    upscale_delay_s: float = Field(default=5.0, ge=0, description="Serve holds a scale-up "
+                                   "decision this long before acting")
+    downscale_delay_s: float = Field(default=120.0, ge=0, description="... and a scale-down "
+                                     "this long (a replica is dear to start again)")
+    metrics_interval_s: float = Field(default=1.0, gt=0, description="how often replicas "
+                                      "report their load")
+    look_back_period_s: float = Field(default=10.0, gt=0, description="the window the "
+                                      "reports are averaged over")
+    drain_timeout_s: float = Field(default=600.0, gt=0, description="a leaving replica's "
+                                   "requests that cannot move (an engine without migration) "
+                                   "finish within this (Serve's graceful_shutdown_timeout_s)")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas="
+                             f"{self.max_replicas}")
+        initial = self.initial_replicas
+        if initial is not None and not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError(f"initial_replicas={initial} is outside [min_replicas, "
+                             "max_replicas]")
+        if self.scale_down_utilization >= self.target_utilization:
+            raise ValueError(f"scale_down_utilization={self.scale_down_utilization} must be "
+                             f"below target_utilization={self.target_utilization} (the band "
+                             "between them keeps the fleet from flapping)")
+        return self

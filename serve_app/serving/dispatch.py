@@ -1,5 +1,7 @@
 """Where a request runs: admission on the router's stage, the call to the chosen replica, its
-requeue when that replica refuses it, and the lease that releases all of it exactly once.
+requeue when that replica refuses it, its move when that replica leaves (a scale-down, a
+restart: the stream ends with `Moved` and goes on from another replica), and the lease that
+releases all of it exactly once.
 
 One `Dispatcher` per caller and target deployment. The ingress has one for the deployment it
 fronts (the aggregated target, or a disaggregated app's decode side) and knows nothing more.
@@ -12,6 +14,9 @@ disaggregated. Failures are raised as they are; the caller says what a client se
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -19,7 +24,13 @@ import ray
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.protocol.generation import GenerateRequest, Prefilled, RequestOutput
+from serve_app.protocol.generation import (
+    EngineUnavailable,
+    GenerateRequest,
+    Moved,
+    Prefilled,
+    RequestOutput,
+)
 from serve_app.protocol.media import cache_keys
 from serve_app.routing.admission import AdmissionStage
 from serve_app.routing.reservation import ReplicaFull
@@ -28,20 +39,38 @@ from serve_app.serving.errors import unwrap
 
 Output = RequestOutput | Prefilled
 
+# The window of the TTFT this caller reports to the replicas for autoscaling.
+TTFT_WINDOW_S = 30.0
+# A request that keeps landing on leaving replicas (a whole fleet restarting at once under
+# Serve's own routing) fails with a 503 after this many moves rather than going round forever.
+MAX_MOVES = 8
+
 
 class Lease:
     """One dispatched request's hold on the router and its replica: its reservation on the
     admission stage and its handle stream, from which `first` came. Iterate it for the rest
-    of the stream. `close` releases both exactly once, whoever calls it first: the normal
-    end, an error, a cancellation at any await, or the end of a streaming response's send,
-    however it ends (serving/responses.py's LeasedStream)."""
+    of the stream: a replica that leaves mid-stream hands the request to another
+    (`Moved`), and the iteration goes on from there without a gap or a repeat. `close`
+    releases both exactly once, whoever calls it first: the normal end, an error, a
+    cancellation at any await, or the end of a streaming response's send, however it ends
+    (serving/responses.py's LeasedStream)."""
 
-    def __init__(self, request_id: str, stage: AdmissionStage | None) -> None:
-        self.request_id = request_id
+    def __init__(self, request: GenerateRequest, stage: AdmissionStage | None,
+                 move: Callable[[Lease, Moved], Awaitable[Output]], reserved_tokens: int,
+                 near: str | None = None) -> None:
+        """`reserved_tokens`, `near`: what its admission reserved and priced (`dispatch`),
+        which a move admits it with again."""
+        self.request = request
+        self.request_id = request.request_id
+        self.reserved_tokens = reserved_tokens
+        self.near = near
         self.stage = stage
+        self.replica: str | None = None  # the stage's choice, where it made one
         self.stream: Any = None
         self.first: Any = None
         self.finished = False  # the replica has sent the final output
+        self.moves = 0
+        self._move = move
         self._held = False  # the stage's reservation is this lease's to release
         self._closed = False
 
@@ -49,8 +78,22 @@ class Lease:
         """The stage admitted the request: its reservation is released by `close`."""
         self._held = True
 
-    def __aiter__(self) -> Any:
-        return self.stream.__aiter__()
+    async def __aiter__(self) -> AsyncIterator[Output]:
+        while True:
+            moved = None
+            async for item in self.stream:
+                if isinstance(item, Moved):
+                    moved = item  # that replica's stream has ended with it
+                    break
+                yield item
+            if moved is None:
+                return
+            self.stream = None
+            out = await self._move(self, moved)
+            self.finished = isinstance(out, Prefilled) or out.finished
+            yield out
+            if self.finished:
+                return
 
     def close(self) -> None:
         if self._closed:
@@ -80,15 +123,28 @@ class Dispatcher:
         self.stage = (AdmissionStage(settings, self._ask_replicas,
                                      me=caller[1] if caller else "")
                       if settings is not None else None)
+        # (when, seconds) of recent times to first output: the autoscaling policy's TTFT.
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=4096)
 
     async def _ask_replicas(self, since: dict[str, int]) -> list[Any]:
         """The admission stage's question to every running replica (Serve's broadcast reaches
         each replica the handle's router knows): their answers, or the exceptions."""
         try:
-            return await self.handle.broadcast("routing_info", since).results_async(
+            return await self.handle.broadcast("routing_info", since, self.load_report()
+                                               ).results_async(
                 timeout_s=self.ask_timeout_s, return_exceptions=True)
         except DeploymentUnavailableError:
             return []
+
+    def load_report(self) -> dict[str, Any]:
+        """What this caller tells every replica for their autoscaling reports: its admission
+        queue (requests, KV tokens, oldest wait) and the p90 time to first output over the
+        last TTFT_WINDOW_S."""
+        report = self.stage.queue_report() if self.stage is not None else {}
+        now = time.monotonic()
+        recent = sorted(t for at, t in self._ttfts if now - at <= TTFT_WINDOW_S)
+        report["ttft_p90_s"] = recent[int(0.9 * (len(recent) - 1))] if recent else 0.0
+        return report
 
     async def dispatch(self, request: GenerateRequest, max_tokens: int,
                        near: str | None = None) -> Lease:
@@ -97,7 +153,8 @@ class Dispatcher:
         caller answers 4xx/5xx before anything is sent). `max_tokens`: what it reserves (a
         prefill replica samples one token); `near`: the node its hand-over goes to (priced
         by the stage). The returned lease is the caller's to close; a failure closes it."""
-        lease = Lease(request.request_id, self.stage)
+        lease = Lease(request, self.stage, self._follow, max_tokens, near)
+        started = time.monotonic()
         try:
             replica = None
             if self.stage is not None:
@@ -108,6 +165,7 @@ class Dispatcher:
                     max_tokens, request.client, near)
                 lease.hold()
             lease.first = await self._first(request, replica, lease)
+            self._ttfts.append((time.monotonic(), time.monotonic() - started))
             # A prefill replica's hand-over is the last thing its stream sends.
             lease.finished = isinstance(lease.first, Prefilled) or lease.first.finished
             if self.stage is not None:
@@ -117,21 +175,23 @@ class Dispatcher:
             lease.close()
             raise
 
-    async def _first(self, request: GenerateRequest, replica: str | None,
-                     lease: Lease) -> Output:
+    async def _first(self, request: GenerateRequest, replica: str | None, lease: Lease,
+                     handoff: Any = None) -> Output:
         """The first output of the call to `replica` (its stream then the lease's). A replica
         that refuses the request (ReplicaFull: another caller took the room) sends it back to
-        the front of the stage's queue, with the replica's numbers, until one has room."""
+        the front of the stage's queue, with the replica's numbers, until one has room; one
+        that is leaving answers `Moved`, and the request goes to another (`handoff`: what it
+        carries there, a request that had started)."""
         while True:
+            lease.replica = replica
             reservation = self.stage.reservation(request.request_id) if self.stage else None
             # The choice travels with the request: the deployment's request router
             # (routing/serve_router.py) sends it there.
             call = request if replica is None else replace(request, replica=replica)
-            stream = (self._generate.remote(call) if reservation is None
-                      else self._generate.remote(call, reservation))
+            stream = self._generate.remote(call, reservation, handoff)
             lease.stream = stream
             try:
-                return await stream.__anext__()
+                first = await stream.__anext__()
             except StopAsyncIteration:
                 lease.stream = None
                 raise RuntimeError("the target replica returned no output") from None
@@ -145,6 +205,33 @@ class Dispatcher:
                     raise
                 replica = await self.stage.requeue(
                     request.request_id, str(full.info.get("replica") or replica), full.info)
+                continue
+            if not isinstance(first, Moved):
+                return first
+            lease.stream = None
+            handoff = first.handoff
+            replica = await self._moved(lease)
+
+    async def _follow(self, lease: Lease, moved: Moved) -> Output:
+        """The lease's replica left mid-stream: the request's first output from the replica
+        that takes it over (the tokens its client has not been sent yet)."""
+        return await self._first(lease.request, await self._moved(lease), lease, moved.handoff)
+
+    async def _moved(self, lease: Lease) -> str | None:
+        """Where a request goes from a leaving replica: the stage marks that replica as
+        leaving and admits the request again, at the front of its queue; without a stage,
+        Serve's routing picks (it sends nothing to a stopping replica)."""
+        lease.moves += 1
+        if lease.moves > MAX_MOVES:
+            raise EngineUnavailable(f"the request was moved {MAX_MOVES} times by replicas "
+                                    "leaving the fleet; retry")
+        if self.stage is None:
+            return None
+        request = lease.request
+        return await self.stage.move(
+            request.request_id, lease.replica,
+            cache_keys(request.prompt_ids, request.images),
+            lease.reserved_tokens, request.client, lease.near)
 
     async def view(self) -> dict[str, Any]:
         """The stage's view for /v1/router (its replicas' KV tokens and state slots, its

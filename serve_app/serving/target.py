@@ -9,6 +9,7 @@ engine's TP group, and the DSpark draft runs sharded on the same ranks.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -27,10 +28,11 @@ from serve_app.config import AppConfig, context_length
 from serve_app.engines.interface import Engine
 from serve_app.netutil import free_port
 from serve_app.observability.logs import get_logger, install_trace_ids
-from serve_app.observability.metrics import replica_name
+from serve_app.observability.metrics import app_metrics, replica_name
 from serve_app.protocol.generation import (
     EngineUnavailable,
     GenerateRequest,
+    Moved,
     Prefilled,
     RequestOutput,
     Role,
@@ -40,8 +42,15 @@ from serve_app.routing.reservation import ReplicaFull, ReplicaLedger, Reservatio
 from serve_app.serving.dispatch import Dispatcher, serve_caller
 from serve_app.serving.errors import error_for
 from serve_app.serving.health import HealthProbe
+from serve_app.serving.leaving import replica_stopping
 
 logger = get_logger("target")
+
+# How often a replica with requests in flight checks whether Serve is stopping it.
+LEAVING_POLL_S = 0.1
+# A caller's queue report older than this is dropped from the autoscaling reports (callers
+# ask every second while they route, every 0.2 s while a request waits).
+CALLER_LOAD_TTL_S = 10.0
 
 
 def _placement_info(rank: int, devices_per_node: int) -> dict[str, Any]:
@@ -214,6 +223,14 @@ class TargetReplica:
         # prefill replicas against this node), and that side's health for GET /health.
         self.prefill: Dispatcher | None = None
         self.prefill_health: HealthProbe | None = None
+        # Leaving (Serve stops it: a scale-down, a redeploy; or `drain`): it takes nothing
+        # new, and its running requests move to other replicas (docs/runbook.md
+        # "Autoscaling"). Watched while requests are in flight (`_watch_stop`).
+        self.draining = False
+        self.moved_out = 0
+        self._stop_watch: asyncio.Task[None] | None = None
+        # Each caller's last queue and TTFT report (`routing_info`), with when it came.
+        self._caller_loads: dict[str, tuple[float, dict[str, Any]]] = {}
         if role == "decode":
             if prefill is None:
                 raise ValueError("a decode replica needs the prefill deployment's handle")
@@ -232,30 +249,42 @@ class TargetReplica:
     def _replica_id(self) -> str:
         return serve.get_replica_context().replica_id.unique_id
 
-    async def generate(self, request: GenerateRequest, reservation: Reservation | None = None
-                       ) -> AsyncIterator[RequestOutput | Prefilled]:
+    async def generate(self, request: GenerateRequest, reservation: Reservation | None = None,
+                       handoff: Any = None) -> AsyncIterator[RequestOutput | Prefilled | Moved]:
         """Reserve the request on this replica's ledger (the facts its caller's admission
         stage computed, or the same facts computed here for a call that carries none), then
         stream its outputs; released exactly once when the request ends here, however it
-        ends (finished, failed, aborted, its caller gone). Refused before any engine work
-        with ReplicaFull, which carries this ledger's numbers. A prefill replica answers with
-        one `Prefilled` (or the final output of a request that ended on its first token); a
-        decode replica has the request prefilled there first (`_prefilled_there`)."""
+        ends (finished, failed, aborted, moved, its caller gone). Refused before any engine
+        work with ReplicaFull, which carries this ledger's numbers. A prefill replica answers
+        with one `Prefilled` (or the final output of a request that ended on its first
+        token); a decode replica has the request prefilled there first (`_prefilled_there`).
+        `handoff`: a request that moved here from a leaving replica (its engine's hand-over),
+        which goes on from where it was. A leaving replica's streams end with `Moved`, which
+        the caller's dispatcher follows to another replica."""
         caller = request.caller
+        if self.draining:
+            yield Moved(request.request_id, handoff)
+            return
         # A prefill replica samples one token of each request.
         max_tokens = 1 if self.role == "prefill" else request.params.max_tokens
         self._reserve(request.request_id, caller, reservation,
                       cache_keys(request.prompt_ids, request.images), max_tokens)
         self._track(caller, request.request_id)
+        self._watch_leaving()
         try:
-            if self.role == "both":
-                async for out in self.engine.generate(request):
-                    yield out
+            if handoff is not None:
+                stream = self.engine.adopt(handoff)
+            elif self.role == "both":
+                stream = self.engine.generate(request)
             elif self.role == "decode":
-                async for out in self._prefilled_there(request):
-                    yield out
+                stream = self._prefilled_there(request)
             else:
                 yield await self._prefill(request)
+                return
+            async for out in stream:
+                if isinstance(out, Moved):
+                    self._count_move()
+                yield out
         finally:
             self._release(caller, request.request_id)
 
@@ -288,6 +317,36 @@ class TargetReplica:
             return
         async for out in self.engine.adopt(await fetch_handoff(first)):
             yield out
+
+    # --- leaving ------------------------------------------------------------------------------
+
+    def _watch_leaving(self) -> None:
+        """While requests are in flight, watch for Serve stopping this replica (its graceful
+        shutdown waits for them, but nothing tells the replica: `replica_stopping`)."""
+        if self._stop_watch is None or self._stop_watch.done():
+            self._stop_watch = asyncio.get_running_loop().create_task(self._watch_stop())
+
+    async def _watch_stop(self) -> None:
+        while not self.draining and (self._by_caller or self._busy()):
+            if replica_stopping():
+                await self.drain()
+                return
+            await asyncio.sleep(LEAVING_POLL_S)
+
+    async def drain(self) -> int:
+        """Leave: take nothing new (every later call answers `Moved` at once, and the
+        routers read no capacity here), and move every running request to other replicas
+        (an engine without `supports_migration` finishes them here, within Serve's
+        graceful_shutdown_timeout_s). Serve stopping the replica calls it; so can an
+        operator. Returns how many requests moved."""
+        if self.draining:
+            return 0
+        self.draining = True
+        moved = 0
+        if self.engine.supports_migration and self.role != "prefill":
+            moved = await self.engine.evacuate()
+        logger.info("replica leaving: %d running requests moved to other replicas", moved)
+        return moved
 
     async def dispatch_view(self) -> dict[str, Any]:
         """This replica's own dispatcher's view (a decode replica's, to the prefill side),
@@ -407,13 +466,21 @@ class TargetReplica:
     def capacity(self) -> dict[str, int]:
         return self.engine.capacity()
 
-    def routing_info(self, prefix_since: dict[str, int] | None = None) -> dict[str, Any]:
+    def routing_info(self, prefix_since: dict[str, int] | None = None,
+                     caller_load: dict[str, Any] | None = None) -> dict[str, Any]:
         """Who this replica is (Serve's unique id, as the request router sees it) and its
         capacity (KV tokens and state slots), and its ledger's reservations across every
         ingress: the router's admission stage asks every replica for it
         (serve_app.routing.admission). With a prefix cache, also its events since
-        `prefix_since[this replica]` (the caller's read position; one dict for a broadcast)."""
+        `prefix_since[this replica]` (the caller's read position; one dict for a broadcast).
+        `caller_load`: the asking caller's queue and TTFT (Dispatcher.load_report), kept for
+        this replica's autoscaling reports."""
+        if caller_load:
+            self._caller_loads[str(caller_load.get("caller", ""))] = (time.monotonic(),
+                                                                       caller_load)
         cap = self.engine.capacity()
+        if self.draining:  # leaving: the routers send nothing more here
+            cap = {**cap, "kv_tokens_total": 0, "state_slots_total": 0, "draining": True}
         me = self._replica_id()
         # Its node: a disaggregated pair on one node hands over through that node's object
         # store (the router prices a pair across nodes: RouterSettings.handoff_cost).
@@ -424,14 +491,73 @@ class TargetReplica:
         if self.ledger is not None:
             # The authoritative reservations, from every ingress (and each one's share): the
             # ingresses' hint of each other's load.
-            self.ledger.set_capacity(*_totals(cap))
+            self.ledger.set_capacity(*_totals(self.engine.capacity()))
             info["ledger"] = self.ledger.report()
         return info
 
     def placement(self) -> list[dict[str, Any]]:
         return self.info
 
+    def _count_move(self) -> None:
+        self.moved_out += 1
+        metrics = app_metrics()
+        if metrics is not None:
+            metrics.requests_moved.inc(tags={"replica": self.replica})
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler gets from this replica every metrics_interval_s, for the
+        deployment's policy (serve_app/routing/autoscaling.py, which names them in
+        METRICS): its ledger's reservations against its capacity (the engine's own counts
+        without a ledger), and its callers' queues and TTFT as they last reported them
+        (reports older than CALLER_LOAD_TTL_S are dropped: a caller that stopped asking has
+        nothing waiting)."""
+        cap = self.engine.capacity()
+        kv_total, slots_total = _totals(cap)
+        if self.ledger is not None:
+            ledger = self.ledger.report()
+            kv, slots = ledger["kv_tokens_committed"], ledger["state_slots_reserved"]
+        else:
+            kv = cap.get("kv_tokens_reserved", cap.get("kv_tokens_used", 0))
+            slots = cap.get("state_slots_used", 0)
+        now = time.monotonic()
+        for caller, (at, _) in list(self._caller_loads.items()):
+            if now - at > CALLER_LOAD_TTL_S:
+                del self._caller_loads[caller]
+        loads = [load for _, load in self._caller_loads.values()]
+        return {
+            "kv_committed": float(kv), "kv_total": float(kv_total),
+            "slots_reserved": float(slots), "slots_total": float(slots_total or 0),
+            "queued": float(sum(x.get("queued", 0) for x in loads)),
+            "queued_tokens": float(sum(x.get("queued_tokens", 0) for x in loads)),
+            "oldest_wait_s": float(max((x.get("oldest_wait_s", 0.0) for x in loads),
+                                       default=0.0)),
+            "ttft_p90_s": float(max((x.get("ttft_p90_s", 0.0) for x in loads), default=0.0)),
+            "draining": 1.0 if self.draining else 0.0,
+        }
+
+    def holdings(self) -> dict[str, Any]:
+        """What this replica still holds: its ledger's reservations and its engine's running
+        requests and slots (all 0 once a leaving replica's requests have moved or ended),
+        and how many requests moved out."""
+        ledger = self.ledger.report() if self.ledger is not None else {}
+        stats, cap = self.engine.stats(), self.engine.capacity()
+        return {"kv_tokens_committed": ledger.get("kv_tokens_committed", 0),
+                "state_slots_reserved": ledger.get("state_slots_reserved", 0),
+                "running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
+                "state_slots_used": cap.get("state_slots_used", 0),
+                # The prefix cache's idle pages are not held by any request.
+                "kv_tokens_held": cap.get("kv_tokens_used", 0) - cap.get("kv_tokens_evictable", 0),
+                "moved_out": self.moved_out}
+
     def __del__(self) -> None:
+        # Serve calls this after the graceful shutdown's wait: the line operators (and
+        # tests/test_autoscaling_serve.py) read to see that a leaving replica let go of
+        # everything.
+        if getattr(self, "engine", None) is not None:
+            try:
+                logger.info("replica left, holding %s", json.dumps(self.holdings()))
+            except Exception:
+                logger.exception("replica left; its holdings could not be read")
         for w in getattr(self, "workers", []):
             ray.kill(w, no_restart=True)
 

@@ -97,6 +97,7 @@ class ReferenceAsyncEngine(Engine):
         self._stopping = False
         self._health_ids = itertools.count()
         self._own: set[str] = set()  # the engine's own requests (health probes): never moved
+        self._evacuated = False  # set by `evacuate`: every later client request moves at once
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self._watchdog: threading.Thread | None = None
@@ -325,6 +326,10 @@ class ReferenceAsyncEngine(Engine):
                           ) -> AsyncIterator[RequestOutput | RequestHandoff | Moved]:
         """Send `op` for one request and relay its stream until it ends."""
         stream = _Stream(asyncio.get_running_loop())
+        if self._evacuated and op != "prefill" and request_id not in self._own:
+            # Its replica is leaving: a request that reaches it now goes elsewhere at once.
+            yield Moved(request_id, arg if op == "adopt" else None)
+            return
         # Checked and registered under the lock that _fail_engine takes: a stream is either
         # refused here or failed there, never left waiting on a dead engine.
         with self._lock:
@@ -354,8 +359,10 @@ class ReferenceAsyncEngine(Engine):
 
     async def evacuate(self) -> int:
         """Every client request this engine runs leaves its stream with a `Moved` (between
-        two steps, on the loop thread that owns the engine); returns how many."""
+        two steps, on the loop thread that owns the engine), and so does every one that
+        arrives later; returns how many moved now."""
         self._check_alive()
+        self._evacuated = True
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._send("evacuate", done)
         return await done
