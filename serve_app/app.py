@@ -142,19 +142,24 @@ def _scaling(config: AppConfig) -> dict[str, Any]:
                 "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S}
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
-    return {
-        "num_replicas": "auto",
-        "autoscaling_config": AutoscalingConfig(
-            min_replicas=auto.min_replicas, max_replicas=auto.max_replicas,
-            initial_replicas=auto.initial_replicas or auto.min_replicas,
-            upscale_delay_s=auto.upscale_delay_s, downscale_delay_s=auto.downscale_delay_s,
-            metrics_interval_s=auto.metrics_interval_s,
-            look_back_period_s=auto.look_back_period_s,
-            policy=AutoscalingPolicy(
-                policy_function="serve_app.routing.serve_autoscaling:LedgerPolicy",
-                policy_kwargs=auto.model_dump())),
-        "graceful_shutdown_timeout_s": auto.drain_timeout_s,
-    }
+    bounds = {"min_replicas": auto.min_replicas, "max_replicas": auto.max_replicas,
+              "initial_replicas": auto.initial_replicas or auto.min_replicas,
+              "upscale_delay_s": auto.upscale_delay_s,
+              "downscale_delay_s": auto.downscale_delay_s,
+              "metrics_interval_s": auto.metrics_interval_s,
+              "look_back_period_s": auto.look_back_period_s}
+    if auto.policy == "ray_requests":
+        running = (config.engine.sglang.max_running_requests
+                   if config.engine.backend == "sglang"
+                   else config.engine.reference.max_batch_size)
+        scaling = AutoscalingConfig(**bounds, target_ongoing_requests=(
+            auto.target_ongoing_requests or max(1.0, running * auto.target_utilization)))
+    else:
+        scaling = AutoscalingConfig(**bounds, policy=AutoscalingPolicy(
+            policy_function="serve_app.routing.serve_autoscaling:LedgerPolicy",
+            policy_kwargs=auto.model_dump()))
+    return {"num_replicas": "auto", "autoscaling_config": scaling,
+            "graceful_shutdown_timeout_s": auto.drain_timeout_s}
 
 
 def _target_deployment(config: AppConfig, name: str, logging_config: dict[str, Any]) -> Any:

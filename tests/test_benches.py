@@ -3,7 +3,7 @@ fails here. Each runs as its own process (`python bench/<name>.py ... --json <tm
 README row does; the test checks that it exits 0 and that its report holds the variants and
 the numbers it promises. Speed is the benches' to measure: nothing here bounds a time.
 
-The benches that start a Ray cluster of their own (disaggregation, prefix_cache,
+The benches that start a Ray cluster of their own (autoscaling, disaggregation, prefix_cache,
 serve_overhead) run while this process holds none (`no_ray_here`); conftest.py keeps the
 module with the own-cluster ones, on the xdist worker that never holds the shared cluster.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-# Three of the benches start a Ray cluster of their own.
+# Four of the benches start a Ray cluster of their own.
 pytestmark = pytest.mark.ray_cluster("own")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,6 +263,26 @@ def test_prefix_cache(tmp_path: Path, no_ray_here: None) -> None:
     for policy in ("kv_aware", "power_of_two"):
         assert 0 <= report["simulator"][policy]["hit_rate"] <= 1
     assert isinstance(report["agreement"]["agree"], bool)
+
+
+@pytest.mark.slow
+def test_autoscaling(tmp_path: Path, no_ray_here: None) -> None:
+    """A short load step under both policies: the ledger policy scales the embedded
+    deployment up for the step's KV demand and back to one after it, no request fails under
+    either, and the request-count policy sees too few requests to scale (the step's demand
+    waits in the router's queue, where it does not count them)."""
+    out = tmp_path / "out.json"
+    report = line_and_file(run_bench(
+        "bench/autoscaling.py", "--step-clients", "10", "--base-s", "2", "--step-s", "8",
+        "--tail-s", "30", "--max-tokens", "160", "--max-replicas", "2",
+        "--downscale-delay-s", "2", "--json", str(out)), out)
+    ledger, requests = report["variants"]["ledger"], report["variants"]["ray_requests"]
+    assert ledger["replicas_max"] == 2 and positive(ledger["time_to_scale_up_s"])
+    assert ledger["time_back_to_one_s"] is not None
+    assert requests["replicas_max"] == 1 and requests["time_to_scale_up_s"] is None
+    for v in (ledger, requests):
+        assert v["failed"] == 0 and v["completed"] >= v["step_requests"] > 0, v
+        assert positive(v["step_ttft_p99_s"]) and v["step_ttft_p99_s"] >= v["step_ttft_p50_s"]
 
 
 @pytest.mark.slow

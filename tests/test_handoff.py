@@ -147,7 +147,7 @@ def test_an_adoption_that_does_not_fit_changes_nothing(pair: tuple[Path, Path]) 
     with pytest.raises(ValueError, match="draft"):
         no_draft.adopt(handoff)
     holds_nothing(no_draft)
-    with pytest.raises(ValueError, match="not a prefilled"):
+    with pytest.raises(ValueError, match="neither prefilled"):
         p.export("no-such-request")
     # The hand-over is still whole: a decode engine with room takes it.
     d = engine_from(pair)

@@ -79,6 +79,14 @@ class AutoscalingSettings(BaseModel):
     the delays, keep it from flapping); a replica that leaves moves its running requests to
     the others. `kimi-capacity emit` writes these from the plan's SLA targets."""
 
+    policy: Literal["ledger", "ray_requests"] = Field(
+        default="ledger", description="ledger: this project's policy (the router's reserved "
+        "KV tokens and slots, its queues, TTFT); ray_requests: Ray Serve's default policy, "
+        "ongoing requests per replica against target_ongoing_requests (what the ledger "
+        "policy is measured against: bench/autoscaling.py)")
+    target_ongoing_requests: float | None = Field(
+        default=None, gt=0, description="ray_requests: requests per replica it aims for "
+        "(default: the engine's running-request bound x target_utilization)")
     min_replicas: int = Field(default=1, ge=1, description="never fewer (a K3 replica's cold "
                               "start loads its weights for minutes: no scale to zero)")
     max_replicas: int = Field(default=4, ge=1)
