@@ -1026,6 +1026,12 @@ def emit_cmd(
     kv: Annotated[str, typer.Option()] = "bf16",
     mem_fraction: Annotated[float | None, typer.Option()] = None,
     replicas: Annotated[int, typer.Option(help="engine replicas")] = 1,
+    max_replicas: Annotated[int | None, typer.Option(
+        help="autoscale from --replicas up to this many (placement.autoscaling; the cluster "
+        "files' GPU workers follow)")] = None,
+    pd_max: Annotated[str | None, typer.Option(
+        "--pd-max", help="--pd: autoscale each pool from --pd up to PREFILL:DECODE replicas")
+    ] = None,
     auth_mode: Annotated[str, typer.Option(help="RAY_AUTH_MODE for the cluster: token|disabled")
                          ] = "token",
     out_dir: Annotated[Path, typer.Option(help="folder for the two YAML files")] = Path("."),
@@ -1070,6 +1076,12 @@ def emit_cmd(
     if replicas <= 0:
         raise CapacityError(f"--replicas must be positive, got {replicas}")
     sides = _pd_sides(pd, transfer_backend)
+    if pd_max is not None and sides is None:
+        raise CapacityError("--pd-max autoscales the pools of --pd PREFILL:DECODE")
+    if max_replicas is not None and sides is not None:
+        raise CapacityError("--max-replicas autoscales --replicas; with --pd use --pd-max")
+    most: int | tuple[int, int] | None = (max_replicas if pd_max is None
+                                          else _pd_sides(pd_max, transfer_backend))
     target = describe_model(model)
     draft_model, spec = _draft_and_spec(draft, acceptance, gamma, workload_name)
     gpu_specs = load_gpus()
@@ -1106,7 +1118,7 @@ def emit_cmd(
                   auth_mode, planner_refs=(model, draft), kda_rollback=kda_rollback,
                   ring_len=replay_ring_len, pd=sides, transfer_backend=transfer_backend,
                   prefill_layout=prefill_layout, verify=verify, sps_table=sps_table,
-                  levers=levers)
+                  levers=levers, max_replicas=most)
     running = result.serve_config["applications"][0]["args"]["engine"]["sglang"][
         "max_running_requests"]
     out.print(f"wrote {result.serve_path} (ServeDeploySchema: valid) and {result.cluster_path} "

@@ -50,6 +50,7 @@ from capacity.ray_env import sglang_ray_env
 from capacity.sglang_k3_paths import path_note, served_layout
 from capacity.sglang_recipe import SGLANG_GRAMMAR_ARGS, SGLANG_SECTION
 from capacity.tables import GpuSpec, gpu_vendor
+from capacity.targets import default_targets
 
 RAY_VERSION = "2.60.0"
 SERVE_IMPORT_PATH = "serve_app.app:build_app"
@@ -138,6 +139,11 @@ class ServeDescription:
     # `prefill`'s (None: this one too); `replicas` is then unused.
     pd: tuple[int, int] | None = None
     prefill: ServeDescription | None = None
+    # Autoscaled (placement.autoscaling; docs/runbook.md "Autoscaling"): up to this many
+    # replicas from `replicas`, or per side from `pd` when disaggregated ((prefill, decode));
+    # None: a fixed size. `ttft_slo_s`: the context class's TTFT target (capacity.targets).
+    max_replicas: int | tuple[int, int] | None = None
+    ttft_slo_s: float | None = None
     transfer_backend: str = "mooncake"
     tokenizer: str | None = None  # default: the target
     served_model_name: str = "kimi-k3"
@@ -170,11 +176,40 @@ class ServeDescription:
 
     @property
     def worker_nodes(self) -> int:
-        """GPU nodes the cluster holds: every replica's, both sides' when disaggregated."""
-        if self.pd is None:
-            return self.replicas * self.nodes
-        prefill_nodes = (self.prefill or self).nodes
-        return self.pd[0] * prefill_nodes + self.pd[1] * self.nodes
+        """GPU nodes the cluster holds: every replica's, both sides' when disaggregated (the
+        fewest, when autoscaled)."""
+        return self._nodes(self.replicas if self.pd is None else self.pd)
+
+    @property
+    def max_worker_nodes(self) -> int:
+        """GPU nodes the cluster may grow to: every replica's at the autoscaling maximum."""
+        return self._nodes(self.max_replicas if self.max_replicas is not None
+                           else self.replicas if self.pd is None else self.pd)
+
+    def _nodes(self, replicas: int | tuple[int, int]) -> int:
+        if isinstance(replicas, int):
+            return replicas * self.nodes
+        return replicas[0] * (self.prefill or self).nodes + replicas[1] * self.nodes
+
+    def autoscaling(self, side: int | None = None) -> dict[str, Any] | None:
+        """placement.autoscaling of the app (`side` None) or of a disaggregated side (0:
+        prefill, 1: decode); None when the size is fixed. The TTFT bound is the context
+        class's planner target, and a request queued a quarter of it adds a replica."""
+        if self.max_replicas is None:
+            return None
+        if side is None:
+            low, high = self.replicas, self.max_replicas
+        else:
+            assert self.pd is not None and isinstance(self.max_replicas, tuple)
+            low, high = self.pd[side], self.max_replicas[side]
+        section: dict[str, Any] = {"min_replicas": low, "max_replicas": high}
+        # A decode pool's first token is the prefill pool's: the TTFT bound is that pool's
+        # (its callers, the decode replicas, measure it); the decode pool follows its KV,
+        # slots and queue.
+        if self.ttft_slo_s is not None and side != 1:
+            section["ttft_slo_s"] = self.ttft_slo_s
+            section["max_queue_wait_s"] = round(self.ttft_slo_s / 4, 2)
+        return section
 
 
 def _parallelism(desc: ServeDescription) -> dict[str, Any]:
@@ -213,16 +248,21 @@ def app_args(desc: ServeDescription) -> dict[str, Any]:
         # Kimi K3's sampling contract, as Moonshot verifies vendors (serve_app/chat/parameters.py).
         "api": {"parameter_policy": "k3"},
     }
+    if desc.pd is None and desc.max_replicas is not None:
+        config["placement"]["autoscaling"] = desc.autoscaling()
     if desc.pd is not None:
         # The decode side runs the app's layout; the bootstrap port is picked free per
         # prefill replica.
         prefill: dict[str, Any] = {"replicas": desc.pd[0]}
+        decode: dict[str, Any] = {"replicas": desc.pd[1]}
+        if desc.max_replicas is not None:  # each pool follows its own load
+            prefill["autoscaling"], decode["autoscaling"] = (desc.autoscaling(0),
+                                                             desc.autoscaling(1))
         if desc.prefill is not None:  # a layout of its own, and what the planner sized on it
             prefill["parallelism"] = _parallelism(desc.prefill)
             prefill["sglang"] = {key: value for key, value in desc.prefill.sglang.items()
                                  if desc.sglang.get(key) != value}
-        config["disaggregation"] = {"enabled": True, "prefill": prefill,
-                                    "decode": {"replicas": desc.pd[1]},
+        config["disaggregation"] = {"enabled": True, "prefill": prefill, "decode": decode,
                                     "transfer_backend": desc.transfer_backend}
     return config
 
@@ -684,13 +724,18 @@ def gcp_config(name: str, machine: str, workers: int, auth_mode: str = "token") 
     return config
 
 
-def onprem_config(name: str, workers: int, auth_mode: str = "token") -> dict[str, Any]:
+def onprem_config(name: str, workers: int, auth_mode: str = "token",
+                  min_workers: int | None = None) -> dict[str, Any]:
+    """`workers` machines; `min_workers`: the autoscaler keeps this many started and adds
+    the rest as replicas' placement groups ask for them (None: all of them, always)."""
     config = _common(name, workers, auth_mode)
     config.update({
         "provider": {"type": "local", "head_ip": "HEAD_NODE_IP",
                      "worker_ips": [f"WORKER_{i}_IP" for i in range(workers)]},
         "auth": {"ssh_user": "ubuntu", "ssh_private_key": "~/.ssh/id_ed25519"},
     })
+    if min_workers is not None and min_workers < workers:
+        config["min_workers"] = min_workers
     # Ray detects AMD GPUs through ROCm; nothing to declare.
     return config
 
@@ -699,8 +744,9 @@ def onprem_config(name: str, workers: int, auth_mode: str = "token") -> dict[str
 def cluster_config(desc: ServeDescription, auth_mode: str = "token") -> dict[str, Any]:
     """An on-premise (provider: local) cluster for a described deployment: a GPU-free head node
     plus one worker per node of every replica (both sides' when disaggregated). Addresses are
-    placeholders for the rented machines."""
-    return onprem_config("kimi-k3", desc.worker_nodes, auth_mode)
+    placeholders for the rented machines. Autoscaled: the machines of every replica at the
+    maximum, of which the minimum's stay started."""
+    return onprem_config("kimi-k3", desc.max_worker_nodes, auth_mode, desc.worker_nodes)
 
 
 # --- KubeRay ------------------------------------------------------------------------------------
@@ -728,7 +774,7 @@ def rayservice(serve_text: str, desc: ServeDescription) -> dict[str, Any]:
     }
     volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "kimi-k3-models"}},
                {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    workers = desc.nodes * desc.replicas
+    low, high = desc.worker_nodes, desc.max_worker_nodes
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -737,6 +783,9 @@ def rayservice(serve_text: str, desc: ServeDescription) -> dict[str, Any]:
             "serveConfigV2": serve_text,
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
+                # Ray's autoscaler adds and removes the GPU worker pods that autoscaled
+                # replicas' placement groups ask for.
+                **({"enableInTreeAutoscaling": True} if high > low else {}),
                 "headGroupSpec": {
                     # GPU-free head.
                     "rayStartParams": {"num-gpus": "0", "dashboard-host": "0.0.0.0"},
@@ -759,7 +808,7 @@ def rayservice(serve_text: str, desc: ServeDescription) -> dict[str, Any]:
                 },
                 "workerGroupSpecs": [{
                     "groupName": desc.gpu.lower(),
-                    "replicas": workers, "minReplicas": workers, "maxReplicas": workers,
+                    "replicas": low, "minReplicas": low, "maxReplicas": high,
                     "rayStartParams": {},
                     "template": {"spec": {"containers": [gpu_container], "volumes": volumes}},
                 }],
@@ -840,11 +889,14 @@ def emit(
     verify: str | None = None,
     sps_table: str | None = None,
     levers: bool = False,
+    max_replicas: int | tuple[int, int] | None = None,
 ) -> EmitResult:
     """Write one layout's Serve and cluster files; `pd`: (prefill, decode) replicas of a
     disaggregated app instead of `replicas` aggregated ones, the decode replicas of `layout`
     and the prefill ones of `prefill_layout` (None: `layout` too; same GPU type). `levers`:
-    choose SGLang's K3 levers for each side (describe_layout)."""
+    choose SGLang's K3 levers for each side (describe_layout). `max_replicas`: autoscaled
+    from `replicas` (from `pd` per side: (prefill, decode)) up to these, the cluster files'
+    GPU workers with them."""
     desc = describe_layout(model, model_ref, layout, context_length, gpu, replicas, draft,
                            draft_ref, speculation, planner_refs, kda_rollback, ring_len,
                            verify, sps_table, levers, "decode" if pd is not None else "both")
@@ -867,8 +919,36 @@ def emit(
                                    transfer_backend=transfer_backend,
                                    command=desc.command + pd_flags(pd, layout, prefill_layout,
                                                                    transfer_backend))
+    if max_replicas is not None:
+        desc = _autoscaled(desc, max_replicas, context_length)
     cluster = cluster_config(desc, auth_mode)
     return write(out_dir, desc, cluster, layout.label())
+
+
+def _autoscaled(desc: ServeDescription, max_replicas: int | tuple[int, int],
+                context_length: int) -> ServeDescription:
+    """`desc` autoscaled up to `max_replicas`, with the context class's TTFT target as the
+    policy's bound, said in the file's header and its command line."""
+    low = desc.replicas if desc.pd is None else desc.pd
+    if isinstance(low, int) != isinstance(max_replicas, int) or any(
+            hi < lo for lo, hi in zip(low if isinstance(low, tuple) else (low,),
+                                      max_replicas if isinstance(max_replicas, tuple)
+                                      else (max_replicas,), strict=True)):
+        raise CapacityError(f"autoscaling up to {max_replicas} replicas from {low}: give "
+                            "--max-replicas N >= --replicas, or --pd-max P:D >= --pd per side")
+    targets = default_targets(context_length)
+    if isinstance(max_replicas, int):
+        flag, sides = f" --max-replicas {max_replicas}", f"{low}..{max_replicas} replicas"
+    else:
+        assert isinstance(low, tuple)
+        flag = f" --pd-max {max_replicas[0]}:{max_replicas[1]}"
+        sides = (f"prefill {low[0]}..{max_replicas[0]}, decode {low[1]}..{max_replicas[1]} "
+                 "replicas")
+    note = (f"autoscaling: {sides} on the router's ledgers and queues (docs/runbook.md "
+            f"\"Autoscaling\"); TTFT bound {targets.ttft_s:g} s, the {targets.context_class} "
+            "class's planner target")
+    return dataclasses.replace(desc, max_replicas=max_replicas, ttft_slo_s=targets.ttft_s,
+                               command=desc.command + flag, notes=(*desc.notes, *_wrap(note)))
 
 
 def pd_flags(pd: tuple[int, int], decode: Layout, prefill: Layout | None = None,

@@ -591,3 +591,48 @@ def test_emit_chooses_the_dspark_verify_and_its_table(tmp_path: Path) -> None:
     refused = invoke(*base, "--verify", "static", "--sps-table", "/t.json",
                      "--out-dir", str(tmp_path))
     assert refused.exit_code == 2 and "static does not read it" in refused.output
+
+
+def test_emit_autoscales_from_the_planners_targets_and_its_header_command_rewrites_it(
+        tmp_path: Path) -> None:
+    """`--max-replicas` (aggregated) and `--pd-max` (each pool): the app's
+    placement.autoscaling from --replicas / --pd up to the maximum, the TTFT bound the context
+    class's planner target (the prefill pool's alone when disaggregated: a decode pool's first
+    token is the prefill pool's), the cluster's GPU workers from the minimum's nodes up to the
+    maximum's, and a header command that writes the same file again."""
+    from capacity.targets import default_targets
+    from serve_app.config import AppConfig
+
+    ttft = default_targets(128 * 1024).ttft_s
+    base = ["emit", "--gpu", "H200", "--nodes", "2", "--draft", "kimi-k3-dspark",
+            "--context", "128K", "--model-ref", "/models/Kimi-K3"]
+    cases = [(["--max-replicas", "3"], "serve-h200-2x8.yaml", "cluster-h200-2x8.yaml"),
+             (["--pd", "1:2", "--pd-max", "2:4"], "serve-h200-2x8-pd1p2d.yaml",
+              "cluster-h200-2x8-pd1p2d.yaml")]
+    for flags, serve_name, cluster_name in cases:
+        out = tmp_path / flags[0].strip("-")
+        result = invoke(*base, *flags, "--out-dir", str(out))
+        assert result.exit_code == 0, result.output
+        text = (out / serve_name).read_text()
+        args = yaml.safe_load(text)["applications"][0]["args"]
+        app = AppConfig.model_validate(args)
+        cluster = yaml.safe_load((out / cluster_name).read_text())
+        if "--max-replicas" in flags:
+            auto = app.placement.autoscaling
+            assert (auto.min_replicas, auto.max_replicas, auto.ttft_slo_s) == (1, 3, ttft)
+            assert (cluster["min_workers"], cluster["max_workers"]) == (2, 6)
+        else:
+            prefill = app.side("prefill").placement.autoscaling
+            decode = app.side("decode").placement.autoscaling
+            assert (prefill.min_replicas, prefill.max_replicas, prefill.ttft_slo_s) == (1, 2, ttft)
+            assert (decode.min_replicas, decode.max_replicas, decode.ttft_slo_s) == (2, 4, None)
+            assert (cluster["min_workers"], cluster["max_workers"]) == (2 + 4, 4 + 8)
+        assert "autoscaling:" in text.split("proxy_location")[0]  # said in the header
+        header = next(line for line in text.splitlines() if "kimi-capacity emit" in line)
+        again = out / "again"
+        rerun = invoke(*header.split("kimi-capacity ")[1].split(), "--out-dir", str(again))
+        assert rerun.exit_code == 0, rerun.output
+        assert (again / serve_name).read_text() == text
+    refused = invoke(*base, "--replicas", "3", "--max-replicas", "2", "--out-dir",
+                     str(tmp_path / "bad"))
+    assert refused.exit_code != 0 and "--max-replicas N >= --replicas" in refused.output
