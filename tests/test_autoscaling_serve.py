@@ -20,7 +20,7 @@ import pytest
 from app_configs import tiny_k3_app
 from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
-from tiny_models import own_cluster, wait_for
+from tiny_models import deploy_declared, own_cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster("own")]
 
@@ -127,22 +127,6 @@ def _router(port: int) -> dict[str, Any]:
     return httpx.get(f"http://127.0.0.1:{port}/v1/router", timeout=30).json()
 
 
-def _deploy(config: Any, target_replicas: int | None = None) -> None:
-    """`config` deployed as an operator's config file deploys it (`serve deploy`, Serve's
-    declarative API): `target_replicas` set in its `deployments:` section scales the target
-    deployment in place (a lightweight update); a change of the app's arguments restarts
-    every replica, rolling."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    app: dict[str, Any] = {"name": "kimi", "route_prefix": "/",
-                           "import_path": "serve_app.app:build_app",
-                           "args": json.loads(config.model_dump_json())}
-    if target_replicas is not None:
-        app["deployments"] = [{"name": "TargetDeployment", "num_replicas": target_replicas}]
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
-
-
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
     with own_cluster() as http_port:
@@ -151,7 +135,7 @@ def port() -> Iterator[int]:
 
 @pytest.fixture(scope="module")
 def unscaled(config: Any, port: int) -> list[tuple[str, str | None]]:
-    _deploy(config, 2)
+    deploy_declared(config, 2)
     assert wait_for(lambda: len(_replicas()) == 2, 120)
     results = _run_streams(port)
     assert all(isinstance(r, tuple) and r[1] == "length" for r in results), results
@@ -165,7 +149,7 @@ def test_a_scale_down_during_8_live_streams_moves_them_exactly(
     before = _replicas()
     assert len(before) == 2
     moves_before = _router(port)["moves"]
-    results = _run_streams(port, during=lambda: _deploy(config, 1))
+    results = _run_streams(port, during=lambda: deploy_declared(config, 1))
     assert [r for r in results if not isinstance(r, tuple)] == []  # no stream failed
     assert results == unscaled  # token-identical: nothing lost, nothing sent twice
     (stayed,) = _replicas()
@@ -183,11 +167,11 @@ def test_a_rolling_restart_during_8_live_streams_drops_none(
     deployment's arguments carry) restart them all, the ingress too, while 8 streams run:
     the old replicas' requests move to the new ones, the old ingress keeps its streams to
     the end."""
-    _deploy(config, 2)
+    deploy_declared(config, 2)
     before = wait_for(lambda: len(r := _replicas()) == 2 and r, 120)
     restarted = config.model_copy(update={"ingress": config.ingress.model_copy(
         update={"retry_after_s": config.ingress.retry_after_s + 1})})
-    results = _run_streams(port, during=lambda: _deploy(restarted, 2))
+    results = _run_streams(port, during=lambda: deploy_declared(restarted, 2))
     assert [r for r in results if not isinstance(r, tuple)] == []
     assert results == unscaled
     assert wait_for(lambda: len(r := _replicas()) == 2 and not r & before, 120)

@@ -310,6 +310,83 @@ def fake_gpu_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int,
         cluster.shutdown()
 
 
+@contextmanager
+def fake_autoscaling_cluster(node_cpus: float, node_gpus: int, max_nodes: int,
+                             head_cpus: int = 2) -> Iterator[Callable[[], set[str]]]:
+    """A Ray cluster whose GPU nodes Ray's own autoscaler starts and stops (its fake
+    multi-node provider: each node a raylet on this machine, fake GPUs), connected: a
+    GPU-free head and a worker type of `node_cpus` CPUs and `node_gpus` GPUs, 0 to
+    `max_nodes` of them, idle ones removed after 6 s. Yields a function: the GPU nodes alive
+    now (their ids)."""
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from serve_app.netutil import free_port
+
+    stop_ray()
+    port = free_port()
+    ip = ray._private.services.get_node_ip_address()
+    config = {
+        "cluster_name": "fake", "max_workers": max_nodes,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True,
+                     "disable_node_updaters": True, "disable_launch_config_check": True,
+                     "gcs_address": f"{ip}:{port}"},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": head_cpus, "GPU": 0}, "node_config": {},
+                                 "max_workers": 0},
+            "gpu_node": {"resources": {"CPU": node_cpus, "GPU": node_gpus}, "node_config": {},
+                         "min_workers": 0, "max_workers": max_nodes}},
+        "head_node_type": "ray.head.default", "auth": {}, "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 0.1, "docker": {}, "file_mounts": {},
+        "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+        **{k: [] for k in ("initialization_commands", "setup_commands", "head_setup_commands",
+                           "worker_setup_commands", "head_start_ray_commands",
+                           "worker_start_ray_commands", "rsync_exclude", "rsync_filter")}}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    # The provider refuses to run without it; the autoscaler (a process the head starts)
+    # inherits both, and looks every second.
+    saved = {k: os.environ.get(k) for k in ("RAY_FAKE_CLUSTER", "AUTOSCALER_UPDATE_INTERVAL_S")}
+    os.environ.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": head_cpus, "num_gpus": 0, "gcs_server_port": port,
+        "autoscaling_config": f.name})
+    ray.init(address=cluster.address, log_to_driver=False)
+
+    def gpu_nodes() -> set[str]:
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")}
+
+    try:
+        yield gpu_nodes
+    finally:
+        stop_ray()
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        os.unlink(f.name)
+
+
+def deploy_declared(config: Any, target_replicas: int | None = None) -> None:
+    """`config` deployed as the app "kimi" as an operator's config file deploys it (`serve
+    deploy`: Serve's declarative API): `target_replicas` in its `deployments:` section scales
+    the target deployment in place (a lightweight update); a change of the app's arguments
+    restarts every replica, rolling. Returns at once."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    app: dict[str, Any] = {"name": "kimi", "route_prefix": "/",
+                           "import_path": "serve_app.app:build_app",
+                           "args": json.loads(config.model_dump_json())}
+    if target_replicas is not None:
+        app["deployments"] = [{"name": "TargetDeployment", "num_replicas": target_replicas}]
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+
+
 MINI_K3_CONFIG = Path(__file__).parent / "data" / "mini-k3-config.json"
 
 
