@@ -577,6 +577,15 @@ class AppConfig(_Strict):
         for name in ("prefill", "decode"):
             if getattr(self.disaggregation, name).sglang:
                 self._side_sglang(name)  # raises naming the side's field
+        if self.disaggregation.enabled and self.placement.autoscaling is not None:
+            raise ValueError("placement.autoscaling: a disaggregated app scales each pool on "
+                             "its own load: set disaggregation.prefill.autoscaling and "
+                             "disaggregation.decode.autoscaling instead")
+        if not self.disaggregation.enabled and any(
+                getattr(self.disaggregation, side).autoscaling is not None
+                for side in ("prefill", "decode")):
+            raise ValueError("disaggregation.*.autoscaling: for a disaggregated app "
+                             "(disaggregation.enabled); use placement.autoscaling")
         if self.disaggregation.enabled and self.engine.backend == "reference":
             for name in ("prefill", "decode"):
                 side = getattr(self.disaggregation, name).parallelism

@@ -123,3 +123,23 @@ def test_the_serve_adapter_reads_servess_context() -> None:
     replicas, state = LedgerPolicy(**S.model_dump())(ctx)
     assert replicas == 3
     assert state["decision"]["reason"] == "kv" and state["decision"]["replicas"] == 3
+
+
+def test_the_config_tree_places_autoscaling_where_it_applies() -> None:
+    """placement.autoscaling for an aggregated app, each side's for a disaggregated one (each
+    pool follows its own load): the other way round is refused, naming the field; each side
+    of a disaggregated app runs its own section."""
+    from serve_app.config import AppConfig
+
+    models = {"target": "/models/t", "draft": "/models/d"}
+    pools = {"prefill": {"autoscaling": {"max_replicas": 3}},
+             "decode": {"autoscaling": {"max_replicas": 5}}}
+    with pytest.raises(ValidationError, match="placement.autoscaling: a disaggregated app"):
+        AppConfig.model_validate({"models": models, "placement": {"autoscaling": {}},
+                                  "disaggregation": {"enabled": True}})
+    with pytest.raises(ValidationError, match=r"disaggregation.\*.autoscaling: for a disagg"):
+        AppConfig.model_validate({"models": models, "disaggregation": pools})
+    app = AppConfig.model_validate({"models": models,
+                                    "disaggregation": {"enabled": True, **pools}})
+    assert [app.side(side).placement.autoscaling.max_replicas
+            for side in ("prefill", "decode")] == [3, 5]
