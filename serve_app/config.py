@@ -385,6 +385,10 @@ class RouterConfig(RouterSettings):
         return RouterSettings(**values)
 
 
+# A decode pool's long_threshold: no prompt is long there (`AppConfig.admission`).
+NO_LONG_CLASS = 1 << 62
+
+
 def prefill_cap(prefill_chunk_tokens: int, max_prefill_tokens_per_request: int | None) -> int:
     """A prompt's share of one step's prefill budget: the setting, checked, or by default a
     quarter of the budget (at least 1). The one check, for the config and the scheduler."""
@@ -614,15 +618,23 @@ class AppConfig(_Strict):
                              "(or set enabled: false)")
         return self
 
-    def admission(self) -> RouterSettings | None:
+    def admission(self, role: Literal["both", "prefill", "decode"] = "both"
+                  ) -> RouterSettings | None:
         """The router's admission settings for this config's target deployment (one side's,
-        disaggregated); None where routing is left to Serve (`router.policy: ray_default`).
-        The one place: the dispatchers' stages and the replicas' ledgers compute the same
-        charge for the same request."""
+        disaggregated: `role`); None where routing is left to Serve (`router.policy:
+        ray_default`). The one place: the dispatchers' stages and the replicas' ledgers
+        compute the same charge for the same request. A decode pool has no long class: its
+        replicas adopt prefilled requests and run no prefill, so the long-prefill limits
+        (one at a time per replica, on a share of the replicas) are the prefill pool's
+        alone; on the decode pool they would hold a long prompt at the ingress while its
+        decode replica only waits."""
         if self.router.policy == "ray_default":
             return None
-        return self.router.settings(self.engine.backend, context_length(self),
-                                    self.engine.reference.prefix_cache.enabled)
+        settings = self.router.settings(self.engine.backend, context_length(self),
+                                        self.engine.reference.prefix_cache.enabled)
+        if role == "decode":
+            settings = settings.model_copy(update={"long_threshold": NO_LONG_CLASS})
+        return settings
 
     def side(self, role: Literal["prefill", "decode"]) -> AppConfig:
         """The config a disaggregated side's replicas run: its replicas and parallelism in

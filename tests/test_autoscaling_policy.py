@@ -134,10 +134,10 @@ def test_the_config_tree_places_autoscaling_where_it_applies() -> None:
     models = {"target": "/models/t", "draft": "/models/d"}
     pools = {"prefill": {"autoscaling": {"max_replicas": 3}},
              "decode": {"autoscaling": {"max_replicas": 5}}}
-    with pytest.raises(ValidationError, match="placement.autoscaling: a disaggregated app"):
+    with pytest.raises(ValidationError, match=r"placement\.autoscaling: a disaggregated app"):
         AppConfig.model_validate({"models": models, "placement": {"autoscaling": {}},
                                   "disaggregation": {"enabled": True}})
-    with pytest.raises(ValidationError, match=r"disaggregation.\*.autoscaling: for a disagg"):
+    with pytest.raises(ValidationError, match=r"disaggregation\.\*\.autoscaling: for a disagg"):
         AppConfig.model_validate({"models": models, "disaggregation": pools})
     app = AppConfig.model_validate({"models": models,
                                     "disaggregation": {"enabled": True, **pools}})

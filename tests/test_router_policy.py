@@ -227,6 +227,32 @@ def test_long_prefills_are_limited_and_shorts_avoid_them() -> None:
     assert [r.request_id for r, _ in nxt] == ["L2"]
 
 
+def test_a_decode_pool_has_no_long_class() -> None:
+    """A disaggregated app's decode replicas run no prefill: the ingress's stage to them
+    places four long prompts at once (the prefill side paces them), where an aggregated
+    app's stage, with the same router settings, starts two."""
+    from serve_app.config import AppConfig
+    from serve_app.embedded import DRAFT, TARGET
+
+    app = AppConfig.model_validate({
+        "models": {"target": str(TARGET), "draft": str(DRAFT)},
+        "router": {"long_threshold": 1000},
+        "disaggregation": {"enabled": True}})
+    out = {}
+    for role in ("both", "decode"):
+        s = app.admission(role)
+        assert s is not None
+        p = make_policy(s.model_copy(update={"max_long_prefills_per_replica": 1,
+                                             "long_prefill_replica_fraction": 0.5}))
+        for name in "abcd":
+            p.add_replica(name, 100_000)
+        for i in range(4):
+            p.submit(req(f"L{i}", 20_000, 100, doc(f"doc{i}", 20_000)), now=0.0)
+        out[role] = len(p.dispatch(0.0))
+    assert out == {"both": 2, "decode": 4}
+    assert app.admission("prefill") == app.admission("both")
+
+
 def test_long_requests_sharing_a_prefix_are_dispatched_together() -> None:
     p = policy({"a": 100_000, "b": 100_000}, long_prefill_replica_fraction=0.5)
     other = doc("other", 20_000)

@@ -188,7 +188,11 @@ class Dispatcher:
             # The choice travels with the request: the deployment's request router
             # (routing/serve_router.py) sends it there.
             call = request if replica is None else replace(request, replica=replica)
-            stream = self._generate.remote(call, reservation, handoff)
+            # Only what the call carries: a replica (or a stand-in for one) that predates
+            # moves takes (request[, reservation]).
+            args = (call,) if reservation is None else (call, reservation)
+            stream = (self._generate.remote(*args) if handoff is None
+                      else self._generate.remote(*args, handoff=handoff))
             lease.stream = stream
             try:
                 first = await stream.__anext__()

@@ -167,7 +167,9 @@ class OpenAIIngress:
         self.health_probe = HealthProbe(target, ing.health_cache_s, ing.health_timeout_s)
         # Who we are, so the target can abort our requests if this process dies, and the
         # router (docs/router.md) behind the one place requests are sent from.
-        self.dispatcher = Dispatcher(target, self.config.admission(), serve_caller(),
+        # A disaggregated app's ingress fronts its decode pool.
+        fronted = "decode" if self.config.disaggregation.enabled else "both"
+        self.dispatcher = Dispatcher(target, self.config.admission(fronted), serve_caller(),
                                      ing.health_timeout_s)
         install_trace_ids()
         logger.info("ingress ready: %d API keys, body limit %d bytes, context %d tokens",
