@@ -219,7 +219,10 @@ class Dispatcher:
     async def _follow(self, lease: Lease, moved: Moved) -> Output:
         """The lease's replica left mid-stream: the request's first output from the replica
         that takes it over (the tokens its client has not been sent yet)."""
-        return await self._first(lease.request, await self._moved(lease), lease, moved.handoff)
+        out = await self._first(lease.request, await self._moved(lease), lease, moved.handoff)
+        if self.stage is not None:  # its new replica has no prefill pending for it
+            self.stage.prefill_done(lease.request_id)
+        return out
 
     async def _moved(self, lease: Lease) -> str | None:
         """Where a request goes from a leaving replica: the stage marks that replica as

@@ -344,7 +344,10 @@ class TargetReplica:
         self.draining = True
         moved = 0
         if self.engine.supports_migration and self.role != "prefill":
-            moved = await self.engine.evacuate()
+            try:
+                moved = await self.engine.evacuate()
+            except EngineUnavailable as exc:  # a failed engine: its streams have ended already
+                logger.warning("replica leaving with its engine down (%s): nothing to move", exc)
         logger.info("replica leaving: %d running requests moved to other replicas", moved)
         return moved
 
