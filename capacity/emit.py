@@ -930,10 +930,9 @@ def _autoscaled(desc: ServeDescription, max_replicas: int | tuple[int, int],
     """`desc` autoscaled up to `max_replicas`, with the context class's TTFT target as the
     policy's bound, said in the file's header and its command line."""
     low = desc.replicas if desc.pd is None else desc.pd
-    if isinstance(low, int) != isinstance(max_replicas, int) or any(
-            hi < lo for lo, hi in zip(low if isinstance(low, tuple) else (low,),
-                                      max_replicas if isinstance(max_replicas, tuple)
-                                      else (max_replicas,), strict=True)):
+    lows = low if isinstance(low, tuple) else (low,)
+    highs = max_replicas if isinstance(max_replicas, tuple) else (max_replicas,)
+    if len(lows) != len(highs) or any(hi < lo for lo, hi in zip(lows, highs, strict=True)):
         raise CapacityError(f"autoscaling up to {max_replicas} replicas from {low}: give "
                             "--max-replicas N >= --replicas, or --pd-max P:D >= --pd per side")
     targets = default_targets(context_length)

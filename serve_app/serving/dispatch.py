@@ -165,7 +165,8 @@ class Dispatcher:
                     max_tokens, request.client, near)
                 lease.hold()
             lease.first = await self._first(request, replica, lease)
-            self._ttfts.append((time.monotonic(), time.monotonic() - started))
+            now = time.monotonic()
+            self._ttfts.append((now, now - started))
             # A prefill replica's hand-over is the last thing its stream sends.
             lease.finished = isinstance(lease.first, Prefilled) or lease.first.finished
             if self.stage is not None:

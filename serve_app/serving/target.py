@@ -481,7 +481,8 @@ class TargetReplica:
         if caller_load:
             self._caller_loads[str(caller_load.get("caller", ""))] = (time.monotonic(),
                                                                        caller_load)
-        cap = self.engine.capacity()
+        engine_cap = self.engine.capacity()
+        cap = engine_cap
         if self.draining:  # leaving: the routers send nothing more here
             cap = {**cap, "kv_tokens_total": 0, "state_slots_total": 0, "draining": True}
         me = self._replica_id()
@@ -494,7 +495,7 @@ class TargetReplica:
         if self.ledger is not None:
             # The authoritative reservations, from every ingress (and each one's share): the
             # ingresses' hint of each other's load.
-            self.ledger.set_capacity(*_totals(self.engine.capacity()))
+            self.ledger.set_capacity(*_totals(engine_cap))
             info["ledger"] = self.ledger.report()
         return info
 
