@@ -112,10 +112,15 @@ def build_app(config: AppConfig) -> Application:
     else:
         # The ingress fronts the decode side, which orchestrates: each of its replicas has its
         # requests prefilled on the prefill side and adopts the hand-over (docs/disaggregation.md).
-        sides = {role: config.side(role) for role in ("prefill", "decode")}
-        prefill = _target_deployment(sides["prefill"], "PrefillDeployment", logging_config).bind(
+        # Validated as its replicas will validate it, so that a side's config they would
+        # refuse fails here, naming its field, not in a replica's start-up loop.
+        sides = {role: AppConfig.model_validate_json(config.side(role).model_dump_json())
+                 for role in ("prefill", "decode")}
+        prefill = _target_deployment(sides["prefill"], "PrefillDeployment", logging_config,
+                                     "prefill").bind(
             json.loads(sides["prefill"].model_dump_json()), "prefill")
-        target = _target_deployment(sides["decode"], "DecodeDeployment", logging_config).bind(
+        target = _target_deployment(sides["decode"], "DecodeDeployment", logging_config,
+                                    "decode").bind(
             json.loads(sides["decode"].model_dump_json()), "decode", prefill)
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=config.ingress.replicas,
@@ -131,12 +136,12 @@ def build_app(config: AppConfig) -> Application:
     return ingress.bind(target, raw)
 
 
-def _scaling(config: AppConfig) -> dict[str, Any]:
+def _scaling(config: AppConfig, role: Role) -> dict[str, Any]:
     """A target deployment's size: a fixed `replicas`, or Serve's autoscaling with this
-    project's policy (serve_app/routing/serve_autoscaling.py) within
-    `placement.autoscaling`'s bounds; and how long a leaving replica may take (its requests
-    that cannot move finish first)."""
-    auto = config.placement.autoscaling
+    project's policy (serve_app/routing/serve_autoscaling.py) within its autoscaling
+    section's bounds (`AppConfig.autoscaling`); and how long a leaving replica may take (its
+    requests that cannot move finish first)."""
+    auto = config.autoscaling(role)
     if auto is None:
         return {"num_replicas": config.placement.replicas,
                 "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S}
@@ -162,7 +167,8 @@ def _scaling(config: AppConfig) -> dict[str, Any]:
             "graceful_shutdown_timeout_s": auto.drain_timeout_s}
 
 
-def _target_deployment(config: AppConfig, name: str, logging_config: dict[str, Any]) -> Any:
+def _target_deployment(config: AppConfig, name: str, logging_config: dict[str, Any],
+                       role: Role = "both") -> Any:
     """The target deployment of `config` (one side's, when disaggregated), unbound."""
     pl = config.placement
     actor_options: dict[str, Any] = {"num_cpus": pl.cpus_per_rank}
@@ -174,7 +180,7 @@ def _target_deployment(config: AppConfig, name: str, logging_config: dict[str, A
     max_ongoing = (config.engine.sglang.max_running_requests * 2 if sglang
                    else config.engine.reference.max_batch_size * 4)
     return serve.deployment(TargetReplica, name=name).options(
-        **_scaling(config),
+        **_scaling(config, role),
         ray_actor_options=actor_options,
         placement_group_bundles=config.bundles(),
         placement_group_strategy=config.strategy,

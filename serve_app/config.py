@@ -638,15 +638,24 @@ class AppConfig(_Strict):
 
     def side(self, role: Literal["prefill", "decode"]) -> AppConfig:
         """The config a disaggregated side's replicas run: its replicas and parallelism in
-        place of the app's."""
+        place of the app's. (Its autoscaling stays where it was written, under
+        `disaggregation`: `autoscaling(role)`; the side's replicas validate this config
+        again, and a disaggregated app refuses `placement.autoscaling`.)"""
         side = getattr(self.disaggregation, role)
         update: dict[str, Any] = {
             "parallelism": side.parallelism or self.parallelism,
-            "placement": self.placement.model_copy(update={"replicas": side.replicas,
-                                                           "autoscaling": side.autoscaling})}
+            "placement": self.placement.model_copy(update={"replicas": side.replicas})}
         if side.sglang:
             update["engine"] = self.engine.model_copy(update={"sglang": self._side_sglang(role)})
         return self.model_copy(update=update)
+
+    def autoscaling(self, role: Literal["both", "prefill", "decode"] = "both"
+                    ) -> AutoscalingSettings | None:
+        """The autoscaling of the target deployment of `role` (a disaggregated side's pool,
+        or the aggregated app's); None: a fixed number of replicas."""
+        if role == "both":
+            return self.placement.autoscaling
+        return getattr(self.disaggregation, role).autoscaling
 
     def _side_sglang(self, role: str) -> SGLangSettings:
         """engine.sglang with a side's own fields over it, validated as engine.sglang is."""

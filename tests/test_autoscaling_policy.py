@@ -141,5 +141,10 @@ def test_the_config_tree_places_autoscaling_where_it_applies() -> None:
         AppConfig.model_validate({"models": models, "disaggregation": pools})
     app = AppConfig.model_validate({"models": models,
                                     "disaggregation": {"enabled": True, **pools}})
-    assert [app.side(side).placement.autoscaling.max_replicas
-            for side in ("prefill", "decode")] == [3, 5]
+    assert [app.autoscaling(side).max_replicas for side in ("prefill", "decode")] == [3, 5]
+    assert app.autoscaling() is None
+    # Each side's replicas validate the config they are given again (app.py passes it as
+    # JSON), and it still tells their pool's autoscaling.
+    for side, most in (("prefill", 3), ("decode", 5)):
+        again = AppConfig.model_validate_json(app.side(side).model_dump_json())
+        assert again.autoscaling(side).max_replicas == most

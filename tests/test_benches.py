@@ -270,17 +270,25 @@ def test_autoscaling(tmp_path: Path, no_ray_here: None) -> None:
     """A short load step under both policies: the ledger policy scales the embedded
     deployment up for the step's KV demand and back to one after it, no request fails under
     either, and the request-count policy sees too few requests to scale (the step's demand
-    waits in the router's queue, where it does not count them)."""
+    waits in the router's queue, where it does not count them). Disaggregated, a step of
+    long prompts grows the prefill pool alone: they wait in its queue, and the decode pool
+    does not count the room it holds for them meanwhile."""
     out = tmp_path / "out.json"
     report = line_and_file(run_bench(
         "bench/autoscaling.py", "--step-clients", "10", "--base-s", "2", "--step-s", "8",
         "--tail-s", "30", "--max-tokens", "160", "--max-replicas", "2",
-        "--downscale-delay-s", "2", "--json", str(out)), out)
-    ledger, requests = report["variants"]["ledger"], report["variants"]["ray_requests"]
+        "--downscale-delay-s", "2", "--long-clients", "6", "--long-prompt-tokens", "512",
+        "--variants", "ledger,ray_requests,pd_long_prompts", "--json", str(out)), out)
+    variants = report["variants"]
+    ledger, requests = variants["ledger"]["target"], variants["ray_requests"]["target"]
+    prefill, decode = variants["pd_long_prompts"]["prefill"], variants["pd_long_prompts"]["decode"]
     assert ledger["replicas_max"] == 2 and positive(ledger["time_to_scale_up_s"])
     assert ledger["time_back_to_one_s"] is not None
     assert requests["replicas_max"] == 1 and requests["time_to_scale_up_s"] is None
-    for v in (ledger, requests):
+    # The prefill pool's decision (its new replica may still be starting as the step ends).
+    assert positive(prefill["time_to_scale_up_s"]), prefill
+    assert decode["replicas_max"] == 1 and decode["time_to_scale_up_s"] is None, decode
+    for v in (ledger, requests, prefill):
         assert v["failed"] == 0 and v["completed"] >= v["step_requests"] > 0, v
         assert positive(v["step_ttft_p99_s"]) and v["step_ttft_p99_s"] >= v["step_ttft_p50_s"]
 

@@ -622,8 +622,7 @@ def test_emit_autoscales_from_the_planners_targets_and_its_header_command_rewrit
             assert (auto.min_replicas, auto.max_replicas, auto.ttft_slo_s) == (1, 3, ttft)
             assert (cluster["min_workers"], cluster["max_workers"]) == (2, 6)
         else:
-            prefill = app.side("prefill").placement.autoscaling
-            decode = app.side("decode").placement.autoscaling
+            prefill, decode = app.autoscaling("prefill"), app.autoscaling("decode")
             assert (prefill.min_replicas, prefill.max_replicas, prefill.ttft_slo_s) == (1, 2, ttft)
             assert (decode.min_replicas, decode.max_replicas, decode.ttft_slo_s) == (2, 4, None)
             assert (cluster["min_workers"], cluster["max_workers"]) == (2 + 4, 4 + 8)

@@ -231,6 +231,10 @@ class TargetReplica:
         self._stop_watch: asyncio.Task[None] | None = None
         # Each caller's last queue and TTFT report (`routing_info`), with when it came.
         self._caller_loads: dict[str, tuple[float, dict[str, Any]]] = {}
+        # A decode replica's requests still at the prefill side (queued or prefilling there),
+        # with the KV tokens each reserved here: that wait is the prefill pool's load, which
+        # its own reports carry (record_autoscaling_stats).
+        self._at_prefill: dict[str, int] = {}
         if role == "decode":
             if prefill is None:
                 raise ValueError("a decode replica needs the prefill deployment's handle")
@@ -306,10 +310,13 @@ class TargetReplica:
         assert self.prefill is not None
         rid = request.request_id
         there = replace(request, caller=self.prefill.caller, replica=None)
+        self._at_prefill[rid] = len(request.prompt_ids) + request.params.max_tokens
         try:
             lease = await self.prefill.dispatch(there, 1, near=self.info[0]["node_id"])
         except Exception as exc:
             raise error_for(exc, self.config.ingress.retry_after_s, rid) from None
+        finally:
+            self._at_prefill.pop(rid, None)
         first = lease.first
         lease.close()  # the prefill replica has let the request go
         if isinstance(first, RequestOutput):  # it ended on its first token
@@ -514,12 +521,17 @@ class TargetReplica:
         METRICS): its ledger's reservations against its capacity (the engine's own counts
         without a ledger), and its callers' queues and TTFT as they last reported them
         (reports older than CALLER_LOAD_TTL_S are dropped: a caller that stopped asking has
-        nothing waiting)."""
+        nothing waiting). A decode replica leaves out the requests still at the prefill side
+        (prompt + max_tokens each; where the ledger charged a shared prefix once, that
+        leaves out more than they hold, never less): a queue of long prompts is the prefill
+        pool's to scale for, and more decode replicas would only hold more of them waiting."""
         cap = self.engine.capacity()
         kv_total, slots_total = _totals(cap)
         if self.ledger is not None:
             ledger = self.ledger.report()
             kv, slots = ledger["kv_tokens_committed"], ledger["state_slots_reserved"]
+            kv = max(0, kv - sum(self._at_prefill.values()))
+            slots = max(0, slots - len(self._at_prefill))
         else:
             kv = cap.get("kv_tokens_reserved", cap.get("kv_tokens_used", 0))
             slots = cap.get("state_slots_used", 0)
