@@ -130,12 +130,9 @@ class Replicas(threading.Thread):
         return bool(self.samples) and all(n <= 1 for n, _ in self.samples[-1][1].values())
 
 
-def _long_prompt(tokenizer: Any, tokens: int, i: int, n: int) -> list[int]:
-    """A prompt of `tokens` ids: held-out code, after a line of its own so that no two
-    requests share a cached prefix (each is a full long prefill)."""
-    from serve_app.embedded import heldout_prompts
-
-    body = tokenizer.encode_text("\n\n".join(heldout_prompts()["completion"]))
+def _long_prompt(tokenizer: Any, body: list[int], tokens: int, i: int, n: int) -> list[int]:
+    """A prompt of `tokens` ids: `body` (held-out code) after a line of its own, so that no
+    two requests share a cached prefix (each is a full long prefill)."""
     ids = tokenizer.encode_text(f"# request {i}.{n}\n")
     while len(ids) < tokens:
         ids += body
@@ -183,12 +180,14 @@ async def _drive(base: str, args: argparse.Namespace, variant: str,
              for i in range(args.base_clients)]
     await asyncio.sleep(max(0.0, step_at - time.monotonic()))
     if variant == "pd_long_prompts":
+        from serve_app.embedded import heldout_prompts
         from serve_app.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer()
+        body = tokenizer.encode_text("\n\n".join(heldout_prompts()["completion"]))
 
         def prompt(i: int, n: int) -> list[int]:
-            return _long_prompt(tokenizer, args.long_prompt_tokens, i, n)
+            return _long_prompt(tokenizer, body, args.long_prompt_tokens, i, n)
 
         tasks += [asyncio.create_task(_client(base, step_stop, log, 100 + i,
                                               args.long_max_tokens, prompt))
