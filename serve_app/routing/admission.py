@@ -214,14 +214,21 @@ class AdmissionStage:
         request's decode replica), which the policy prices replicas elsewhere against."""
         started = time.monotonic()
         await self._started()
-        blocks = block_hashes(prompt_ids, self.settings.block_size)
+        req = self._route_request(request_id, prompt_ids, max_tokens, client, near)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         with self._lock:
-            self.policy.submit(RouteRequest(request_id, len(prompt_ids), max_tokens, blocks,
-                                            client, near=near), started)
+            self.policy.submit(req, started)
             self._waiters[request_id] = fut
             self._pump()
         return await self._wait(request_id, fut, started)
+
+    def _route_request(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                       client: str, near: str | None) -> RouteRequest:
+        """The request as the policy sees it: the one place `admit` and `move` make it, so a
+        moved request is charged as it was admitted."""
+        return RouteRequest(request_id, len(prompt_ids), max_tokens,
+                            block_hashes(prompt_ids, self.settings.block_size), client,
+                            near=near)
 
     def node_of(self, replica: str) -> str | None:
         """The node `replica` reported (None before it has)."""
@@ -271,9 +278,8 @@ class AdmissionStage:
             if leaving is not None:
                 self._leaving(leaving)
             if not self.policy.requeue(request_id):
-                self.policy.resubmit(RouteRequest(
-                    request_id, len(prompt_ids), max_tokens,
-                    block_hashes(prompt_ids, self.settings.block_size), client, near=near), now)
+                self.policy.resubmit(self._route_request(request_id, prompt_ids, max_tokens,
+                                                         client, near), now)
             self._waiters[request_id] = fut
             self._pump()
         return await self._wait(request_id, fut, now)

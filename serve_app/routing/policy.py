@@ -151,8 +151,6 @@ class Policy(ABC):
     # --- requests -------------------------------------------------------------------------------
 
     def submit(self, req: RouteRequest, now: float) -> None:
-        req.arrival = now
-        req.is_long = req.prompt_tokens >= self.s.long_threshold
         if self.admission:
             # 400 only for what can never fit: KV larger than the largest replica. A full set
             # of state slots is temporary (every request gives its slot back), so it queues.
@@ -161,13 +159,19 @@ class Policy(ABC):
                 raise RequestTooLarge(req.total_tokens, largest)
             if self.queued() >= self.s.queue_size:
                 raise QueueFull(self.s.queue_size, self.s.retry_after_s)
-        if req.client:
-            client = self.clients.setdefault(req.client, _Client())
-            if client.requests >= self.s.client_max_requests:
-                raise ClientLimit(self.s.client_max_requests, self.s.retry_after_s)
-            client.requests += 1
-        self._requests[req.request_id] = req
+        if req.client and self.clients.get(req.client, _Client()).requests >= \
+                self.s.client_max_requests:
+            raise ClientLimit(self.s.client_max_requests, self.s.retry_after_s)
+        self._register(req, now)
         self._enqueue(req)
+
+    def _register(self, req: RouteRequest, now: float) -> None:
+        """The request is the router's from `now`: its class, its client's count."""
+        req.arrival = now
+        req.is_long = req.prompt_tokens >= self.s.long_threshold
+        if req.client:
+            self.clients.setdefault(req.client, _Client()).requests += 1
+        self._requests[req.request_id] = req
 
     def _forget(self, request_id: str) -> None:
         """The request left the router (completed, cancelled, expired or its replica went):
@@ -303,11 +307,7 @@ class Policy(ABC):
         the leaving replica handed it back (a scale-down moves its running requests). It
         enters again at the front of its queue, past the queue and client limits: it is not
         a new request."""
-        req.arrival = now
-        req.is_long = req.prompt_tokens >= self.s.long_threshold
-        if req.client:
-            self.clients.setdefault(req.client, _Client()).requests += 1
-        self._requests[req.request_id] = req
+        self._register(req, now)
         self._enqueue_front(req)
 
     def complete(self, request_id: str) -> None:
