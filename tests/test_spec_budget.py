@@ -13,20 +13,22 @@ import torch
 from spec_helpers import engine_from, random_prompts
 from tiny_models import write_tiny_pair
 
+from serve_app.engines.reference import spec_budget
 from serve_app.engines.reference.sampling import SamplingParams
 from serve_app.engines.reference.spec_budget import (
     FEATURES,
     AcceptanceModel,
     StepCostModel,
     StepShape,
+    VerifyBudget,
     load_cost_model,
     plan_windows,
     save_cost_model,
 )
 
 # Seconds per feature of a made-up machine: fixed, per row, per token, per padded token, per
-# drafted row.
-TRUE = torch.tensor([0.010, 0.002, 0.0008, 0.0004, 0.003], dtype=torch.float64)
+# drafted row, and once when the draft runs.
+TRUE = torch.tensor([0.010, 0.002, 0.0008, 0.0004, 0.003, 0.004], dtype=torch.float64)
 
 
 def _seconds(shape: StepShape) -> float:
@@ -48,11 +50,11 @@ def test_the_cost_model_learns_a_machine_from_its_steps() -> None:
     model = StepCostModel()
     for shape in _shapes(400):
         model.observe(shape, _seconds(shape))
-    # The ridge toward the prior pulls a little (most where tokens and padded tokens move
-    # together): new steps' times come out within 8% (measured: at most 5.8%, median 0.4%).
+    # The pull toward the prior is small: new steps' times come out within 5% (measured: at
+    # most 1.9%, median 0.15%; with a diagonal pull alone, 28% and 0.5%).
     errors = [abs(model.predict(s) - _seconds(s)) / _seconds(s) for s in _shapes(50, seed=1)]
-    assert max(errors) < 0.08, max(errors)
-    assert sorted(errors)[25] < 0.02
+    assert max(errors) < 0.05, max(errors)
+    assert sorted(errors)[25] < 0.01
     # Its own record of errors (each made before the step was seen) falls as it learns.
     assert sum(model.errors[-50:]) < sum(model.errors[:50])
     # A cold model has no error on record for its first guess (relative units, not seconds).
@@ -69,14 +71,18 @@ def test_the_cost_table_persists_and_a_restart_plans_from_it(tmp_path: Path) -> 
     assert torch.allclose(restarted.weights, model.weights)
     shape = StepShape(8, 40, 6, 8)
     assert restarted.predict(shape) == pytest.approx(model.predict(shape))
-    # No table yet: the cold prior. A table of other features, or negative seconds: refused,
-    # naming the file.
+    # No table yet, or one another version measured (other features): the cold prior.
+    # Negative seconds, or not a table: refused, naming the file.
     assert load_cost_model(tmp_path / "none.json").observed == 0
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"features": ["step"], "seconds_per_feature": [1]}))
+    assert load_cost_model(old).weights.tolist() == StepCostModel().weights.tolist()
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"features": list(FEATURES), "seconds_per_feature": [-1] * 5}))
+    bad.write_text(json.dumps({"features": list(FEATURES),
+                               "seconds_per_feature": [-1] * len(FEATURES)}))
     with pytest.raises(ValueError, match=r"bad\.json"):
         load_cost_model(bad)
-    bad.write_text(json.dumps({"features": ["step"], "seconds_per_feature": [1]}))
+    bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"bad\.json"):
         load_cost_model(bad)
 
@@ -106,7 +112,7 @@ def test_a_plan_is_as_good_as_every_window_tried(seed: int, before_draft: bool) 
     gen = torch.Generator().manual_seed(seed)
     surv = _survival(torch.rand(3, 4, generator=gen) * 0.9 + 0.05)
     caps = [4, 2, 3]
-    cost = StepCostModel(prior=(TRUE * torch.rand(5, generator=gen) * 3).tolist())
+    cost = StepCostModel(prior=(TRUE * torch.rand(len(FEATURES), generator=gen) * 3).tolist())
     drafted = None if before_draft else [True, True, True]
     plan = plan_windows(surv, caps, cost, drafted)
     assert all(0 <= k <= c for k, c in zip(plan.drafts, caps, strict=True))
@@ -125,7 +131,7 @@ def test_no_draft_where_it_cannot_pay() -> None:
     high = [[0.9 ** j for j in range(1, 8)]] * 16
     assert plan_windows(low, [7] * 16, cost).drafts == [0] * 16
     assert all(k > 0 for k in plan_windows(high, [7] * 16, cost).drafts)
-    dear = StepCostModel(prior=[0.01, 0.001, 0.001, 0.001, 0.05])
+    dear = StepCostModel(prior=[0.01, 0.001, 0.001, 0.001, 0.05, 0.01])
     assert plan_windows(high, [7] * 16, dear).drafts == [0] * 16
 
 
@@ -135,6 +141,7 @@ def test_acceptance_is_calibrated_by_class_and_request() -> None:
     conf = [[0.5] * 4] * 3
     before = model.estimate(["greedy", "sampled", "greedy"], ["a", "b", "new"], conf)
     for _ in range(50):
+        model.proposed(["greedy", "sampled"], conf[:2])  # as a plan records them
         model.observe("greedy", "a", conf[0], drafted=4, accepted=4)
         model.observe("sampled", "b", conf[0], drafted=4, accepted=0)
     after = model.estimate(["greedy", "sampled", "greedy"], ["a", "b", "new"], conf)
@@ -142,8 +149,8 @@ def test_acceptance_is_calibrated_by_class_and_request() -> None:
     assert all(x < y for x, y in zip(after[1], before[1], strict=True))
     # A new greedy request starts from its class, not from request "a"'s own record.
     assert all(y < x <= z for x, y, z in zip(after[2], before[2], after[0], strict=True))
-    # The class's measured survival, before any draft ran: all accepted -> near certain.
-    assert model.expected(["greedy"], ["new"])[0][3] > 0.8  # 50 verdicts against a prior of 8
+    # Before the draft runs, a block like those proposed: all accepted -> near certain.
+    assert model.expected(["greedy"], ["new"])[0][3] > 0.8  # 50 blocks against a prior of 8
     assert model.expected(["sampled"], ["new"])[0][0] < 0.2
 
 
@@ -169,6 +176,83 @@ def test_the_expectation_before_the_draft_is_not_the_verified_positions_rate() -
     # Over seeds 0-9 of this simulation: at most 0.015 from the truth.
     for got, want in zip(expected, true, strict=True):
         assert abs(got - want) < 0.05
+
+
+def test_the_calibration_carries_from_shallow_verdicts_to_deep_positions() -> None:
+    """An under-confident head (survival 1.5 x its running product, at every position),
+    verified only two deep: a deep position whose product is one the shallow verdicts saw is
+    calibrated as they were. A per-position calibration would keep its prior there (1.0)."""
+    model = AcceptanceModel(gamma=6)
+    rng = random.Random(3)
+    for _ in range(4000):
+        p = rng.uniform(0.15, 0.6)
+        conf = [p] * 6
+        model.proposed(["sampled"], [conf])
+        accepted = 0
+        while accepted < 2 and rng.random() < min(1.0, 1.5 * p ** (accepted + 1)) / (
+                min(1.0, 1.5 * p ** accepted) if accepted else 1.0):
+            accepted += 1
+        model.observe("sampled", "r", conf, 2, accepted)
+    # Position 5 of a block at 0.75 a position: product 0.237, which position 1 and 2 saw.
+    deep = model.estimate(["sampled"], ["new"], [[0.75] * 6])[0][4]
+    # True 0.356; seeds 0-9 of this simulation: 0.334-0.397 (a per-position calibration: ~0.24).
+    assert abs(deep - 1.5 * 0.75 ** 5) < 0.07, deep
+
+
+def test_without_a_confidence_head_survival_is_learned_by_position() -> None:
+    model = AcceptanceModel(gamma=4)
+    rng = random.Random(11)
+    accept = [0.9, 0.6, 0.5, 0.2]  # P(draft j accepted | drafts before it were)
+    for _ in range(3000):
+        model.proposed(["greedy"], [None])
+        accepted = 0
+        while accepted < 4 and rng.random() < accept[accepted]:
+            accepted += 1
+        model.observe("greedy", "r", None, 4, accepted)
+    true = [0.9, 0.54, 0.27, 0.054]
+    for got in (model.estimate(["greedy"], ["new"], None)[0],
+                model.expected(["greedy"], ["new"])[0]):
+        assert all(abs(g - t) < 0.05 for g, t in zip(got, true, strict=True)), got
+
+
+def test_the_expectation_follows_the_recent_blocks() -> None:
+    """Before the draft, a class expects what its recent blocks offered: after a run of
+    unsure blocks, a run of sure ones moves it within ~100 blocks."""
+    model = AcceptanceModel(gamma=4)
+    rng = random.Random(5)
+    for p, n in ((0.3, 2000), (0.9, 100)):
+        for _ in range(n):
+            model.proposed(["greedy"], [[p] * 4])
+            accepted = 0
+            while accepted < 4 and rng.random() < p:
+                accepted += 1
+            model.observe("greedy", "r", [p] * 4, 4, accepted)
+    # 0.3 over 2,000 blocks, then 0.9 over 100: measured 0.78 (a mean over the last ~1,000
+    # blocks would say 0.36).
+    first = model.expected(["greedy"], ["new"])[0][0]
+    assert first > 0.7, first
+
+
+def test_a_plain_step_reuses_the_plan_until_what_it_read_moves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = VerifyBudget(gamma=4)
+    budget.speculative_steps = 10 ** 6  # past the warm-up
+    calls = []
+    real = spec_budget.plan_windows
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spec_budget, "plan_windows", counted)
+    args = (["greedy"] * 2, ["a", "b"], [4, 4], [False, False])
+    first = budget.to_draft(*args)
+    assert budget.to_draft(*args) == first and len(calls) == 1
+    budget.acceptance.observe("greedy", "a", [0.5] * 4, 2, 1)  # a verdict: planned again
+    budget.to_draft(*args)
+    assert len(calls) == 2
+    budget.to_draft(["greedy"] * 2, ["a", "c"], [4, 4], [False, False])  # another request
+    assert len(calls) == 3
 
 
 def test_windows_are_chosen_before_the_target_speaks(tmp_path: Path) -> None:
