@@ -215,6 +215,19 @@ def test_without_a_confidence_head_survival_is_learned_by_position() -> None:
         assert all(abs(g - t) < 0.05 for g, t in zip(got, true, strict=True)), got
 
 
+def test_a_request_left_undrafted_returns_to_its_class() -> None:
+    """A request's own record fades with the steps, drafted for or not: a few unlucky verdicts
+    must not keep the budget from drafting for it for the rest of its answer."""
+    model = AcceptanceModel(gamma=4)
+    for _ in range(3):
+        model.tick()
+        model.observe("sampled", "r", [0.8] * 4, drafted=4, accepted=0)
+    assert model.request_ratio("r") < 0.6
+    for _ in range(40):  # plain steps: no verdict
+        model.tick()
+    assert model.request_ratio("r") > 0.9
+
+
 def test_the_expectation_follows_the_recent_blocks() -> None:
     """Before the draft, a class expects what its recent blocks offered: after a run of
     unsure blocks, a run of sure ones moves it within ~100 blocks."""
