@@ -271,6 +271,11 @@ class _Counts:
     drawn: list[list[float]]
     blocks: float
 
+    def fade(self, factor: float) -> None:
+        """A verdict ages the calibration's counts (not the proposed blocks: `proposed`)."""
+        for values in (self.survived, self.predicted):
+            values[:] = [v * factor for v in values]
+
 
 def _running_product(values: Sequence[float]) -> list[float]:
     out, acc = [], 1.0
@@ -333,10 +338,15 @@ class AcceptanceModel:
                 for row in c.drawn]
 
     def request_ratio(self, rid: Hashable) -> float:
-        acc, pred, at = self._requests.get(rid, (0.0, 0.0, 0))
-        period = self.step - self.step % _REQUEST_FADE_EVERY
-        fade = _REQUEST_DECAY ** max(0, period - at)
-        return (fade * acc + _REQUEST_PRIOR) / (fade * pred + _REQUEST_PRIOR)
+        acc, pred = self._record(rid, self.step - self.step % _REQUEST_FADE_EVERY)
+        return (acc + _REQUEST_PRIOR) / (pred + _REQUEST_PRIOR)
+
+    def _record(self, rid: Hashable, now: int) -> tuple[float, float]:
+        """The request's accepted drafts and what its class expected of them, faded to step
+        `now`."""
+        acc, pred, at = self._requests.get(rid, (0.0, 0.0, now))
+        fade = _REQUEST_DECAY ** max(0, now - at)
+        return fade * acc, fade * pred
 
     def tick(self) -> None:
         """A decode step began. Every _REQUEST_FADE_EVERY steps the requests' own evidence is
@@ -416,15 +426,13 @@ class AcceptanceModel:
         # The request is compared with its class's calibrated expectation, before this verdict
         # moves the class.
         expected = sum(self._calibrated(raw, self.class_ratio(cls)))
-        counts.survived[:] = [_CLASS_DECAY * v for v in counts.survived]
-        counts.predicted[:] = [_CLASS_DECAY * v for v in counts.predicted]
+        counts.fade(_CLASS_DECAY)
         for j, s in enumerate(raw):
             k = _bin(s)
             counts.survived[k] += 1.0 if j < accepted else 0.0
             counts.predicted[k] += s
-        acc, pred, at = self._requests.get(rid, (0.0, 0.0, self.step - 1))
-        fade = _REQUEST_DECAY ** max(0, self.step - at)
-        self._requests[rid] = (fade * acc + float(accepted), fade * pred + expected, self.step)
+        acc, pred = self._record(rid, self.step)
+        self._requests[rid] = (acc + float(accepted), pred + expected, self.step)
 
     def forget(self, rid: Hashable) -> None:
         if self._requests.pop(rid, None) is not None:
@@ -532,9 +540,10 @@ class VerifyBudget:
             chosen = able
             self.last_reason = "warm-up: every request drafted for"
         else:
-            # Between plain steps nothing a plan reads moves (no verdict, no refit) unless a
-            # request joins, leaves or nears its end: the last plan stands, and
-            # a plain step does not pay for planning (0.4 ms of a 40 ms step at 16 requests).
+            # Between plain steps nothing a plan reads moves (no verdict, no refit, no new
+            # period of the request fade) unless a request joins, leaves or nears its end: the
+            # last plan stands, and a plain step does not pay for planning (0.4 ms of a 40 ms
+            # step at 16 requests).
             key = (self.acceptance.version, self.cost.version, tuple(classes), tuple(rids),
                    tuple(caps))
             if self._pre_draft is None or self._pre_draft[0] != key:
