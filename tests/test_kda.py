@@ -326,13 +326,15 @@ def test_bf16_activations_keep_an_fp32_state() -> None:
 def test_chunked_and_window_forms_equal_the_recurrence(lower_bound: float | None) -> None:
     """Both decay forms of the chunked algorithm (factorised for K3's bounded gate, pairwise
     differences once a chunk's decay span passes FACTORISED_MAX_SPAN) and the verify window's
-    all-positions form compute the token-by-token recurrence."""
+    all-positions and lazy forms compute the token-by-token recurrence."""
     from serve_app.models.kda import (
         FACTORISED_MAX_SPAN,
+        KDAWindowLog,
         chunked_gated_delta_rule,
         kda_gate,
         recurrent_gated_delta_rule,
         window_gated_delta_rule,
+        window_solve,
     )
 
     g_ = torch.Generator().manual_seed(4)
@@ -350,8 +352,16 @@ def test_chunked_and_window_forms_equal_the_recurrence(lower_bound: float | None
     o_c, s_c = chunked_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=16)
     torch.testing.assert_close(o_c, o_r, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s_c, s_r, atol=1e-5, rtol=1e-5)
-    o_w, s_w = window_gated_delta_rule(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], s0)
-    o_rw, s_rw = recurrent_gated_delta_rule(q[:, :8], k[:, :8], v[:, :8], g[:, :8],
-                                            beta[:, :8], s0, keep_all_states=True)
+    # A 16-token window spans the same decays as the first chunk: both branches here too.
+    w = (q[:, :16], k[:, :16], v[:, :16], g[:, :16], beta[:, :16])
+    o_w, s_w = window_gated_delta_rule(*w, s0)
+    o_rw, s_rw = recurrent_gated_delta_rule(*w, s0, keep_all_states=True)
     torch.testing.assert_close(o_w, o_rw, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s_w, s_rw, atol=1e-5, rtol=1e-5)
+    # The lazy window: the same outputs, and a replay forms the accepted position's state.
+    o_l, U, G = window_solve(*w, s0)
+    torch.testing.assert_close(o_l, o_rw, atol=1e-5, rtol=1e-5)
+    log = KDAWindowLog(k=w[1].transpose(1, 2), G=G, U=U, rows=torch.zeros(b, 3 + 16, 1))
+    steps = torch.tensor([3, 15])
+    replayed = log.replay(torch.arange(b), s0, steps).ssm
+    torch.testing.assert_close(replayed, s_rw[torch.arange(b), steps], atol=1e-5, rtol=1e-5)

@@ -295,32 +295,34 @@ def window_states(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     subset of rows gives the same bits. The scratch rollback keeps these states; the lazy one
     (`window_solve`) never forms them.
     """
-    k, _, decay, eG, U = _window_corrections(k, v, g, beta, state)
+    k, G, eG, U, _ = _window_corrections(k, v, g, beta, state)
+    T = k.shape[2]
+    causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
+    diff = G[:, :, :, None, :] - G[:, :, None, :, :]                 # [B, h, t, s, K]
+    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
     S0 = state.float()
     states = eG[..., None] * S0[:, :, None] + torch.einsum("bhtsk,bhsk,bhsv->bhtkv", decay, k, U)
     return states.transpose(1, 2)
 
 
 def _window_corrections(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                        state: torch.Tensor, q: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, ...]:
     """What a window's two forms share (`window_states`, `window_solve`): k, the cumulative
-    log-decay G, the pairwise decays [B, h, t, s, K], e^G (all [B, h, T, ·] fp32) and the
-    delta-rule corrections U from the unit lower-triangular solve."""
+    log-decay G, e^G (all [B, h, T, ·] fp32), the delta-rule corrections U from the unit
+    lower-triangular solve and, given q, the output's intra-window scores (else None)."""
     T = k.shape[1]
     S0 = state.float()
     k, v, g = (t.float().transpose(1, 2) for t in (k, v, g))         # [B, h, T, ·]
     beta = beta.float().transpose(1, 2)                               # [B, h, T]
     G = g.cumsum(dim=2)
-    causal = torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
-    diff = G[:, :, :, None, :] - G[:, :, None, :, :]                 # [B, h, t, s, K]
-    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
-    strict = causal.clone().fill_diagonal_(False)
-    A = torch.einsum("bhtk,bhsk,bhtsk->bhts", k, k, decay) * strict
+    q = None if q is None else q.float().transpose(1, 2)
+    A, Aqk = intra_chunk_scores(k, G, q)
     eG = G.exp()
     rhs = beta[..., None] * (v - (eG * k) @ S0)                       # diag(β)(V − (e^G ⊙ K) S0)
     lhs = torch.eye(T, device=k.device) + beta[..., None] * A         # I + diag(β) A
     U = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
-    return k, G, decay, eG, U
+    return k, G, eG, U, Aqk
 
 
 def window_gated_delta_rule(
@@ -342,9 +344,8 @@ def window_solve(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     with U from the same solve as `window_states`. Costs O(T²K + TKV) per head instead of the
     O(T²KV) of forming every S_t. Returns (o [B, T, h, V], U [B, h, T, V], G [B, h, T, K]);
     `KDAWindowLog.replay` forms the state at the accepted position from U and G."""
-    k, G, decay, eG, U = _window_corrections(k, v, g, beta, state)
+    k, G, eG, U, Aqk = _window_corrections(k, v, g, beta, state, q)
     q = q.float().transpose(1, 2)                                     # [B, h, T, K]
-    Aqk = torch.einsum("bhtk,bhsk,bhtsk->bhts", q, k, decay)
     o = (eG * q) @ state.float() + Aqk @ U
     return o.transpose(1, 2), U, G
 
@@ -358,6 +359,32 @@ KDA_CHUNK = 16
 # e^{80} ~ 5.5e34, inside fp32, and the s > t products that may overflow are masked with
 # `where` (never multiplied by 0). Beyond it, the exact pairwise differences are formed.
 FACTORISED_MAX_SPAN = 80.0
+
+
+def intra_chunk_scores(k: torch.Tensor, G: torch.Tensor, q: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's decayed scores, over its last two dims (k, G, q: [..., C, K] fp32, G the
+    chunk's cumulative log-decay): A_ts = Σ_c k_t,c k_s,c e^{G_t,c−G_s,c} for s < t and, given
+    q, Aqk_ts = Σ_c q_t,c k_s,c e^{G_t,c−G_s,c} for s ≤ t; 0 elsewhere. The decays are
+    factorised around the chunk's middle when its span allows (`FACTORISED_MAX_SPAN`; always
+    for K3's bounded gate: two products instead of a [..., C, C, K] tensor, which took ~40% of a
+    verify window's KDA solve), else formed from pairwise differences."""
+    c = G.shape[-2]
+    causal = torch.ones(c, c, dtype=torch.bool, device=G.device).tril()
+    strict = causal.clone().fill_diagonal_(False)
+    if float(-G[..., -1, :].detach().min()) <= FACTORISED_MAX_SPAN:
+        r = G[..., c // 2:c // 2 + 1, :]
+        k_in = (k * (r - G).exp()).transpose(-1, -2)                # k_s e^{r − G_s}
+        to_r = (G - r).exp()
+        zero = k.new_zeros(())
+        A = torch.where(strict, (k * to_r) @ k_in, zero)
+        Aqk = None if q is None else torch.where(causal, (q * to_r) @ k_in, zero)
+        return A, Aqk
+    diff = G[..., :, None, :] - G[..., None, :, :]                 # [..., t, s, K]
+    decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+    A = torch.einsum("...tk,...sk,...tsk->...ts", k, k, decay) * strict
+    Aqk = None if q is None else torch.einsum("...tk,...sk,...tsk->...ts", q, k, decay)
+    return A, Aqk
 
 
 def chunked_gated_delta_rule(
@@ -405,19 +432,7 @@ def chunked_gated_delta_rule(
     q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
     beta = chunks(beta)                                             # [B, h, N, C]
     G = g.cumsum(dim=3)                                             # [B, h, N, C, K]
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    strict = causal.clone().fill_diagonal_(False)
-    if float(-G[:, :, :, -1].detach().min()) <= FACTORISED_MAX_SPAN:
-        r = G[:, :, :, c // 2:c // 2 + 1]
-        k_in = k * (r - G).exp()                                    # k_s e^{r − G_s}
-        zero = q.new_zeros(())
-        A = torch.where(strict, (k * (G - r).exp()) @ k_in.transpose(-1, -2), zero)
-        Aqk = torch.where(causal, (q * (G - r).exp()) @ k_in.transpose(-1, -2), zero)
-    else:
-        diff = G[..., :, None, :] - G[..., None, :, :]             # [B, h, N, t, s, K]
-        decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
-        A = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", k, k, decay) * strict
-        Aqk = torch.einsum("bhntk,bhnsk,bhntsk->bhnts", q, k, decay)
+    A, Aqk = intra_chunk_scores(k, G, q)
     eG = G.exp()
     lhs = torch.eye(c, device=q.device) + beta[..., None] * A       # I + diag(β) A
     V = v.shape[-1]
