@@ -6,8 +6,8 @@
 
 The embedded pair is measured greedy and at Kimi K3's own sampling parameters (`k3-thinking`:
 T 1.0, top_p 0.95, what a K3 request samples at by default; `k3-instant`: T 0.6, top_p 0.95),
-where acceptance is lowest; then at 1, 4, 16 and 32 concurrent requests (`--concurrency`), all
-submitted at once, in each of those settings: target-only, speculation verifying the whole block
+where acceptance is lowest; then at 1, 4, 16 and 32 concurrent requests (`--concurrency`; a
+level below 8 runs 8 requests, c at a time), in each of those settings: target-only, speculation verifying the whole block
 every step (always on), and the adaptive verify budget (the engine's default,
 engines/reference/spec_budget.py) with the windows it chose and its cost model's error.
 
@@ -260,14 +260,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 # The three ways to decode a concurrent batch: the draft off, verifying its whole block every
 # step (speculation.adaptive false), and the adaptive verify budget (the default).
 CONCURRENCY_MODES = ("target_only", "always_on", "adaptive")
+# Below this many requests a concurrency level runs this many, c at a time (one request alone
+# is one prompt's luck: the 1-request cell read 0.94x on a prompt where the 19-prompt batch-1
+# median read 1.13x).
+CONCURRENCY_MIN_REQUESTS = 8
 
 
 def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
                     prompts: list[list[int]]) -> dict[str, Any]:
     """Throughput with c requests decoding together (c = each of --concurrency) in each
     sampling setting, the three CONCURRENCY_MODES side by side: the held-out prompts cycled to
-    c, all submitted at once, `max_tokens` each; tokens/s = c * max_tokens / wall, the median
-    of the repeats (modes alternating). Every adaptive engine shares one cost table file
+    max(c, CONCURRENCY_MIN_REQUESTS) requests (at most the prompts there are, never below c),
+    submitted c at a time, each group when the last has finished, `max_tokens` each;
+    tokens/s = requests * max_tokens / wall, the median of the repeats (modes alternating),
+    with the lowest and highest of each repeat's own ratio to target-only beside it. Every adaptive engine shares one cost table file
     (speculation.cost_table), as a restarted replica reads its last fit: the first measures
     from the cold prior, the rest start from what the previous ones learned. Reported for the
     adaptive engine: how many drafts its requests verified (a histogram over 0..gamma), its
@@ -279,16 +285,18 @@ def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
     for setting in args.settings:
         temperature, top_p = setting["temperature"], setting["top_p"]
         for c in args.concurrency:
-            batch = [prompts[i % len(prompts)] for i in range(c)]
-            kv = sum(len(p) + args.max_tokens + 16 for p in batch) + 256
+            requests = max(c, min(len(prompts), CONCURRENCY_MIN_REQUESTS))
+            cycled = [prompts[i % len(prompts)] for i in range(requests)]
+            groups = [cycled[i:i + c] for i in range(0, requests, c)]
+            kv = max(sum(len(p) + args.max_tokens + 16 for p in g) for g in groups) + 256
             engines = {m: pair_engine(target, draft, m != "target_only", kv_capacity_tokens=kv,
                                       adaptive=m == "adaptive", cost_table=table)
                        for m in CONCURRENCY_MODES}
             # Warm-up, the measured batch's shape at its sampling: long enough for the adaptive
             # budget's warm-up steps (spec_budget.WARMUP_STEPS), which draft for everyone.
             for e in engines.values():
-                e.generate(batch, [SamplingParams(temperature=temperature, top_p=top_p,
-                                                  max_tokens=32, ignore_eos=True)] * c)
+                e.generate(groups[0], [SamplingParams(temperature=temperature, top_p=top_p,
+                                                      max_tokens=32, ignore_eos=True)] * c)
             budget = engines["adaptive"].budget
             assert budget is not None
             before = budget.stats()
@@ -296,24 +304,29 @@ def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
             walls: dict[str, list[float]] = {m: [] for m in engines}
             accept: dict[str, list[float]] = {m: [] for m in engines}
             for r in range(args.repeats):
-                params = [SamplingParams(temperature=temperature, top_p=top_p,
-                                         max_tokens=args.max_tokens, ignore_eos=True)] * c
+                params = SamplingParams(temperature=temperature, top_p=top_p,
+                                        max_tokens=args.max_tokens, ignore_eos=True)
                 order = CONCURRENCY_MODES if r % 2 == 0 else tuple(reversed(CONCURRENCY_MODES))
                 for mode in order:
                     t0 = time.perf_counter()
-                    outs = engines[mode].generate(batch, params)
+                    outs = [o for g in groups
+                            for o in engines[mode].generate(g, [params] * len(g))]
                     walls[mode].append(time.perf_counter() - t0)
                     accept[mode] += [o.spec["spec_accept_length"] for o in outs if o.spec]
             budget.save()
             after = budget.stats()
             errors = sorted(budget.cost.errors[errors_before:])
-            tok_s = {m: c * args.max_tokens / statistics.median(w) for m, w in walls.items()}
+            tok_s = {m: requests * args.max_tokens / statistics.median(w)
+                     for m, w in walls.items()}
+            per_repeat = {m: [t / w for t, w in zip(walls["target_only"], walls[m], strict=True)]
+                          for m in ("always_on", "adaptive")}
             rows.append({
                 "sampling": setting["name"], "temperature": temperature, "top_p": top_p,
-                "concurrency": c,
+                "concurrency": c, "requests": requests,
                 **{f"{m}_tok_s": tok_s[m] for m in CONCURRENCY_MODES},
                 "always_on_speedup": tok_s["always_on"] / tok_s["target_only"],
                 "adaptive_speedup": tok_s["adaptive"] / tok_s["target_only"],
+                **{f"{m}_speedup_range": [min(v), max(v)] for m, v in per_repeat.items()},
                 "always_on_accept_length": statistics.fmean(accept["always_on"]),
                 "adaptive_accept_length": statistics.fmean(accept["adaptive"]),
                 "adaptive_draft_histogram": [
@@ -456,20 +469,25 @@ def print_table(report: dict[str, Any]) -> None:
     conc = report.get("concurrency")
     if conc:
         print(f"\nconcurrent requests, {conc['max_tokens']} tokens each, median of "
-              f"{conc['repeats']}; tok/s and x target-only; k: the adaptive windows' drafts "
+              f"{conc['repeats']}; tok/s and x target-only (in brackets: the lowest and highest "
+              f"repeat's own ratio); requests: how many, run c at a time; k: the adaptive "
+              f"windows' drafts "
               f"(histogram 0..gamma), plain: steps it ran without the draft; cost err: median "
               f"|predicted - measured| step time")
-        head = (f"{'sampling':>12} {'requests':>8} {'target':>8} {'always-on':>16} "
-                f"{'adaptive':>16} {'acc.len':>11} {'plain/steps':>12} {'cost err':>9}  k")
+        head = (f"{'sampling':>12} {'c':>3} {'requests':>8} {'target':>8} {'always-on':>28} "
+                f"{'adaptive':>28} {'acc.len':>11} {'plain/steps':>12} {'cost err':>9}  k")
         print(head)
         print("-" * len(head))
         for row in conc["rows"]:
             steps = row["adaptive_plain_steps"] + row["adaptive_speculative_steps"]
             err = row["cost_error_median"]
-            print(f"{row['sampling']:>12} {row['concurrency']:>8} "
+            spread = {m: "({:.2f}-{:.2f})".format(*row[f"{m}_speedup_range"])
+                      for m in ("always_on", "adaptive")}
+            print(f"{row['sampling']:>12} {row['concurrency']:>3} {row['requests']:>8} "
                   f"{row['target_only_tok_s']:>8.1f} {row['always_on_tok_s']:>9.1f} "
-                  f"{row['always_on_speedup']:>5.2f}x {row['adaptive_tok_s']:>9.1f} "
-                  f"{row['adaptive_speedup']:>5.2f}x "
+                  f"{row['always_on_speedup']:>5.2f}x {spread['always_on']:>12} "
+                  f"{row['adaptive_tok_s']:>9.1f} {row['adaptive_speedup']:>5.2f}x "
+                  f"{spread['adaptive']:>12} "
                   f"{row['always_on_accept_length']:>5.2f}/{row['adaptive_accept_length']:<5.2f} "
                   f"{row['adaptive_plain_steps']:>5}/{steps:<6} "
                   f"{'-' if err is None else f'{100 * err:.0f}%':>9}  "

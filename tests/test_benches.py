@@ -147,7 +147,7 @@ def test_spec_decode_embedded(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     run_bench("bench/spec_decode.py", "--max-tokens", "4", "--repeats", "1",
               "--completion-prompts", "1", "--chat-prompts", "1",
-              "--k3-sampling", "k3-thinking", "--concurrency", "2", "--json", str(out))
+              "--k3-sampling", "k3-thinking", "--concurrency", "1", "2", "--json", str(out))
     report = json.loads(out.read_text())
     assert report["pair"] == "embedded" and report["prompts"] == 2
     results = {r["sampling"]: r for r in report["results"]}
@@ -161,11 +161,15 @@ def test_spec_decode_embedded(tmp_path: Path) -> None:
         assert {"verify_forward", "draft_propose", "commit"} <= set(
             r["call_times"]["speculative"])
     rows = report["concurrency"]["rows"]
-    assert [(row["sampling"], row["concurrency"]) for row in rows] == [
-        ("greedy", 2), ("k3-thinking", 2)]
+    # One request at a time still runs both prompts (the levels below 8 run 8 requests or
+    # every prompt there is, c at a time).
+    assert [(row["sampling"], row["concurrency"], row["requests"]) for row in rows] == [
+        ("greedy", 1, 2), ("greedy", 2, 2), ("k3-thinking", 1, 2), ("k3-thinking", 2, 2)]
     for row in rows:
         assert all(positive(row[k])
                    for k in ("target_only_tok_s", "always_on_tok_s", "adaptive_tok_s"))
+        low, high = row["adaptive_speedup_range"]
+        assert low <= high and positive(low)
         # A planned step gives each running request a window (one or two: the requests can
         # finish a step apart).
         steps = row["adaptive_speculative_steps"]
@@ -175,7 +179,7 @@ def test_spec_decode_embedded(tmp_path: Path) -> None:
     from serve_app.training.cards import bench_lines
 
     card = "\n".join(bench_lines(report))
-    assert "| k3-thinking | 2 |" in card and "| greedy (T 0.0, top_p 1.0) |" in card
+    assert "| k3-thinking | 2 | 2 |" in card and "| greedy (T 0.0, top_p 1.0) |" in card
 
 
 def test_spec_decode_random_k3(tmp_path: Path) -> None:

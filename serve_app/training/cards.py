@@ -73,14 +73,18 @@ def bench_lines(bench: dict[str, Any]) -> list[str]:
     lines.append("")
     conc = bench.get("concurrency")
     if conc:
-        lines += [f"Concurrent requests, all submitted at once, {conc['max_tokens']} tokens each "
-                  f"(tokens/s, median of {conc['repeats']}; the adaptive verify budget is the "
-                  "engine's default):", "",
-                  "| sampling | requests | target-only | every draft verified | adaptive budget "
-                  "| plain / all steps (adaptive) |", "|---|---|---|---|---|---|"]
-        lines += [f"| {row['sampling']} | {row['concurrency']} | {row['target_only_tok_s']:.1f} | "
-                  f"{row['always_on_tok_s']:.1f} ({row['always_on_speedup']:.2f}x) | "
-                  f"{row['adaptive_tok_s']:.1f} ({row['adaptive_speedup']:.2f}x) | "
+        lines += [f"Concurrent requests, c submitted at once (requests: how many ran, c at a "
+                  f"time), {conc['max_tokens']} tokens each (tokens/s, median of "
+                  f"{conc['repeats']}, with the lowest and highest repeat's ratio to "
+                  "target-only; the adaptive verify budget is the engine's default):", "",
+                  "| sampling | c | requests | target-only | every draft verified | adaptive "
+                  "budget | plain / all steps (adaptive) |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {row['sampling']} | {row['concurrency']} | {row['requests']} | "
+                  f"{row['target_only_tok_s']:.1f} | "
+                  f"{row['always_on_tok_s']:.1f} ({row['always_on_speedup']:.2f}x, "
+                  "{:.2f}-{:.2f}) | ".format(*row["always_on_speedup_range"]) +
+                  f"{row['adaptive_tok_s']:.1f} ({row['adaptive_speedup']:.2f}x, "
+                  "{:.2f}-{:.2f}) | ".format(*row["adaptive_speedup_range"]) +
                   f"{row['adaptive_plain_steps']} / "
                   f"{row['adaptive_plain_steps'] + row['adaptive_speculative_steps']} |"
                   for row in conc["rows"]]
