@@ -7,9 +7,10 @@
 The embedded pair is measured greedy and at Kimi K3's own sampling parameters (`k3-thinking`:
 T 1.0, top_p 0.95, what a K3 request samples at by default; `k3-instant`: T 0.6, top_p 0.95),
 where acceptance is lowest; then at 1, 4, 16 and 32 concurrent requests (`--concurrency`; a
-level below 8 runs 8 requests, c at a time), in each of those settings: target-only, speculation verifying the whole block
-every step (always on), and the adaptive verify budget (the engine's default,
-engines/reference/spec_budget.py) with the windows it chose and its cost model's error.
+level below 8 runs 8 requests, c at a time), in each of those settings: target-only,
+speculation verifying the whole block every step (always on), and the adaptive verify budget
+(the engine's default, engines/reference/spec_budget.py) with the windows it chose and its cost
+model's error.
 
 Every held-out prompt (serve_app/assets/heldout_prompts.json: cut from corpus files the models
 never trained on) is decoded one request at a time (single-user latency, batch 1) for
