@@ -641,6 +641,40 @@ async def test_the_watchdog_fails_a_stuck_step(
     assert engine.problem() is not None  # a failed engine stays failed
 
 
+async def test_an_idle_pass_held_midway_is_not_a_stuck_step(
+        pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
+        async_engine: Callable[..., ReferenceAsyncEngine]) -> None:
+    """The loop's idle pass (nothing in the inbox, no work) starts no busy stretch: held inside
+    it (a preempted thread on a loaded machine) while hours pass on the engine's clock, the
+    engine still reads as idle. (It used to start the stretch first: under the whole suite
+    the watchdog test above once read 'an engine step has run for 14400.0 s' before any
+    request.)"""
+    import serve_app.engines.reference.async_engine as async_module
+
+    clock = HeldClock()
+    monkeypatch.setattr(async_module, "time", clock)
+    core = engine_from(pair, speculative=False)
+    inside, resume = threading.Event(), threading.Event()
+    has_work = type(core).has_work
+
+    def held(self: EngineCore) -> bool:
+        if threading.current_thread().name == "engine-loop" and not resume.is_set():
+            inside.set()
+            resume.wait(HANG_GUARD_S)
+        return has_work.fget(self)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(type(core), "has_work", property(held))
+    engine = async_engine(core, watchdog_s=3600.0)
+    try:
+        assert await asyncio.to_thread(inside.wait, HANG_GUARD_S)
+        clock.advance(4 * 3600.0)
+        assert engine.problem() is None
+    finally:
+        resume.set()
+    await asyncio.wait_for(engine.health(HANG_GUARD_S), HANG_GUARD_S)
+    assert engine.problem() is None
+
+
 def test_watchdog_s_must_be_positive(pair: tuple[Path, Path]) -> None:
     with pytest.raises(ValueError, match="watchdog_s=0"):
         ReferenceAsyncEngine(engine_from(pair, speculative=False), watchdog_s=0)

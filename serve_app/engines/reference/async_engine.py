@@ -111,12 +111,18 @@ class ReferenceAsyncEngine(Engine):
     def _run(self) -> None:
         try:
             while not self._stopping and self._failure is None:
-                self._busy_since = time.monotonic()
-                self._drain_inbox()
-                if not self.core.has_work:
+                # A busy stretch starts only with something to do: an idle pass that set the
+                # clock first and was preempted before clearing it (a loaded machine) read as
+                # a step running since then. The inbox is peeked without its lock: an item put
+                # after the peek sets the wake event, so the wait returns at once.
+                if not self._inbox and not self.core.has_work:
                     self._busy_since = None
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    continue
+                self._busy_since = time.monotonic()
+                self._drain_inbox()
+                if not self.core.has_work:
                     continue
                 outputs = self.core.step()
                 if self._failure is not None:
