@@ -189,15 +189,15 @@ def test_lazy_window_commits_the_state_the_scratch_keeps() -> None:
                      windows.ssm[0, 6])
 
 
-def test_a_ragged_verify_runs_the_mlp_on_real_tokens_only(
+def test_a_ragged_verify_runs_its_position_wise_parts_on_real_tokens_only(
         pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ragged verify (windows of 8, 1 and 3 tokens, right-padded to 8) runs the MLP and MoE
-    over its 12 real tokens, not 24 rows x width; each real position's logits are the padded
-    batch's (the blocks are position-wise: same math, other matmul shapes, so within 1e-4 of
-    the largest logit; measured identical on this CPU)."""
-    from serve_app.models import k3_paged
+    """A ragged verify (windows of 8, 1 and 3 tokens, right-padded to 8) keeps its residual
+    stream packed: every layer's MLP or MoE and both attention kinds' projections run over its
+    12 real tokens, not 24 rows x width; each real position's logits are the padded batch's
+    (the blocks are position-wise: same math, other matmul shapes, so within 1e-4 of the
+    largest logit; measured identical on this CPU). Both KDA rollbacks."""
+    from serve_app.models import kv_cache
 
-    target = hybrid(pair, "scratch")
     prompts = random_prompts(3, VOCAB - 2, seed=9)
     windows = [[5, 6, 7, 8, 9, 10, 11, 12], [13], [14, 15, 16]]
     ids = torch.zeros(3, 8, dtype=torch.long)
@@ -205,33 +205,42 @@ def test_a_ragged_verify_runs_the_mlp_on_real_tokens_only(
         ids[b, : len(w)] = torch.tensor(w)
     counts = torch.tensor([len(w) for w in windows])
 
-    def run() -> tuple[torch.Tensor, list[int]]:
+    def run(rollback: str) -> tuple[torch.Tensor, set[tuple[str, int]]]:
+        target = hybrid(pair, rollback)
         cache = target.new_cache(1024)
-        sizes = []
         for r, prompt in enumerate(prompts):
             cache.add(r)
             target(torch.tensor([prompt]), cache, [r], torch.tensor([len(prompt)]))
-        original = k3_paged.PagedStates.per_token
-
-        def counted(self: k3_paged.PagedStates, fn: object, x: torch.Tensor) -> torch.Tensor:
-            sizes.append(int(self.packed[0].numel() if self.packed is not None
-                              else x.shape[0] * x.shape[1]))
-            return original(self, fn, x)  # type: ignore[arg-type]
-
-        with monkeypatch.context() as m:
-            m.setattr(k3_paged.PagedStates, "per_token", counted)
+        sizes: set[tuple[str, int]] = set()
+        hooks = [module.register_forward_pre_hook(
+                     lambda m, args, _n=name: sizes.add((_n, args[0].shape[:-1].numel())))
+                 for layer in target.model.model.layers
+                 for name, module in (("mlp", layer.mlp), ("attention", layer.self_attn.o_proj))]
+        try:
             logits = target(ids, cache, [0, 1, 2], counts, verify=True).logits
+        finally:
+            for hook in hooks:
+                hook.remove()
         return logits, sizes
 
-    packed, sizes = run()
-    assert set(sizes) == {12}  # every layer's MLP on the real tokens
-    with monkeypatch.context() as m:
-        m.setattr(k3_paged.PagedStates, "per_token", lambda self, fn, x: fn(x))
-        padded, _ = run()
-    scale = float(padded.abs().max())
-    for b, w in enumerate(windows):
-        gap = float((packed[b, : len(w)] - padded[b, : len(w)]).abs().max())
-        assert gap <= 1e-4 * scale, (b, gap)
+    original = kv_cache.PagedKVCache.batch
+
+    def unpacked(self: kv_cache.PagedKVCache, *args: object) -> kv_cache.PagedBatch:
+        batch = original(self, *args)  # type: ignore[arg-type]
+        batch.packed = None
+        return batch
+
+    for rollback in ("scratch", "replay"):
+        packed, sizes = run(rollback)
+        assert sizes == {("mlp", 12), ("attention", 12)}, sizes
+        with monkeypatch.context() as m:
+            m.setattr(kv_cache.PagedKVCache, "batch", unpacked)
+            padded, sizes = run(rollback)
+        assert sizes == {("mlp", 24), ("attention", 24)}, sizes  # the padded layout: 3 x 8
+        scale = float(padded.abs().max())
+        for b, w in enumerate(windows):
+            gap = float((packed[b, : len(w)] - padded[b, : len(w)]).abs().max())
+            assert gap <= 1e-4 * scale, (rollback, b, gap)
 
 
 # --- state slots ---------------------------------------------------------------------------------

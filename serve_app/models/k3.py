@@ -51,7 +51,7 @@ rank's K3State holds its own heads' KDA states and the (replicated) latent MLA c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -155,17 +155,14 @@ class K3WindowStates:
 class LayerStates(Protocol):
     """Where one forward's attention layers read and write their per-request state: the dense
     K3State of this module's API (DenseStates), or the engine's paged MLA KV and KDA state
-    slots (k3_paged.py). Each call runs the layer's block on x [B, T, H] -> [B, T, H]."""
+    slots (k3_paged.py). Each call runs the layer's block on x -> y in the layout the states
+    keep the residual stream in: [B, T, H] here; the paged states of right-padded rows keep
+    their real tokens only, packed [1, N, H], so that every position-wise part of a layer
+    (norms, AttnRes reads, MLP or MoE, the head) skips the padding."""
 
     def kda(self, layer: int, attn: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor: ...
 
     def mla(self, layer: int, attn: K3MLA, x: torch.Tensor) -> torch.Tensor: ...
-
-    def per_token(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-                  ) -> torch.Tensor:
-        """fn (a position-wise block: the MLP or MoE) over x [B, T, H]; where rows are padded,
-        over their tokens only (a pad's output is never read: every block is causal)."""
-        ...
 
 
 class DenseStates:
@@ -189,10 +186,6 @@ class DenseStates:
     def mla(self, layer: int, attn: K3MLA, x: torch.Tensor) -> torch.Tensor:
         y, self.new_state.mla[layer] = attn(x, self.state.mla.get(layer))
         return y
-
-    def per_token(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-                  ) -> torch.Tensor:
-        return fn(x)  # dense rows are never padded
 
 
 # --- decoder layer -------------------------------------------------------------------------------
@@ -257,12 +250,12 @@ class K3DecoderLayer(nn.Module):
         m_in = self.post_attention_layernorm(
             attn_res_mix([*bank, p], self.mlp_res_norm, self.mlp_res_proj)
         )
-        return p + states.per_token(self.mlp, m_in)
+        return p + self.mlp(m_in)
 
     def forward_plain(self, h: torch.Tensor, states: LayerStates) -> torch.Tensor:
         """The plain pre-norm residual layer (attn_res_block_size null)."""
         h = h + self.attention(self.input_layernorm(h), states)
-        return h + states.per_token(self.mlp, self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 # --- model ---------------------------------------------------------------------------------------

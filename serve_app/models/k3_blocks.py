@@ -377,14 +377,15 @@ class K3MLA(MLAProjections):
         return self._output(o, x), cache
 
     def forward_paged(self, x: torch.Tensor, batch: PagedBatch, pool: torch.Tensor) -> torch.Tensor:
-        """The engine's form: x [B, T, H] right-padded new rows of requests whose entries live
-        in this layer's paged pool [slots, rkv + dr] (the valid new entries are written in
-        place, at `batch.slots`)."""
-        q_nope, q_pe = self.query(x).split([self.nope, self.rope], dim=-1)
+        """The engine's form: x, the new tokens of right-padded rows in the batch's layout
+        (`PagedBatch.pack`), of requests whose entries live in this layer's paged pool
+        [slots, rkv + dr] (the valid new entries are written in place, at `batch.slots`).
+        The projections run on x's tokens; the attention on the rows."""
+        q_nope, q_pe = batch.unpack(self.query(x)).split([self.nope, self.rope], dim=-1)
         new = self.latent(x).to(pool.dtype)
-        pool[batch.slots] = new[batch.valid]
-        keys = torch.cat([pool[batch.context_index], new], dim=1).to(x.dtype)
-        return self._output(self.attend(q_nope, q_pe, keys, batch.mask), x)
+        pool[batch.slots] = new[0] if batch.packed is not None else new[batch.valid]
+        keys = torch.cat([pool[batch.context_index], batch.unpack(new)], dim=1).to(x.dtype)
+        return self._output(batch.pack(self.attend(q_nope, q_pe, keys, batch.mask)), x)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, T, n·dv] -> [B, T, H]: the output gate (from the attention's own

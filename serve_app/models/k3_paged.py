@@ -32,7 +32,7 @@ slot for the prefix cache, which decides when and what to evict (prefix_cache.py
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Literal
 
 import torch
@@ -315,37 +315,27 @@ class PagedStates:
         self.cache, self.counts, self.batch, self.verify = cache, counts, batch, verify
         self.slots = torch.tensor([cache.states.slot(r) for r in rids], dtype=torch.long,
                                   device=cache.device)
-        # Packed when rows are padded: a ragged verify pads every row to the longest window
-        # (a one-request probe widens a 16-request batch from 16 tokens to 128), and the
-        # MLP and MoE, a position-wise third of a decode forward, then run on real tokens only.
-        width = batch.valid.shape[1]
-        self.packed = (batch.valid.nonzero(as_tuple=True)
-                       if sum(counts) < len(counts) * width else None)
-
-    def per_token(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-                  ) -> torch.Tensor:
-        if self.packed is None:
-            return fn(x)
-        out = x.new_zeros(x.shape)
-        out[self.packed] = fn(x[self.packed][None])[0]
-        return out
 
     def mla(self, layer: int, attn: K3MLA, x: torch.Tensor) -> torch.Tensor:
         pool = self.cache.latent.buffers["latent"][self.cache.mla_index[layer]]
         return attn.forward_paged(x, self.batch, pool)
 
     def kda(self, layer: int, attn: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
-        pool = self.cache.states
-        state = pool.read(layer, self.slots)
-        t = x.shape[1]
+        state = self.cache.states.read(layer, self.slots)
         if self.verify:
             # Right padding is harmless here: the recurrence is causal, and commit picks a
             # position inside each row's own tokens.
             if self.cache.rollback == "scratch":
-                y, self.cache.windows[layer] = attn.forward_window(x, state)
+                y, self.cache.windows[layer] = attn.forward_window(x, state, self.batch)
             else:
-                y, self.cache.windows[layer] = attn.forward_logged(x, state)
+                y, self.cache.windows[layer] = attn.forward_logged(x, state, self.batch)
             return y
+        return self.batch.pack(self._extend(layer, attn, self.batch.unpack(x), state))
+
+    def _extend(self, layer: int, attn: KimiDeltaAttention, x: torch.Tensor,
+                state: KDAState) -> torch.Tensor:
+        pool = self.cache.states
+        t = x.shape[1]
         if all(c == t for c in self.counts):
             y, new = attn(x, state, algorithm="recurrent" if t == 1 else "chunked")
             pool.write(layer, self.slots, new)
@@ -426,12 +416,14 @@ class PagedK3:
         batch = cache.latent.batch(rids, starts, counts, slots, t, self.mla_heads)
         cache.begin(rids, starts, verify)
         states = PagedStates(cache, rids, counts, batch, verify)
-        ids = torch.where(batch.valid, input_ids.to(dev), 0)
+        ids = batch.pack(torch.where(batch.valid, input_ids.to(dev), 0))
         layers = list(capture_layers)
         if inputs_embeds is not None:
-            inputs_embeds = inputs_embeds.to(dev, self.embed_weight.dtype)
+            inputs_embeds = batch.pack(inputs_embeds.to(dev, self.embed_weight.dtype))
+        # The stream is in the batch's layout (packed where rows are padded).
         h, taps = self.model.model.run(ids, states, layers, inputs_embeds)
-        cat = torch.cat([taps[i] for i in layers], dim=-1) if layers else None
+        cat = batch.unpack(torch.cat([taps[i] for i in layers], dim=-1)) if layers else None
         if last_only:
-            h = last_new(h, num_new)
-        return TargetOutput(logits=self.model.logits(h), taps=cat)
+            return TargetOutput(logits=self.model.logits(last_new(batch.unpack(h), num_new)),
+                                taps=cat)
+        return TargetOutput(logits=batch.unpack(self.model.logits(h)), taps=cat)

@@ -40,13 +40,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from serve_app.models.target import TPContext
+
+if TYPE_CHECKING:
+    from serve_app.models.kv_cache import PagedBatch
 
 __all__ = [
     "GatedRMSNorm",
@@ -541,16 +544,20 @@ class KimiDeltaAttention(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
-    def _inputs(self, x: torch.Tensor, state: KDAState) -> tuple[torch.Tensor, ...]:
+    def _inputs(self, x: torch.Tensor, state: KDAState, batch: PagedBatch | None = None
+                ) -> tuple[torch.Tensor, ...]:
         """Everything before the recurrence: (q̂, k̂, v, g, β) fp32 per head, and the raw
-        q|k|v rows [B, K−1+T, 3P] (previous window + this call's tokens)."""
-        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        q|k|v rows [B, K−1+T, 3P] (previous window + this call's tokens). With `batch`, x is
+        in its layout (`PagedBatch.pack`): the projections run on x's tokens, the rest on the
+        rows."""
+        unpack = (lambda t: t) if batch is None else batch.unpack
+        raw = unpack(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))
         qkv, rows = causal_conv_silu(raw, state.conv, self.conv_weight())
         q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in qkv.chunk(3, dim=-1))
         q = _l2norm(q) * self.head_dim**-0.5
         k = _l2norm(k)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        g = unpack(self.forget_gate(x))
+        beta = unpack(torch.sigmoid(self.b_proj(x).float()))
         return q, k, v.float(), g, beta, rows
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -585,27 +592,30 @@ class KimiDeltaAttention(nn.Module):
         return self._output(o, x), KDAState(conv=conv, ssm=S)
 
     def forward_window(
-        self, x: torch.Tensor, state: KDAState
+        self, x: torch.Tensor, state: KDAState, batch: PagedBatch | None = None
     ) -> tuple[torch.Tensor, KDAWindowStates]:
-        """A speculative verify window: x [B, T, H] (T = γ+1: the bonus token and γ drafts).
+        """A speculative verify window: x [B, T, H] (T = γ+1: the bonus token and γ drafts),
+        or with `batch` right-padded windows in its layout (`PagedBatch.pack`), as the output.
 
-        Returns (out [B, T, H], the state after each of the T positions). `state` (the committed
+        Returns (out, the state after each of the T positions). `state` (the committed
         state) is not modified; committing `accepted + 1` tokens is `states.at(accepted)`.
         """
-        q, k, v, g, beta, rows = self._inputs(x, state)
+        q, k, v, g, beta, rows = self._inputs(x, state, batch)
         o, all_S = window_gated_delta_rule(q, k, v, g, beta, state.ssm)
         # The conv window after position t is raw rows t+1 .. t+K−1 of `rows` (which starts with
         # the K−1 rows of the committed window): [B, T, 3P, K−1] → [B, T, K−1, 3P].
         windows = rows[:, 1:].unfold(1, self.conv_kernel - 1, 1).transpose(-1, -2).contiguous()
+        o = o if batch is None else batch.pack(o)
         return self._output(o, x), KDAWindowStates(conv=windows, ssm=all_S)
 
     def forward_logged(
-        self, x: torch.Tensor, state: KDAState
+        self, x: torch.Tensor, state: KDAState, batch: PagedBatch | None = None
     ) -> tuple[torch.Tensor, KDAWindowLog]:
         """A verify window computed lazily: the outputs from the chunk form (`window_solve`),
         no per-position state formed; commit with `log.replay`, which forms only the accepted
-        position's. `state` is not modified."""
-        q, k, v, g, beta, rows = self._inputs(x, state)
+        position's. `state` is not modified; x and the output as `forward_window`'s."""
+        q, k, v, g, beta, rows = self._inputs(x, state, batch)
         o, U, G = window_solve(q, k, v, g, beta, state.ssm)
+        o = o if batch is None else batch.pack(o)
         return self._output(o, x), KDAWindowLog(k=k.float().transpose(1, 2), G=G, U=U,
                                                 rows=rows)

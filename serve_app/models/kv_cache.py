@@ -145,7 +145,12 @@ class PagedAllocator:
 @dataclass
 class PagedBatch:
     """What a paged attention layer needs about a batch of right-padded new rows, computed once
-    per forward (every layer of the model reads the same one)."""
+    per forward (every layer of the model reads the same one).
+
+    Where rows are padded the model keeps its residual stream packed, the real tokens only in
+    row-major order, [1, N, ...] (a 16-request verify whose windows average 5 tokens runs 80
+    positions, not 128): `pack` and `unpack` move a tensor between that layout and the rows'
+    [B, T, ...]. Without padding both layouts are the rows' and both are the identity."""
 
     valid: torch.Tensor  # [B, T] bool: real (not padding) new tokens
     slots: torch.Tensor  # [N_valid] cache slots of the valid new tokens, row-major order
@@ -153,6 +158,20 @@ class PagedBatch:
     # [B, 1, heads * T, Lc + T] bool: key visible to query; rows head-major, as MLA folds its
     # queries (layers.MLAProjections.attend)
     mask: torch.Tensor
+    packed: tuple[torch.Tensor, torch.Tensor] | None  # valid.nonzero() if a row is padded
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> the stream's layout."""
+        return x if self.packed is None else x[self.packed][None]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """The stream's layout -> [B, T, ...], zeros at the padding (a pad's output is never
+        read: every block is causal, and only real tokens are committed)."""
+        if self.packed is None:
+            return x
+        out = x.new_zeros((*self.valid.shape, *x.shape[2:]))
+        out[self.packed] = x[0]
+        return out
 
 
 class PagedKVCache:
@@ -279,5 +298,7 @@ class PagedKVCache:
         new_mask = (steps[None, :] <= steps[:, None]).expand(len(starts), -1, -1)  # [B, T, T]
         ctx_mask = context_valid.to(dev)[:, None, :].expand(-1, t, -1)
         mask = torch.cat([ctx_mask, new_mask], dim=-1)[:, None].repeat(1, 1, heads, 1)
-        return PagedBatch(valid=steps[None, :] < count[:, None], slots=slots,
-                          context_index=context_index.to(dev), mask=mask)
+        valid = steps[None, :] < count[:, None]
+        packed = valid.nonzero(as_tuple=True) if sum(counts) < len(counts) * t else None
+        return PagedBatch(valid=valid, slots=slots, context_index=context_index.to(dev),
+                          mask=mask, packed=packed)
