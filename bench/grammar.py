@@ -165,8 +165,8 @@ def compile_set(schemas: list[Any], make: Callable[[Any], GrammarSpec],
             "matcher_copy_max_us": 1e6 * max(copy_s)}
 
 
-def compile_report(embedded: Any, k3: Any) -> dict[str, Any]:
-    schemas = walle_schemas()
+def compile_report(embedded: Any, k3: Any, limit: int | None = None) -> dict[str, Any]:
+    schemas = walle_schemas()[:limit]
     return {"k3-tool": compile_set(schemas, tool_spec, k3),
             "plain": compile_set(schemas, plain_spec, embedded),
             "plain-k3vocab": compile_set(schemas, plain_spec, k3)}
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "bench": "grammar", "threads": args.threads,
         "k3_ll_tokenizer_build_s": time.perf_counter() - start,
-        "compile": compile_report(embedded_vocab, k3_vocab),
+        "compile": compile_report(embedded_vocab, k3_vocab, args.schemas),
     }
     prompts = heldout_prompt_ids(tok, args.prompts - args.chat_prompts, args.chat_prompts)
     modes, outputs = {}, {}
@@ -396,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--schemas", type=int, default=None,
+                        help="compile only the first N walle schemas (default: all 212)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)

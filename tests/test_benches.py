@@ -1,11 +1,13 @@
 """Every benchmark in bench/ run end to end at a tiny size, so that a change which breaks one
-fails here. Each runs as its own process (`python bench/<name>.py ... --json <tmp>`), as its
-README row does; the test checks that it exits 0 and that its report holds the variants and
-the numbers it promises. Speed is the benches' to measure: nothing here bounds a time.
+fails here. Each runs as its own process (`python bench/<name>.py ... --json <tmp>`, through
+tests/bench_runner.py), as its README row does; the test checks that it exits 0 and that its
+report holds the variants and the numbers it promises. Speed is the benches' to measure:
+nothing here bounds a time.
 
-The benches that start a Ray cluster of their own (autoscaling, disaggregation, prefix_cache,
-serve_overhead) run while this process holds none (`no_ray_here`); conftest.py keeps the
-module with the own-cluster ones, on the xdist worker that never holds the shared cluster.
+This module holds the benches that start no Ray cluster; those that start one of their own are
+in tests/test_benches_ray.py, and those that drive a running server are run against the
+server of the module that starts one (tests/test_fuzz_api.py, tests/test_grammar_serve.py).
+`test_every_bench_script_runs_in_the_suite` keeps it that way for every new script.
 """
 
 from __future__ import annotations
@@ -13,59 +15,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
+import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-# Four of the benches start a Ray cluster of their own.
-pytestmark = pytest.mark.ray_cluster("own")
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_runner import ROOT, json_line, line_and_file, positive, run_bench, same
 
 
-def run_bench(script: str, *args: str) -> str:
-    """Run `script` (a path under the repository root) with `args`; its stdout. The timeout
-    only keeps a hung bench from hanging the suite."""
-    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, (f"{script} exited {proc.returncode}\n--- stdout\n"
-                                  f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
-    return proc.stdout
-
-
-def json_line(stdout: str) -> dict[str, Any]:
-    """The report a bench prints as its last JSON line."""
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no JSON line in:\n{stdout[-2000:]}"
-    return json.loads(lines[-1])
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equal reports (NaN equal to NaN: a tiny run may have none of some kind of sample)."""
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-
-
-def positive(x: Any) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x) and x > 0
-
-
-def line_and_file(stdout: str, path: Path) -> dict[str, Any]:
-    """The printed JSON line, checked equal to the --json file."""
-    report = json_line(stdout)
-    assert same(report, json.loads(path.read_text()))
-    return report
-
-
-@pytest.fixture
-def no_ray_here() -> None:
-    """The bench starts its own cluster: this process must hold none meanwhile (the shared one
-    is started again by the next module that wants it)."""
-    from tiny_models import stop_ray
-
-    stop_ray()
+def test_every_bench_script_runs_in_the_suite() -> None:
+    """Each script in bench/ (a file that runs as __main__; bench/router_simulator.py is the
+    simulator the others import) is run by some test, through run_bench."""
+    scripts = {p.name for p in (ROOT / "bench").glob("*.py")
+               if 'if __name__ == "__main__":' in p.read_text()}
+    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    smoked = set(re.findall(r'run_bench\(\s*"bench/(\w+\.py)"', tests))
+    assert "spec_decode.py" in scripts and "router_simulator.py" not in scripts
+    assert scripts - smoked == set(), "bench scripts no test runs"
 
 
 def test_planner_sweep() -> None:
@@ -229,88 +195,40 @@ def test_router_simulator(tmp_path: Path) -> None:
     assert same(row, rows["kv_aware"])
 
 
-@pytest.mark.slow
-def test_disaggregation(tmp_path: Path, no_ray_here: None) -> None:
-    """Aggregated and disaggregated apps, one stream and one ~400-token prompt, one round."""
+def test_grammar(tmp_path: Path) -> None:
+    """Compile times over the first walle schemas in the three sets, then the mask cost on the
+    embedded pair: every mode and grammar, speculation lossless under each."""
     out = tmp_path / "out.json"
-    report = line_and_file(run_bench("bench/disaggregation.py", "--streams", "1",
-                                     "--long-chars", "1500", "--quiet-s", "2.5", "--rounds", "1",
+    report = line_and_file(run_bench("bench/grammar.py", "--schemas", "6", "--prompts", "2",
+                                      "--chat-prompts", "1", "--max-tokens", "6", "--batch",
+                                      "2", "--repeats", "1", "--json", str(out)), out)
+    assert report["bench"] == "grammar"
+    compiled = report["compile"]
+    assert set(compiled) == {"k3-tool", "plain", "plain-k3vocab"}
+    for name, row in compiled.items():
+        assert row["schemas"] == 6 and row["grammar_errors"] == 0, (name, row)
+        assert positive(row["p50_ms"]) and row["max_ms"] >= row["p50_ms"], (name, row)
+    assert compiled["plain"]["vocab"] == 4096 and compiled["k3-tool"]["vocab"] == 163_840
+    mask = report["mask"]
+    assert set(mask["modes"]) == {"spec_off", "spec_on", "close_off", "close_on"}
+    assert mask["lossless_all"] is True and len(mask["lossless"]) == 10
+    for mode in mask["modes"].values():
+        assert mode["free"]["masks_per_step"] == 0
+        assert all(positive(row["step_ms"]) for row in mode.values()), mode
+    for per_vocab in mask["mask_ms_per_mask_by_vocab"].values():
+        assert set(per_vocab) == {"4096", "163840"} and all(map(positive, per_vocab.values()))
+
+
+def test_collectives(tmp_path: Path) -> None:
+    """gloo and the shared-memory group, each operation and a TP-2 engine's decode."""
+    out = tmp_path / "out.json"
+    report = line_and_file(run_bench("bench/collectives.py", "--world", "2", "--ops", "50",
+                                     "--rounds", "1", "--requests", "1", "--tokens", "4",
                                      "--json", str(out)), out)
-    assert report["rounds"] == 1 and report["long_prompt_tokens"] > 0
-    for variant in ("aggregated", "disaggregated"):
-        r = report[variant]
-        [[quiet, during]] = r["gaps_per_round"]
-        # The stream decoded before the long prompt arrived and while it was prefilled.
-        assert quiet > 0 and during > 0, (variant, r)
-        assert positive(r["long_ttft_s"]), (variant, r)
-        assert all(positive(r[k]) for k in ("quiet_p50_ms", "quiet_p99_ms", "during_p50_ms",
-                                            "during_p99_ms", "p99_ratio")), (variant, r)
-
-
-@pytest.mark.slow
-def test_prefix_cache(tmp_path: Path, no_ray_here: None) -> None:
-    """The four apps (cache off / on, 2 replicas under kv_aware and power_of_two), two
-    questions about a document long enough that the second hits a checkpoint of the first."""
-    out = tmp_path / "out.json"
-    report = line_and_file(run_bench("bench/prefix_cache.py", "--questions", "2",
-                                     "--doc-tokens", "300", "--max-tokens", "4",
-                                     "--sim-seeds", "2", "--json", str(out)), out)
-    variants = report["variants"]
-    assert set(variants) == {"a", "b", "c", "d"}
-    for name, v in variants.items():
-        assert v["ttft"]["n"] == 2 and positive(v["ttft"]["p50_ms"]), name
-        assert v["prompt_tokens"] > 0, name
-        assert sum(v["requests_per_replica"].values()) == 2, name
-    assert variants["a"]["cached_tokens"] == 0
-    assert variants["b"]["cached_tokens"] > 0 and 0 < variants["b"]["hit_rate"] < 1
-    assert all(positive(x) for x in report["ratios"].values())
-    for policy in ("kv_aware", "power_of_two"):
-        assert 0 <= report["simulator"][policy]["hit_rate"] <= 1
-    assert isinstance(report["agreement"]["agree"], bool)
-
-
-@pytest.mark.slow
-def test_autoscaling(tmp_path: Path, no_ray_here: None) -> None:
-    """A short load step under both policies: the ledger policy scales the embedded
-    deployment up for the step's KV demand and back to one after it, no request fails under
-    either, and the request-count policy sees too few requests to scale (the step's demand
-    waits in the router's queue, where it does not count them). Disaggregated, a step of
-    long prompts grows the prefill pool alone: they wait in its queue, and the decode pool
-    does not count the room it holds for them meanwhile."""
-    out = tmp_path / "out.json"
-    report = line_and_file(run_bench(
-        "bench/autoscaling.py", "--step-clients", "10", "--base-s", "2", "--step-s", "8",
-        "--tail-s", "30", "--max-tokens", "160", "--max-replicas", "2",
-        "--downscale-delay-s", "2", "--long-clients", "6", "--long-prompt-tokens", "512",
-        "--variants", "ledger,ray_requests,pd_long_prompts", "--json", str(out)), out)
-    variants = report["variants"]
-    ledger, requests = variants["ledger"]["target"], variants["ray_requests"]["target"]
-    prefill, decode = variants["pd_long_prompts"]["prefill"], variants["pd_long_prompts"]["decode"]
-    assert ledger["replicas_max"] == 2 and positive(ledger["time_to_scale_up_s"])
-    assert ledger["time_back_to_one_s"] is not None
-    assert requests["replicas_max"] == 1 and requests["time_to_scale_up_s"] is None
-    # The prefill pool's decision (its new replica may still be starting as the step ends).
-    assert positive(prefill["time_to_scale_up_s"]), prefill
-    assert decode["replicas_max"] == 1 and decode["time_to_scale_up_s"] is None, decode
-    for v in (ledger, requests, prefill):
-        assert v["failed"] == 0 and v["completed"] >= v["step_requests"] > 0, v
-        assert positive(v["step_ttft_p99_s"]) and v["step_ttft_p99_s"] >= v["step_ttft_p50_s"]
-
-
-@pytest.mark.slow
-def test_serve_overhead(tmp_path: Path, no_ray_here: None) -> None:
-    """Engine, echo floor, the HTTP path, stand-in floor and stub, streaming, tracing on and
-    off: two requests each."""
-    out = tmp_path / "out.json"
-    report = line_and_file(run_bench("bench/serve_overhead.py", "--requests", "2",
-                                     "--stream-tokens", "2", "--stub-ms", "1",
-                                     "--json", str(out)), out)
-    summaries = [report[k] for k in ("engine", "echo", "http", "work_floor", "stub")]
-    summaries += [report["tracing"]["off"], report["tracing"]["on"]]
-    for s in summaries:
-        assert s["n"] == 2 and positive(s["p50_ms"]) and s["p99_ms"] >= s["p50_ms"], s
-    stream = report["stream"]
-    assert stream["engine"]["chunks"] == 2 and stream["http"]["chunks"] >= 2
-    assert positive(stream["http"]["ttft_ms"]) and positive(stream["engine"]["ttft_ms"])
-    assert math.isfinite(report["ingress_code_p50_ms"])
-    assert positive(report["tracing"]["p50_ratio"])
+    assert report["world"] == 2 and set(report["variants"]) == {"gloo", "shared memory"}
+    for name, v in report["variants"].items():
+        assert set(v["ops"]) == {"all_reduce 64 floats", "all_reduce 1M floats",
+                                 "step broadcast"}, name
+        assert all(positive(op["wall_us"]) for op in v["ops"].values()), (name, v)
+        assert v["decode_tp2"]["tokens"] == 4 and positive(v["decode_tp2"]["ms_per_token"])
+    assert positive(report["decode_speedup"])

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from bench_runner import json_line, run_bench
 from fuzz_oracle import FuzzReport, check, fuzz, local_server, plain_request
 from fuzz_strategies import (
     COMPLETIONS,
@@ -75,6 +76,16 @@ def test_completions(server: str, client: httpx.Client) -> None:
 def test_raw_bodies_routes_and_methods(server: str, client: httpx.Client) -> None:
     _check(_fuzz(client, server, explicit_raw() + explicit_routes(), raw_requests(),
                  EXAMPLES["raw"]))
+
+
+def test_the_fuzz_bench_runs_against_this_server(server: str) -> None:
+    """bench/fuzz_api.py at smoke size against the same server (its README row's --url
+    form): it exits 0 (no failure, no outage, healthy after) and reports what it sent."""
+    report = json_line(run_bench("bench/fuzz_api.py", "--url", server, "--requests", "12",
+                                 "--no-named", "--seed", "1"))
+    assert report["requests"] == 12 and sum(report["by_kind"].values()) == 12
+    assert report["5xx"] == report["hangs"] == report["outages"] == 0
+    assert report["failures"] == 0 and report["health_after"] == "ok"
 
 
 def test_the_server_still_serves_after_the_fuzzing(server: str, client: httpx.Client) -> None:

@@ -18,6 +18,7 @@ import jsonschema
 import openai
 import pytest
 from app_configs import tiny_app
+from bench_runner import json_line, run_bench
 from tiny_models import served, write_k3_format_pair
 
 from serve_app.config import AppConfig
@@ -54,6 +55,18 @@ def test_every_constrained_answer_validates_at_16_concurrent_requests(base_url: 
     # Both streamed and whole answers, and speculation ran under every kind.
     assert all(r["accept"] is not None and r["accept"] >= 1 for r in results)
     assert sum(r["kind"] == "forced_call" for r in results) == 12  # each with its one call
+
+
+def test_the_load_bench_runs_against_this_server(base_url: str) -> None:
+    """bench/grammar_load.py as a script at smoke size: its table's JSON line, each kind once
+    or twice, every answer valid and no 5xx."""
+    report = json_line(run_bench("bench/grammar_load.py", "--base-url", base_url, "--model",
+                                 MODEL, "--requests", "5", "--concurrency", "2"))
+    assert report["bench"] == "grammar_load" and report["requests"] == 5
+    kinds = report["kinds"]
+    assert {k: row["requests"] for k, row in kinds.items()} == {
+        "person": 3, "forced_call": 1, "plain": 1}
+    assert all(row["valid"] == row["requests"] and row["5xx"] == 0 for row in kinds.values())
 
 
 def test_a_hostile_schema_is_a_400_naming_the_field_while_others_are_served(
