@@ -58,8 +58,9 @@ def test_every_constrained_answer_validates_at_16_concurrent_requests(base_url: 
 
 
 def test_the_load_bench_runs_against_this_server(base_url: str) -> None:
-    """bench/grammar_load.py as a script at smoke size: its table's JSON line, each kind once
-    or twice, every answer valid and no 5xx."""
+    """bench/grammar_load.py as a script at smoke size: its table's JSON line over its
+    five-request cycle (three json_schema answers, one forced call, one plain answer), every
+    answer valid and no 5xx."""
     report = json_line(run_bench("bench/grammar_load.py", "--base-url", base_url, "--model",
                                  MODEL, "--requests", "5", "--concurrency", "2"))
     assert report["bench"] == "grammar_load" and report["requests"] == 5
