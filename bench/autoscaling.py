@@ -127,7 +127,9 @@ class Replicas(threading.Thread):
             self.samples.append((time.monotonic(), sample))
 
     def at_minimum(self) -> bool:
-        return bool(self.samples) and all(n <= 1 for n, _ in self.samples[-1][1].values())
+        """Every pool is down to one replica, serving and placed: a pool whose new replica
+        is still starting as the step ends has not come back yet."""
+        return bool(self.samples) and all(p <= 1 for _, p in self.samples[-1][1].values())
 
 
 def _long_prompt(tokenizer: Any, body: list[int], tokens: int, i: int, n: int) -> list[int]:
@@ -250,7 +252,7 @@ def _run_variant(variant: str, args: argparse.Namespace, port: int) -> list[dict
             "time_to_new_replica_s": next(
                 (t - step_at for t, n, _ in samples if t >= step_at and n > 1), None),
             "time_back_to_one_s": next(
-                (t - step_end for t, n, _ in samples if t >= step_end and n <= 1), None),
+                (t - step_end for t, _, p in samples if t >= step_end and p <= 1), None),
             "step_ttft_p50_s": _percentile(ttfts, 0.5),
             "step_ttft_p99_s": _percentile(ttfts, 0.99),
             "step_requests": len(during),
