@@ -150,6 +150,8 @@ class _Sink(http.server.BaseHTTPRequestHandler):
 
 def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
                    tracing: bool) -> dict[str, Any]:
+    """The HTTP path on a cluster of its own (tracing on: every process of it exports to a
+    local sink); tracing off, also the floors (echo, stand-in), the stub and a stream."""
     import ray
     from ray import serve
 
@@ -169,15 +171,17 @@ def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(_echo_app(), name="echo", route_prefix="/echo")
         serve.run(build_app(config), name="kimi", route_prefix="/")
-        stub_config = json.loads(config.model_copy(
-            update={"router": config.router.model_copy(update={"policy": "ray_default"})}
-        ).model_dump_json())
-        floor_app, stub_app = _stub_apps(args.stub_ms, stub_config)
-        serve.run(floor_app, name="work_floor", route_prefix="/work_floor")
-        serve.run(stub_app, name="stub", route_prefix="/stub")
+        if not tracing:
+            serve.run(_echo_app(), name="echo", route_prefix="/echo")
+            stub_config = json.loads(config.model_copy(
+                update={"router": config.router.model_copy(update={"policy": "ray_default"})}
+            ).model_dump_json())
+            floor_app, stub_app = _stub_apps(args.stub_ms, stub_config)
+            serve.run(floor_app, name="work_floor", route_prefix="/work_floor")
+            serve.run(stub_app, name="stub", route_prefix="/stub")
         base = f"http://127.0.0.1:{port}"
+        results: dict[str, Any] = {}
         body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0}
         with httpx.Client(timeout=60) as client:
             def timed(url: str, payload: dict[str, Any]) -> list[float]:
@@ -189,18 +193,20 @@ def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
                         samples.append(time.perf_counter() - t0)
                 return samples
 
-            echo = timed(base + "/echo/", {"x": 1})
-            full = timed(base + "/v1/completions", body)
-            work_floor = timed(base + "/work_floor/", {"x": 1})
-            stub = timed(base + "/stub/v1/completions", body)
-            stream_body = {**body, "max_tokens": args.stream_tokens, "stream": True,
-                           "ignore_eos": True}
-            marks = []
-            t0 = time.perf_counter()
-            with client.stream("POST", base + "/v1/completions", json=stream_body) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        marks.append(time.perf_counter() - t0)
+            results["http"] = timed(base + "/v1/completions", body)
+            if not tracing:
+                results["echo"] = timed(base + "/echo/", {"x": 1})
+                results["work_floor"] = timed(base + "/work_floor/", {"x": 1})
+                results["stub"] = timed(base + "/stub/v1/completions", body)
+                stream_body = {**body, "max_tokens": args.stream_tokens, "stream": True,
+                               "ignore_eos": True}
+                marks = results["marks"] = []
+                t0 = time.perf_counter()
+                with client.stream("POST", base + "/v1/completions",
+                                   json=stream_body) as resp:
+                    for line in resp.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            marks.append(time.perf_counter() - t0)
         serve.shutdown()
         ray.shutdown()
     finally:
@@ -208,7 +214,7 @@ def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
             os.environ.pop(key, None)
         if sink is not None:
             sink.shutdown()
-    return {"echo": echo, "http": full, "marks": marks, "work_floor": work_floor, "stub": stub}
+    return results
 
 
 def main() -> None:
