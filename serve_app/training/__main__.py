@@ -140,7 +140,8 @@ def cmd_draft(args: argparse.Namespace, budget_s: float) -> None:
     train_draft(load_tokenizer(tok_dir), train, held, target_dir, draft_dir, args.seed,
                 budget_s, threads=args.threads, provenance=args.provenance,
                 eval_prompts=args.eval_prompts, layers=args.draft_layers,
-                markov_rank=args.markov_rank, max_steps=args.max_steps)
+                markov_rank=args.markov_rank, max_steps=args.max_steps,
+                new_tokens=args.draft_new_tokens)
 
 
 def cmd_vision(args: argparse.Namespace, budget_s: float) -> None:
@@ -189,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the draft's layers (default: the embedded draft's)")
     parser.add_argument("--markov-rank", type=int, default=None,
                         help="the draft's Markov head rank (default: the embedded draft's)")
+    parser.add_argument("--draft-new-tokens", type=int, default=None,
+                        help="the draft's training data: tokens the target continues each "
+                             "generated prompt by (default 128; a short run's can be fewer)")
     parser.add_argument("--max-files", type=int, default=None,
                         help="train on the first N training files only (a short run)")
     parser.add_argument("--max-steps", type=int, default=None,

@@ -288,7 +288,7 @@ def train_draft(
     markov_rank: int | None = None,
     max_steps: int | None = None,
     prompt_len: int = 128,
-    new_tokens: int = 128,
+    new_tokens: int | None = None,
     batch_corpus: int = 4,
     batch_generated: int = 12,
     anchors_per_seq: int = 24,
@@ -299,6 +299,7 @@ def train_draft(
     start = time.monotonic()
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
+    new_tokens = new_tokens or 128
     # The shipped target (bf16 weights, computed in fp32), as the engine will run it.
     target = load_k3(target_dir, dtype=torch.float32)
     for p in target.parameters():
