@@ -196,9 +196,9 @@ def test_the_recipe_runs_end_to_end(tmp_path: Path) -> None:
     # initialisation.
     # One thread: beside the other xdist workers a second one mostly spins (measured alone:
     # 41 s wall / 66 CPU-s at 2 threads, 55 s / 55 CPU-s at 1; the same perplexity).
-    # The draft's generated continuations a quarter as long: the target's generation and the
-    # draft's steps and held-out measurement on it (the command alone, back to back: 73 s at
-    # 128 new tokens, 62 s at 32).
+    # The draft trains on continuations a quarter as long (32 new tokens, not 128): the
+    # target generates them, and the draft's steps and held-out measurement run on them (the
+    # command alone, back to back: 73 s at 128 new tokens, 62 s at 32).
     argv = ["all", "--budget-minutes", "20", "--max-steps", "6", "--max-files", "24",
             "--eval-prompts", "2", "--vision-heldout-per-kind", "2", "--draft-new-tokens", "32",
             "--seed", "3", "--threads", "1", "--out", str(tmp_path)]
