@@ -172,14 +172,6 @@ def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name="kimi", route_prefix="/")
-        if not tracing:
-            serve.run(_echo_app(), name="echo", route_prefix="/echo")
-            stub_config = json.loads(config.model_copy(
-                update={"router": config.router.model_copy(update={"policy": "ray_default"})}
-            ).model_dump_json())
-            floor_app, stub_app = _stub_apps(args.stub_ms, stub_config)
-            serve.run(floor_app, name="work_floor", route_prefix="/work_floor")
-            serve.run(stub_app, name="stub", route_prefix="/stub")
         base = f"http://127.0.0.1:{port}"
         results: dict[str, Any] = {}
         body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0}
@@ -193,8 +185,16 @@ def _measure_serve(config: Any, prompt: str, args: argparse.Namespace,
                         samples.append(time.perf_counter() - t0)
                 return samples
 
+            # Before the other apps start: tracing on and off, the cluster is the same.
             results["http"] = timed(base + "/v1/completions", body)
             if not tracing:
+                serve.run(_echo_app(), name="echo", route_prefix="/echo")
+                stub_config = json.loads(config.model_copy(update={
+                    "router": config.router.model_copy(update={"policy": "ray_default"})
+                }).model_dump_json())
+                floor_app, stub_app = _stub_apps(args.stub_ms, stub_config)
+                serve.run(floor_app, name="work_floor", route_prefix="/work_floor")
+                serve.run(stub_app, name="stub", route_prefix="/stub")
                 results["echo"] = timed(base + "/echo/", {"x": 1})
                 results["work_floor"] = timed(base + "/work_floor/", {"x": 1})
                 results["stub"] = timed(base + "/stub/v1/completions", body)
