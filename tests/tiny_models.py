@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -310,6 +311,23 @@ def fake_gpu_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int,
         cluster.shutdown()
 
 
+def _stop_leftovers(session: str) -> None:
+    """Stop the processes still running for a Ray session that has shut down (their command
+    lines name its folder): the nodes the fake multi-node provider started outlive the
+    cluster (the raylets of the last nodes, which ignore SIGTERM without their GCS, then
+    their log monitors: found alive an hour later)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return
+    folder = session.encode()
+    for entry in proc.iterdir():
+        try:
+            if entry.name.isdigit() and folder in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours
+            pass
+
+
 @contextmanager
 def fake_autoscaling_cluster(node_cpus: float, node_gpus: int, max_nodes: int,
                              head_cpus: int = 2) -> Iterator[Callable[[], set[str]]]:
@@ -354,6 +372,7 @@ def fake_autoscaling_cluster(node_cpus: float, node_gpus: int, max_nodes: int,
         "num_cpus": head_cpus, "num_gpus": 0, "gcs_server_port": port,
         "autoscaling_config": f.name})
     ray.init(address=cluster.address, log_to_driver=False)
+    session = ray._private.worker._global_node.get_session_dir_path()
 
     def gpu_nodes() -> set[str]:
         return {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")}
@@ -363,6 +382,7 @@ def fake_autoscaling_cluster(node_cpus: float, node_gpus: int, max_nodes: int,
     finally:
         stop_ray()
         cluster.shutdown()
+        _stop_leftovers(session)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
