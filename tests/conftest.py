@@ -126,12 +126,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     as SCHED_IDLE (runs only on a core nothing else wants), 31 s. A worker starts its scope of
     Ray modules first or not at all, and the policy cannot be undone, so it is set once the
     worker is past them; the TP ranks and subprocesses its tests start inherit it. No test
-    depends on its speed: none asserts a wall-clock bound."""
+    depends on its speed: none asserts a wall-clock bound. The shared cluster, which the
+    worker will not use again, stops then: idle, it took ~0.15 of a core (measured) for the
+    rest of the run. (Were a shared-cluster test to come later, shared_serve starts one.)"""
     global _yielding
     if item.nodeid in _misdeclared:
         pytest.fail(_misdeclared[item.nodeid], pytrace=False)
     if _yielding or _cluster(item) or "PYTEST_XDIST_WORKER" not in os.environ:
         return
+    from tiny_models import stop_ray
+
+    stop_ray()
     if hasattr(os, "sched_setscheduler"):  # Linux
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         # Rank processes fork from a server (spec_helpers.rank_processes) that an earlier test

@@ -186,13 +186,15 @@ def wait_for(check: Callable[[], Any], timeout: float, interval: float = 0.2) ->
 
 
 def stop_ray() -> None:
-    """Shut Serve and Ray down, the shared cluster or a module's own."""
+    """Shut Serve and Ray down, the shared cluster or a module's own (where none runs,
+    without importing Serve)."""
     import ray
-    from ray import serve
 
     _SHARED.clear()
     if not ray.is_initialized():
         return
+    from ray import serve
+
     try:
         serve.shutdown()
     except Exception:  # the cluster is already broken; shutting Ray down is what matters
