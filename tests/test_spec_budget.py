@@ -268,6 +268,52 @@ def test_a_plain_step_reuses_the_plan_until_what_it_read_moves(
     assert len(calls) == 3
 
 
+def test_probes_back_off_while_the_plan_stays_plain_and_reset_when_it_drafts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget whose plans say plain drafts for one request in turn, after 8 x rows plain
+    steps, then after twice as many each time, up to PROBE_BACKOFF_MAX times; a plan that
+    drafts starts the schedule again."""
+    budget = VerifyBudget(gamma=4)
+    budget.speculative_steps = 10 ** 6  # past the warm-up
+    pays = [False]
+    real = spec_budget.plan_windows
+
+    def plan(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if pays[0]:  # a plan that drafts, whatever the models say
+            out.drafts = [2] * len(out.drafts)
+            out.expected_tokens = 10 * out.base_rate * out.predicted_seconds
+        else:
+            out.drafts = [0] * len(out.drafts)
+            out.expected_tokens = out.base_rate * out.predicted_seconds
+        return out
+
+    monkeypatch.setattr(spec_budget, "plan_windows", plan)
+    args = (["sampled"] * 2, ["a", "b"], [4, 4], [False, False])
+
+    def probes(steps: int) -> list[tuple[int, list[int]]]:
+        out = []
+        for step in range(1, steps + 1):
+            budget.acceptance.version += 1  # something moved: planned again every step
+            chosen = budget.to_draft(*args)
+            if chosen:
+                out.append((step, chosen))
+        return out
+
+    every = 8 * 2
+    assert spec_budget.PROBE_BACKOFF_MAX == 8
+    expected = [16, 48, 112, 240, 368, 496]  # gaps 16, 32, 64, 128, 128, 128
+    got = probes(expected[-1])
+    assert [step for step, _ in got] == expected
+    assert [chosen for _, chosen in got] == [[0], [1]] * 3  # one request, in turn
+    assert budget.probe_steps == 6
+    pays[0] = True
+    budget.acceptance.version += 1
+    assert budget.to_draft(*args) == [0, 1]
+    pays[0] = False
+    assert [step for step, _ in probes(3 * every)] == [every, 3 * every]
+
+
 def test_windows_are_chosen_before_the_target_speaks(tmp_path: Path) -> None:
     """In every speculative step the plan is made after the draft and before the verify
     forward: the target's verdict on a step cannot reach its windows. The engine's fitted

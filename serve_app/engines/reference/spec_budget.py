@@ -85,6 +85,12 @@ REFIT_EVERY = 8
 # (a probe in a 16-request batch cost two to three plain steps).
 PROBE_EVERY_PER_ROW = 8
 PROBE_EVERY_MIN = 8
+# Each probe after which the plan still says plain doubles the interval to the next, up to this
+# factor; a plan that drafts again resets it. Probes are the price of stepping aside: at 4
+# sampled requests (K3 thinking), one every 32 steps cost the budget 2-3% against plain steps
+# forced (probes off: within 1% of them), and at 16 and 32 requests one every 128-256 steps
+# cost 2-3 plain steps each. A budget whose plans keep saying plain learns less from each probe.
+PROBE_BACKOFF_MAX = 8
 # Until this many speculative steps are measured, every request is drafted for: the cost model
 # and the acceptance counts start from priors, and a plan must see what drafting costs.
 WARMUP_STEPS = 16
@@ -519,6 +525,7 @@ class VerifyBudget:
         self._save_every = save_every
         self._since_draft = 0
         self._probe = 0
+        self._probe_backoff = 1  # the probe interval's factor (PROBE_BACKOFF_MAX)
         self._pre_draft: tuple[tuple[Any, ...], Plan, bool] | None = None
         self.draft_histogram = [0] * (gamma + 1)  # requests' windows: how many drafts
         self.plain_steps = 0
@@ -553,10 +560,14 @@ class VerifyBudget:
             _, plan, pays = self._pre_draft
             chosen = [b for b in able if (plan.drafts[b] > 0 and pays) or fixed[b]]
             self.last_reason = plan.reason if pays else f"plain: {plan.reason}"
-            probe_every = max(PROBE_EVERY_MIN, PROBE_EVERY_PER_ROW * len(rids))
+            if pays and any(plan.drafts[b] > 0 for b in able):
+                self._probe_backoff = 1
+            probe_every = self._probe_backoff * max(PROBE_EVERY_MIN,
+                                                    PROBE_EVERY_PER_ROW * len(rids))
             if not chosen and able and self._since_draft + 1 >= probe_every:
                 chosen = [able[self._probe % len(able)]]
                 self._probe += 1
+                self._probe_backoff = min(2 * self._probe_backoff, PROBE_BACKOFF_MAX)
                 self.probe_steps += 1
                 self.last_reason = "probe: " + plan.reason
         self._since_draft = 0 if chosen else self._since_draft + 1
