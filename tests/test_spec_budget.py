@@ -271,8 +271,9 @@ def test_a_plain_step_reuses_the_plan_until_what_it_read_moves(
 def test_probes_back_off_while_the_plan_stays_plain_and_reset_when_it_drafts(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A budget whose plans say plain drafts for one request in turn, after 8 x rows plain
-    steps, then after twice as many each time, up to PROBE_BACKOFF_MAX times; a plan that
-    drafts starts the schedule again."""
+    steps, then after twice as many each time, up to PROBE_BACKOFF_MAX times (at most rows
+    times: one request's probe is an ordinary speculative step); a plan that drafts starts the
+    schedule again."""
     budget = VerifyBudget(gamma=4)
     budget.speculative_steps = 10 ** 6  # past the warm-up
     pays = [False]
@@ -289,9 +290,10 @@ def test_probes_back_off_while_the_plan_stays_plain_and_reset_when_it_drafts(
         return out
 
     monkeypatch.setattr(spec_budget, "plan_windows", plan)
-    args = (["sampled"] * 2, ["a", "b"], [4, 4], [False, False])
+    rows = 8
+    args = (["sampled"] * rows, list(range(rows)), [4] * rows, [False] * rows)
 
-    def probes(steps: int) -> list[tuple[int, list[int]]]:
+    def probes(steps: int, args=args) -> list[tuple[int, list[int]]]:
         out = []
         for step in range(1, steps + 1):
             budget.acceptance.version += 1  # something moved: planned again every step
@@ -300,18 +302,21 @@ def test_probes_back_off_while_the_plan_stays_plain_and_reset_when_it_drafts(
                 out.append((step, chosen))
         return out
 
-    every = 8 * 2
+    every = 8 * rows
     assert spec_budget.PROBE_BACKOFF_MAX == 8
-    expected = [16, 48, 112, 240, 368, 496]  # gaps 16, 32, 64, 128, 128, 128
+    expected = [64, 192, 448, 960, 1472, 1984]  # gaps 64, 128, 256, 512, 512, 512
     got = probes(expected[-1])
     assert [step for step, _ in got] == expected
-    assert [chosen for _, chosen in got] == [[0], [1]] * 3  # one request, in turn
+    assert [chosen for _, chosen in got] == [[b] for b in range(6)]  # one request, in turn
     assert budget.probe_steps == 6
     pays[0] = True
     budget.acceptance.version += 1
-    assert budget.to_draft(*args) == [0, 1]
+    assert budget.to_draft(*args) == list(range(rows))
     pays[0] = False
     assert [step for step, _ in probes(3 * every)] == [every, 3 * every]
+    # One request: every 8 plain steps, however many probes found the plan plain.
+    alone = (["sampled"], ["z"], [4], [False])
+    assert [step for step, _ in probes(40, alone)] == [8, 16, 24, 32, 40]
 
 
 def test_windows_are_chosen_before_the_target_speaks(tmp_path: Path) -> None:

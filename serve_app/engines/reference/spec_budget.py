@@ -22,7 +22,8 @@ Before drafting, the same plan made from expected survival alone (no confidence 
 requests are worth drafting for at all: the draft runs for those only, the others decode plainly
 in the same verify forward, and a step where none is worth it skips the draft's forward (one
 step in `PROBE_EVERY_PER_ROW` x rows drafts for one request anyway, so that what it decides on stays
-measured; every request is drafted for during the first `WARMUP_STEPS` speculative steps).
+measured, less often each time the plan stays plain, `PROBE_BACKOFF_MAX`; every request is
+drafted for during the first `WARMUP_STEPS` speculative steps).
 """
 
 from __future__ import annotations
@@ -86,10 +87,10 @@ REFIT_EVERY = 8
 PROBE_EVERY_PER_ROW = 8
 PROBE_EVERY_MIN = 8
 # Each probe after which the plan still says plain doubles the interval to the next, up to this
-# factor; a plan that drafts again resets it. Probes are the price of stepping aside: at 4
-# sampled requests (K3 thinking), one every 32 steps cost the budget 2-3% against plain steps
-# forced (probes off: within 1% of them), and at 16 and 32 requests one every 128-256 steps
-# cost 2-3 plain steps each. A budget whose plans keep saying plain learns less from each probe.
+# factor (and at most the batch's rows); a plan that drafts again resets it. Probes are the price of stepping aside, and a
+# budget whose plans keep saying plain learns less from each one: at 4 K3-thinking requests
+# (64 tokens, 10 repeats, process time, one run each way) a probe every 32 plain steps left
+# the budget at 0.97x target-only, backed off at 0.99x (40 -> 13 probes).
 PROBE_BACKOFF_MAX = 8
 # Until this many speculative steps are measured, every request is drafted for: the cost model
 # and the acceptance counts start from priors, and a plan must see what drafting costs.
@@ -538,8 +539,9 @@ class VerifyBudget:
         """Before the draft: the requests (indices) worth drafting for this step, from expected
         survival alone, and every `fixed` one (its whole block every step: a seeded sampled
         request, reproducible), once drafting beats a plain step by DRAFT_MARGIN. None: a
-        plain step, except a probe now and then (PROBE_EVERY_PER_ROW), which drafts for one
-        request (in turn) so that what this decides on stays measured. Everyone is drafted for
+        plain step, except a probe now and then (PROBE_EVERY_PER_ROW, backing off while the
+        plans stay plain), which drafts for one request (in turn) so that what this decides on
+        stays measured. Everyone is drafted for
         in the first WARMUP_STEPS speculative steps."""
         self.acceptance.tick()
         able = [b for b, c in enumerate(caps) if c > 0]
@@ -562,8 +564,10 @@ class VerifyBudget:
             self.last_reason = plan.reason if pays else f"plain: {plan.reason}"
             if pays and any(plan.drafts[b] > 0 for b in able):
                 self._probe_backoff = 1
-            probe_every = self._probe_backoff * max(PROBE_EVERY_MIN,
-                                                    PROBE_EVERY_PER_ROW * len(rids))
+            # A probe's price grows with the batch (at one request it is a speculative step
+            # like any other, and pays about what it costs), so the backoff does too.
+            probe_every = min(self._probe_backoff, len(rids)) * max(
+                PROBE_EVERY_MIN, PROBE_EVERY_PER_ROW * len(rids))
             if not chosen and able and self._since_draft + 1 >= probe_every:
                 chosen = [able[self._probe % len(able)]]
                 self._probe += 1
