@@ -62,8 +62,12 @@ _DECAY = 0.998
 # The largest acceptance probability a position is believed to have: a plan never counts a
 # draft as certain.
 MAX_ACCEPT = 0.98
-# Shrinkage of a request's own acceptance ratio toward its class (in expected drafts).
-_REQUEST_PRIOR = 4.0
+# Shrinkage of a request's own acceptance ratio toward its class (in expected drafts). At 4, a
+# sampled request's few unlucky verdicts (at T 1 a draft is close to a coin flip) turned its
+# plans plain: K3 thinking at batch 1 (19 prompts x 64 tokens, 4 repeats, one run) 1.09x
+# target-only with 1,818 of 3,267 steps plain, at 16 1.29x with 194 (every draft verified:
+# 1.24x); at T 0.6 and greedy the two were even (1.52x / 1.52x, 1.76x / 1.77x).
+_REQUEST_PRIOR = 16.0
 # A request's own evidence fades by this per decode step, drafted for or not, read in whole
 # periods of _REQUEST_FADE_EVERY steps (so that a plan between plain steps can stand). Fading
 # per verdict alone locked a request out: a few unlucky sampled verdicts halved its ratio, the
