@@ -91,10 +91,11 @@ REFIT_EVERY = 8
 PROBE_EVERY_PER_ROW = 8
 PROBE_EVERY_MIN = 8
 # Each probe after which the plan still says plain doubles the interval to the next, up to this
-# factor (and at most the batch's rows); a plan that drafts again resets it. Probes are the price of stepping aside, and a
-# budget whose plans keep saying plain learns less from each one: at 4 K3-thinking requests
-# (64 tokens, 10 repeats, process time, one run each way) a probe every 32 plain steps left
-# the budget at 0.97x target-only, backed off at 0.99x (40 -> 13 probes).
+# factor (and at most the batch's rows); a plan that drafts again resets it. Probes are the
+# price of stepping aside, and a budget whose plans keep saying plain learns less from each
+# one: at 4 K3-thinking requests (64 tokens, 10 repeats, process time, one run each way, the
+# factor then up to 8 there) a probe every 32 plain steps left the budget at 0.97x
+# target-only, backed off at 0.99x (40 -> 13 probes).
 PROBE_BACKOFF_MAX = 8
 # Until this many speculative steps are measured, every request is drafted for: the cost model
 # and the acceptance counts start from priors, and a plan must see what drafting costs.
@@ -545,8 +546,8 @@ class VerifyBudget:
         request, reproducible), once drafting beats a plain step by DRAFT_MARGIN. None: a
         plain step, except a probe now and then (PROBE_EVERY_PER_ROW, backing off while the
         plans stay plain), which drafts for one request (in turn) so that what this decides on
-        stays measured. Everyone is drafted for
-        in the first WARMUP_STEPS speculative steps."""
+        stays measured. Everyone is drafted for in the first WARMUP_STEPS speculative
+        steps."""
         self.acceptance.tick()
         able = [b for b, c in enumerate(caps) if c > 0]
         if self.speculative_steps < WARMUP_STEPS:
