@@ -107,3 +107,17 @@ def test_speculation_is_lossless_and_accepts_enough(prompts: list[list[int]]) ->
         sum(len(o.token_ids) for o in outs) / sum(o.spec["spec_verify_ct"] for o in outs))
     assert macro >= MIN_ACCEPT_LENGTH, (
         f"mean accept length {macro:.2f} < {MIN_ACCEPT_LENGTH} (per prompt {per_prompt})")
+
+
+def test_the_cpu_engine_keeps_its_linears_column_major() -> None:
+    """build_runner lays every linear of the target and the draft out column-major on CPU
+    (layers.column_major_linears: a verify window's and a batch's GEMMs of a few rows run
+    faster), with the values the checkpoint holds."""
+    from serve_app.models.k3_weights import load_k3
+
+    runner = pair_engine(TARGET, DRAFT, speculative=True).runner
+    for model in (runner.target.model, runner.proposer.draft):
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    loaded = load_k3(TARGET)
+    assert torch.equal(runner.target.model.lm_head.weight, loaded.lm_head.weight)

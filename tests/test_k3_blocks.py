@@ -13,6 +13,7 @@ import torch
 
 from serve_app.models.k3_blocks import K3MLA, K3MLP, LatentMoE, situ
 from serve_app.models.k3_config import K3Config, k3_layer_tensors
+from serve_app.models.layers import column_major_linears
 
 MINI = Path(__file__).parent / "data" / "mini-k3-config.json"
 MLA_LAYER, MOE_LAYER, DENSE_LAYER = 3, 3, 0  # mini-K3: layer 3 is MLA + MoE, layer 0 dense
@@ -166,6 +167,25 @@ MOE_VARIANTS = {
     },
 }
 
+
+@torch.no_grad()
+def test_moe_in_the_engines_layout_matches_naive_loop() -> None:
+    """The engine's form on CPU: no grad (the dense path through the stacked experts) and every
+    linear column-major (layers.column_major_linears, values unchanged): the naive loop's
+    output."""
+    c = mini()
+    moe = LatentMoE(c)
+    randomize(moe, seed=4, scale=2.0)
+    w = {name: p.clone() for name, p in moe.state_dict().items()}
+    column_major_linears(moe)
+    linears = [m for m in moe.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    assert all(torch.equal(p, w[name]) for name, p in moe.state_dict().items())
+    x = torch.randn(3, 4, c.hidden_size, generator=torch.Generator().manual_seed(5))
+    got = moe(x)
+    assert moe._stacked is not None  # the dense path ran
+    ref = ref_moe(c, w, x.reshape(-1, c.hidden_size)).reshape(x.shape)
+    assert close(got, ref), (got - ref).abs().max()
 
 @pytest.mark.parametrize("variant", list(MOE_VARIANTS))
 def test_moe_matches_naive_loop(variant: str) -> None:

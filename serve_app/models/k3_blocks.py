@@ -242,9 +242,11 @@ class LatentMoE(nn.Module):
         key = tuple((p.data_ptr(), p._version) for p in weights)  # type: ignore[union-attr]
         if self._stacked is None or self._stacked[0] != key:
             # From the same list the key was made of: (w1, w3, w2) per expert, in expert order.
+            # Both read as x @ [in, out] contiguous (w13 column-major for F.linear), the
+            # layout CPU GEMMs of a few rows are fastest with (layers.column_major_linears).
             w13 = torch.cat([w for i in range(0, len(weights), 3) for w in weights[i:i + 2]])
             w2 = torch.cat([w.t() for w in weights[2::3]])  # type: ignore[union-attr]
-            self._stacked = (key, w13.detach().contiguous(), w2.detach().contiguous())
+            self._stacked = (key, w13.detach().t().contiguous().t(), w2.detach().contiguous())
         return self._stacked[1], self._stacked[2]
 
     def _experts_dense(self, lat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -27,6 +27,21 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
+def column_major_linears(model: nn.Module) -> nn.Module:
+    """For inference on CPU: every nn.Linear's weight [out, in] kept with the same values and
+    shape but stored column-major (the transpose of a contiguous [in, out] copy), so F.linear's
+    x @ Wᵀ reads a contiguous matrix. CPU GEMMs of a few rows run much faster that way (one
+    thread: 8 x 192 by a 4096-row LM head 426 -> 141 µs, 32 x 1536 by 128 rows 390 -> 106 µs;
+    one row ~10% faster), which is a verify window's and a decode batch's shape. Not for
+    training (an optimizer step would keep the layout, but safetensors saves contiguous
+    tensors only). Returns `model`."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = module.weight.data.t().contiguous().t()
+    return model
+
+
 # SGLang's `_RENORMALIZE_SUM_EPSILON` (`srt/layers/moe/topk.py`): keeps an all-zero top-k finite.
 RENORMALIZE_EPS = 1e-20
 

@@ -28,6 +28,7 @@ from serve_app.models.k3_weights import load_k3
 from serve_app.models.kimi import KimiForCausalLM
 from serve_app.models.kimi_weights import load_kimi
 from serve_app.models.kv_cache import PagedAllocator
+from serve_app.models.layers import column_major_linears
 from serve_app.models.moonvit import load_k3_vision
 from serve_app.models.target import Collectives, TPContext
 from serve_app.models.target_config import is_hybrid
@@ -125,6 +126,8 @@ def build_runner(
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = DTYPES[config.dtype]
     target = load_target(target_path, config, device, tp_rank, tp_size, group)
+    if torch.device(device).type == "cpu":
+        column_major_linears(target.model if isinstance(target, PagedK3) else target)
     images = load_prompt_images(target_path, dtype, device) if is_hybrid(target_path) else None
     allocator = PagedAllocator(config.kv_capacity_tokens, config.page_size)
     proposer = None
@@ -132,6 +135,8 @@ def build_runner(
         draft = load_dspark(draft_path, dtype=dtype, device=device)
         check_pair(target.config, draft.config, config.speculation.gamma)
         draft = shard_dspark(draft, tp_rank, tp_size, group)
+        if torch.device(device).type == "cpu":
+            column_major_linears(draft)
         proposer = DSparkProposer(draft, target.embed_weight, target.lm_head_weight, allocator)
     return ModelRunner(target, proposer, allocator, tp_rank, tp_size, group,
                        prefix_cache=config.prefix_cache if config.prefix_cache.enabled else None,
