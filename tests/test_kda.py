@@ -365,3 +365,32 @@ def test_chunked_and_window_forms_equal_the_recurrence(lower_bound: float | None
     steps = torch.tensor([3, 15])
     replayed = log.replay(torch.arange(b), s0, steps).ssm
     torch.testing.assert_close(replayed, s_rw[torch.arange(b), steps], atol=1e-5, rtol=1e-5)
+
+
+def test_replay_of_several_layers_at_once_equals_each_layers_replay() -> None:
+    """A commit replays every KDA layer's window in one pass (`replay_layers`): each layer's
+    state is what its own log's replay forms, for any subset of the window's rows."""
+    from serve_app.models.kda import KDAWindowLog, replay_layers, window_solve
+
+    g_ = torch.Generator().manual_seed(7)
+    b, t, h, d, layers = 3, 8, 2, 6, 4
+    logs, committed = [], []
+    for _ in range(layers):
+        q = torch.nn.functional.normalize(torch.randn(b, t, h, d, generator=g_), dim=-1)
+        k = torch.nn.functional.normalize(torch.randn(b, t, h, d, generator=g_), dim=-1)
+        v = torch.randn(b, t, h, d, generator=g_)
+        g = -torch.rand(b, t, h, d, generator=g_)
+        beta = torch.rand(b, t, h, generator=g_)
+        s0 = torch.randn(b, h, d, d, generator=g_)
+        _, U, G = window_solve(q, k, v, g, beta, s0)
+        logs.append(KDAWindowLog(k=k.transpose(1, 2), G=G, U=U,
+                                 rows=torch.randn(b, 3 + t, 5, generator=g_)))
+        committed.append(s0)
+    rows, steps = torch.tensor([2, 0]), torch.tensor([5, 1])
+    ssm = torch.stack([s[rows] for s in committed])
+    together = replay_layers(logs, rows, ssm, steps)
+    assert together.ssm.shape == (layers, 2, h, d, d) and together.conv.shape == (layers, 2, 3, 5)
+    for i, log in enumerate(logs):
+        alone = log.replay(rows, committed[i][rows], steps)
+        torch.testing.assert_close(together.ssm[i], alone.ssm, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(together.conv[i], alone.conv, atol=0, rtol=0)

@@ -39,7 +39,13 @@ import torch
 
 from serve_app.models.k3 import K3ForCausalLM
 from serve_app.models.k3_blocks import K3MLA
-from serve_app.models.kda import KDAState, KDAWindowLog, KDAWindowStates, KimiDeltaAttention
+from serve_app.models.kda import (
+    KDAState,
+    KDAWindowLog,
+    KDAWindowStates,
+    KimiDeltaAttention,
+    replay_layers,
+)
 from serve_app.models.kv_cache import PagedAllocator, PagedBatch, PagedKVCache
 from serve_app.models.kv_capacity import KVCapacityError
 from serve_app.models.target import TargetOutput, last_new
@@ -48,9 +54,11 @@ Rollback = Literal["scratch", "replay"]
 
 
 class KDAStatePool:
-    """`num_slots` complete KDA states (every KDA layer of this rank's heads): per layer a
-    KDAState of conv [slots, K−1, 3P/t] in the weights' dtype and ssm [slots, h/t, D, D] fp32,
-    SGLang's MambaPool layout. A slot is zeroed when it is taken (a fresh request)."""
+    """`num_slots` complete KDA states (every KDA layer of this rank's heads): conv [layers,
+    slots, K−1, 3P/t] in the weights' dtype and ssm [layers, slots, h/t, D, D] fp32, SGLang's
+    MambaPool layout, and per layer a KDAState of views of them (`layers`). A slot is zeroed
+    when it is taken (a fresh request). The layers are stacked so that what moves a slot's
+    whole state (a commit, a snapshot, a new request) is one operation, not one per layer."""
 
     def __init__(self, model: K3ForCausalLM, num_slots: int) -> None:
         """Keys (`take`) are request ids, or any hashable (the prefix cache's snapshot ids)."""
@@ -58,11 +66,13 @@ class KDAStatePool:
             raise ValueError(f"state slots must be positive, got {num_slots}")
         self.num_slots = num_slots
         device = model.model.embed_tokens.weight.device
+        kda = {i: layer.self_attn.new_state(num_slots, device)
+               for i, layer in enumerate(model.model.layers)
+               if isinstance(layer.self_attn, KimiDeltaAttention)}
+        self.conv = torch.stack([s.conv for s in kda.values()])
+        self.ssm = torch.stack([s.ssm for s in kda.values()])
         self.layers: dict[int, KDAState] = {
-            i: layer.self_attn.new_state(num_slots, device)
-            for i, layer in enumerate(model.model.layers)
-            if isinstance(layer.self_attn, KimiDeltaAttention)
-        }
+            i: KDAState(self.conv[j], self.ssm[j]) for j, i in enumerate(kda)}
         self._free = list(range(num_slots - 1, -1, -1))
         self._slot: dict[Hashable, int] = {}
 
@@ -87,9 +97,8 @@ class KDAStatePool:
         if not self._free:
             raise KVCapacityError(f"all {self.num_slots} KDA state slots are in use")
         slot = self._free.pop()
-        for state in self.layers.values():
-            state.conv[slot].zero_()
-            state.ssm[slot].zero_()
+        self.conv[:, slot].zero_()
+        self.ssm[:, slot].zero_()
         self._slot[rid] = slot
         return slot
 
@@ -102,9 +111,8 @@ class KDAStatePool:
 
     def copy(self, src: KDAStatePool, src_slot: int, dst_slot: int) -> None:
         """Slot `dst_slot` of this pool becomes slot `src_slot` of `src` (same layout)."""
-        for layer, state in self.layers.items():
-            state.conv[dst_slot] = src.layers[layer].conv[src_slot]
-            state.ssm[dst_slot] = src.layers[layer].ssm[src_slot]
+        self.conv[:, dst_slot] = src.conv[:, src_slot]
+        self.ssm[:, dst_slot] = src.ssm[:, src_slot]
 
     def read(self, layer: int, slots: torch.Tensor) -> KDAState:
         """The states of `slots` [B] at one layer (a copy)."""
@@ -115,6 +123,12 @@ class KDAStatePool:
         state = self.layers[layer]
         state.conv[slots] = new.conv.to(state.conv.dtype)
         state.ssm[slots] = new.ssm
+
+    def write_all(self, slots: torch.Tensor, new: KDAState) -> None:
+        """Every layer's states of `slots` [n] at once: new.conv [layers, n, K−1, 3P/t], new.ssm
+        [layers, n, h/t, D, D], in `layers`' order."""
+        self.conv[:, slots] = new.conv.to(self.conv.dtype)
+        self.ssm[:, slots] = new.ssm
 
 
 class HybridCache:
@@ -201,8 +215,7 @@ class HybridCache:
         dev = self.device
         row_t, step_t, slot_t, target_t = (torch.tensor([v], device=dev)
                                            for v in (row, position - start - 1, slot, target))
-        for layer in self.windows:
-            self.snapshots.write(layer, target_t, self._state_at(layer, row_t, step_t, slot_t))
+        self.snapshots.write_all(target_t, self._states_at(row_t, step_t, slot_t))
         return key
 
     def drop_checkpoint(self, key: int) -> None:
@@ -279,19 +292,22 @@ class HybridCache:
             dev = self.device
             row_t, step_t, slot_t = (torch.tensor(v, dtype=torch.long, device=dev)
                                      for v in (rows, steps, slots))
-            for layer in self.windows:
-                self.states.write(layer, slot_t, self._state_at(layer, row_t, step_t, slot_t))
+            self.states.write_all(slot_t, self._states_at(row_t, step_t, slot_t))
         for rid, length in zip(rids, lengths, strict=True):
             self.latent.truncate(rid, length)
 
-    def _state_at(self, layer: int, rows: torch.Tensor, steps: torch.Tensor,
-                  slots: torch.Tensor) -> KDAState:
-        """One layer's state after window position steps[i] of the requests at window `rows`
-        (whose committed states are in `slots`): the kept one (scratch) or a replay."""
-        win = self.windows[layer]
-        if isinstance(win, KDAWindowStates):
-            return KDAState(win.conv[rows, steps], win.ssm[rows, steps])
-        return win.replay(rows, self.states.layers[layer].ssm[slots], steps)
+    def _states_at(self, rows: torch.Tensor, steps: torch.Tensor,
+                   slots: torch.Tensor) -> KDAState:
+        """Every KDA layer's state ([layers, n, ...], the pool's order) after window position
+        steps[i] of the requests at window `rows` (whose committed states are in `slots`): the
+        kept one (scratch) or a replay, of all layers at once."""
+        windows = [self.windows[layer] for layer in self.states.layers]
+        if all(isinstance(w, KDAWindowStates) for w in windows):
+            return KDAState(torch.stack([w.conv[rows, steps] for w in windows]),
+                            torch.stack([w.ssm[rows, steps] for w in windows]))
+        logs = [w for w in windows if isinstance(w, KDAWindowLog)]
+        assert len(logs) == len(windows)
+        return replay_layers(logs, rows, self.states.ssm[:, slots], steps)
 
     def truncate(self, rid: Hashable, length: int) -> None:
         """`commit` of one request."""
