@@ -15,8 +15,11 @@ model's error.
 Every held-out prompt (serve_app/assets/heldout_prompts.json: cut from corpus files the models
 never trained on) is decoded one request at a time (single-user latency, batch 1) for
 `--max-tokens` new tokens (EOS ignored, so both modes do the same work), target-only and with
-DSpark speculation (the adaptive budget, as the engine runs by default), alternating,
-`--repeats` times. Reported:
+DSpark speculation (the adaptive budget, as the engine runs by default), `--repeats` times.
+The modes being compared run side by side, taking turns step by step (`interleaved`), each
+timed over its own steps: on a shared machine the speed of the same work drifts by ±15% over
+seconds, and whole runs one after the other took that drift as a difference between modes.
+Reported:
 
 - tokens/s per mode: the median over prompts of each prompt's median-of-repeats rate, and the
   aggregate (all tokens / all time);
@@ -136,6 +139,33 @@ class CallTimer:
                 for k, v in sorted(self.times.items())}
 
 
+def interleaved(engines: dict[str, EngineCore], prompts: list[list[int]],
+                params: SamplingParams) -> tuple[dict[str, float], dict[str, list[Any]]]:
+    """Every engine decodes `prompts` together (one batch each), the engines taking turns one
+    step at a time. Returns each engine's seconds (its own steps only) and its final outputs
+    in prompt order, with all their tokens (as EngineCore.generate returns them). Taking turns
+    puts the machine's drift on every mode alike: on this 2-core VM, 16 greedy requests'
+    target-only / always-on ratio spread 0.95-1.26 over 8 back-to-back whole runs, and
+    0.95-1.07 taking turns step by step."""
+    rids = {m: [e.add_request(p, params) for p in prompts] for m, e in engines.items()}
+    tokens: dict[str, dict[str, list[int]]] = {m: {r: [] for r in rids[m]} for m in engines}
+    final: dict[str, dict[str, Any]] = {m: {} for m in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    while any(len(final[m]) < len(rids[m]) for m in engines):
+        for m, engine in engines.items():
+            if len(final[m]) == len(rids[m]):
+                continue
+            t0 = time.perf_counter()
+            outs = engine.step()
+            seconds[m] += time.perf_counter() - t0
+            for out in outs:
+                tokens[m][out.request_id] += out.token_ids
+                if out.finished:
+                    out.token_ids = tokens[m][out.request_id]
+                    final[m][out.request_id] = out
+    return seconds, {m: [final[m][r] for r in rids[m]] for m in engines}
+
+
 def _forward_kind(rows: Any, rids: Any, capture: bool, verify: bool = False,
                   last_only: bool = False) -> str:
     if verify:  # the engine marks its verify windows (ModelRunner.forward's `verify`)
@@ -213,10 +243,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # is not what the adaptive budget does for the rest (docs/speculation.md).
                 params = SamplingParams(temperature=temperature, top_p=top_p,
                                         max_tokens=args.max_tokens, ignore_eos=True)
-                for mode in ("target_only", "speculative"):
-                    t0 = time.perf_counter()
-                    out = engines[mode].generate([prompt], params)[0]
-                    times[mode].append(time.perf_counter() - t0)
+                seconds, finals = interleaved(engines, [prompt], params)
+                for mode, (out,) in finals.items():
+                    times[mode].append(seconds[mode])
                     outputs[mode].append(out.token_ids)
                     if mode == "speculative" and out.spec is not None:
                         accept.append(out.spec["spec_accept_length"])
@@ -273,7 +302,8 @@ def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
     sampling setting, the three CONCURRENCY_MODES side by side: the held-out prompts cycled to
     max(c, CONCURRENCY_MIN_REQUESTS) requests (at most the prompts there are, never below c),
     submitted c at a time, each group when the last has finished, `max_tokens` each;
-    tokens/s = requests * max_tokens / wall, the median of the repeats (modes alternating),
+    tokens/s = requests * max_tokens / seconds, the median of the repeats (the modes taking
+    turns step by step, `interleaved`),
     with the lowest and highest of each repeat's own ratio to target-only beside it. Every adaptive engine shares one cost table file
     (speculation.cost_table), as a restarted replica reads its last fit: the first measures
     from the cold prior, the rest start from what the previous ones learned. Reported for the
@@ -304,16 +334,16 @@ def run_concurrency(args: argparse.Namespace, target: Path, draft: Path,
             errors_before = len(budget.cost.errors)
             walls: dict[str, list[float]] = {m: [] for m in engines}
             accept: dict[str, list[float]] = {m: [] for m in engines}
-            for r in range(args.repeats):
+            for _ in range(args.repeats):
                 params = SamplingParams(temperature=temperature, top_p=top_p,
                                         max_tokens=args.max_tokens, ignore_eos=True)
-                order = CONCURRENCY_MODES if r % 2 == 0 else tuple(reversed(CONCURRENCY_MODES))
-                for mode in order:
-                    t0 = time.perf_counter()
-                    outs = [o for g in groups
-                            for o in engines[mode].generate(g, [params] * len(g))]
-                    walls[mode].append(time.perf_counter() - t0)
-                    accept[mode] += [o.spec["spec_accept_length"] for o in outs if o.spec]
+                for mode in engines:
+                    walls[mode].append(0.0)
+                for g in groups:
+                    seconds, finals = interleaved(engines, g, params)
+                    for mode, outs in finals.items():
+                        walls[mode][-1] += seconds[mode]
+                        accept[mode] += [o.spec["spec_accept_length"] for o in outs if o.spec]
             budget.save()
             after = budget.stats()
             errors = sorted(budget.cost.errors[errors_before:])
