@@ -190,8 +190,10 @@ class K3MoEGate(nn.Module):
 # experts took 0.33 ms a layer that way against 1.1 ms looped (a decode forward 17.8 vs
 # 19.5 ms), an 8-token window 0.6 against 3.8 ms. K3 itself (8 of 384) stays looped: the dense
 # form reads every expert's weights. Up to DENSE_EXPERT_TOKENS tokens, only without gradients
-# (serving), and only while the stacked copy stays small (_DENSE_EXPERTS_MAX_BYTES).
-DENSE_EXPERT_TOKENS = 64
+# (serving), and only while the stacked copy stays small (_DENSE_EXPERTS_MAX_BYTES): the
+# mini K3's 7 MoE layers (1 thread, column-major weights) took 25 vs 35 ms dense vs looped at
+# 96 tokens, 35 vs 43 at 128, and the same at 160 and 192 (verify windows of 16 requests).
+DENSE_EXPERT_TOKENS = 128
 _DENSE_EXPERTS_MAX_BYTES = 256 * 2**20
 
 
