@@ -363,3 +363,26 @@ def test_the_hybrid_on_cuda_is_lossless(pair: tuple[Path, Path],
     for prompt in prompts:
         assert (spec.generate([prompt], GREEDY)[0].token_ids
                 == plain.generate([prompt], GREEDY)[0].token_ids)
+
+
+def test_the_draft_holds_a_plain_steps_taps_as_views_and_a_windows_accepted_rows_copied(
+        pair: tuple[Path, Path]) -> None:
+    """What the runner hands the draft at commit (ModelRunner.commit): a plain step's taps as
+    views of the step's one tensor (no copy per request), and of a verify window the accepted
+    rows, copied unless they are the whole window (the rejected rows are not kept with them)."""
+    runner = engine_from(pair).runner
+    proposer = runner.proposer
+    for rid in ("a", "b"):
+        runner.add(rid)
+    runner.forward([[5] * 6, [7] * 6], ["a", "b"], capture=True)
+    runner.commit(["a", "b"], [6, 6], [6, 6])
+    runner.forward([[1] * 8, [2] * 8], ["a", "b"], capture=True, verify=True)
+    runner.commit(["a", "b"], [9, 14], [3, 8])
+    partial, whole = proposer.held["a"][-1], proposer.held["b"][-1]
+    assert partial.shape[0] == 3 and partial.untyped_storage().nbytes() == partial.nbytes
+    assert whole.shape[0] == 8 and whole.untyped_storage().nbytes() == 2 * whole.nbytes
+    runner.forward([[3], [4]], ["a", "b"], capture=True)
+    runner.commit(["a", "b"], [10, 15], [1, 1])
+    a_row, b_row = proposer.held["a"][-1], proposer.held["b"][-1]
+    assert a_row.shape[0] == b_row.shape[0] == 1
+    assert a_row.untyped_storage().data_ptr() == b_row.untyped_storage().data_ptr()

@@ -252,7 +252,13 @@ class ModelRunner:
                 cache_at: dict[Hashable, list[int]] | None = None) -> None:
         if self.proposer is not None and self._taps is not None:
             index = {rid: b for b, rid in enumerate(self._tap_rids)}
-            taps = [self._taps[index[rid], :n] for rid, n in zip(rids, tap_rows, strict=True)]
+            width, rows = self._taps.shape[1], self._taps.unbind(0)
+            # A whole row (every row of a plain step) is passed as a view: it shares the
+            # forward's tensor with the other requests' rows, which they hold too (a copy per
+            # request cost a plain step at 32 requests ~0.5%). A verify window's accepted
+            # prefix is copied, so that its rejected rows are not held with it.
+            taps = [rows[index[rid]] if n == width else rows[index[rid]][:n].clone()
+                    for rid, n in zip(rids, tap_rows, strict=True)]
             self.proposer.append(rids, taps)
         if cache_at and self.prefix is not None:
             self._store_prefixes(cache_at)

@@ -37,7 +37,9 @@ class Proposer(Protocol):
     def free(self, rid: Hashable) -> None: ...
 
     def append(self, rids: Seq[Hashable], taps: Seq[torch.Tensor | None]) -> None:
-        """Rows of the target's committed tokens, in order, per request."""
+        """Rows of the target's committed tokens, in order, per request: the proposer may
+        keep them as they are (the runner passes no more of a forward's taps than the
+        request's rows)."""
 
     def settle(self, rids: Seq[Hashable]) -> None:
         """Whatever `append` held back of `rids` is in their pages from now on."""
@@ -109,8 +111,7 @@ class DSparkProposer:
         assert len(rows) == len(rids), "DSpark needs the target's taps for every commit"
         full = []
         for rid, row in zip(rids, rows, strict=True):
-            # A copy: the rows are views of the whole forward's taps.
-            self.held.setdefault(rid, []).append(row.clone())
+            self.held.setdefault(rid, []).append(row)
             self.held_tokens[rid] = self.held_tokens.get(rid, 0) + len(row)
             if self.held_tokens[rid] >= HOLD_TOKENS:
                 full.append(rid)
