@@ -437,6 +437,20 @@ def test_generated_request_ids_are_unique(pair: tuple[Path, Path]) -> None:
         engine.add_request([1], GREEDY, request_id=next(iter(ids)))
 
 
+@pytest.mark.parametrize("scale", [0.1, 1.0, 3.0, 30.0])
+def test_top_p_by_top_k_keeps_what_the_full_sort_keeps(scale: float) -> None:
+    """The small-vocabulary top-p path (the nucleus among each row's most likely tokens, the
+    sort where it is not there) against the full sort, on the embedded pair's 4,096 tokens:
+    flat rows (their nucleus outside the candidates: the sort) to peaked ones, top_p from the
+    smallest double to almost 1, every row kept the same tokens."""
+    from serve_app.engines.reference.sampling import _top_p_by_sort, _top_p_by_top_k
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    probs = torch.softmax(torch.randn(6, 4096, generator=g) * scale, -1)
+    for top_p in (5e-324, 0.1, 0.5, 0.95, 0.999999):
+        assert torch.equal(_top_p_by_top_k(probs, top_p), _top_p_by_sort(probs, top_p)), top_p
+
+
 @pytest.mark.parametrize("scale", [0.1, 3.0, 30.0])
 @pytest.mark.parametrize("shape", ["plain", "ties", "top_k_zeros"])
 def test_top_p_by_buckets_keeps_what_the_full_sort_keeps(scale: float, shape: str) -> None:

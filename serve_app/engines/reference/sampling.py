@@ -60,14 +60,34 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         top_p = max(float(params.top_p), 5e-324)
         rows = probs.reshape(-1, probs.shape[-1])
         keep = (_top_p_by_buckets(rows, top_p) if rows.shape[-1] > _SORT_BELOW
-                else _top_p_by_sort(rows, top_p))
+                else _top_p_by_top_k(rows, top_p))
         probs = (rows * keep).reshape(probs.shape)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
-# Below this vocabulary size one sort per row is cheaper than the 32,768-bucket histogram.
+# Up to this vocabulary size a top-k (or one sort) per row is cheaper than the 32,768-bucket
+# histogram.
 _SORT_BELOW = 4096
+
+
+# The nucleus is looked for among each row's most likely _TOP_P_CANDIDATES tokens first: a
+# top-k of 256 of 4,096 probabilities took 16 µs on one CPU thread, the full sort 183 µs (a
+# sampled verify reaches ~3 rows a step at T 1).
+_TOP_P_CANDIDATES = 256
+
+
+def _top_p_by_top_k(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`_top_p_by_sort`'s mask from each row's _TOP_P_CANDIDATES most likely tokens, which
+    top-k gives in the same descending order as the sort, when their mass reaches top_p (the
+    nucleus is then among them: the next token's mass before it already does); the full sort
+    where a row's does not."""
+    values, order = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)
+    mass = values.double().cumsum(-1)
+    if not bool((mass[:, -1] >= top_p).all()):
+        return _top_p_by_sort(probs, top_p)
+    before = mass - values.double()
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < top_p)
 
 
 def _top_p_by_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
