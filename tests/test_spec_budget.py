@@ -323,6 +323,51 @@ def test_probes_back_off_while_the_plan_stays_plain_and_reset_when_it_drafts(
     assert [step for step, _ in probes(40, alone)] == [8, 16, 24, 32, 40]
 
 
+def test_a_probe_and_one_request_in_turn_verify_their_whole_block(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the draft the plan's windows stand, except: the request of this step's probe
+    verifies its whole block, and so does one drafted request in turn when that adds at most
+    EXPLORE_COST to the step's predicted time (so that the calibration also sees the blocks
+    the plans price low); where widening one window widens the whole batch's, it does not."""
+    cuts: list[bool] = [True]
+    real = spec_budget.plan_windows
+
+    def plan(survival, caps, cost, drafted=None):  # the plans cut every window to one draft
+        out = real(survival, caps, cost, drafted)
+        out.drafts = [1 if drafted is not None else (0 if cuts[0] else 1)] * len(caps)
+        if drafted is None and cuts[0]:
+            out.expected_tokens = out.base_rate * out.predicted_seconds  # plain pays best
+        return out
+
+    monkeypatch.setattr(spec_budget, "plan_windows", plan)
+
+    def budget(weights: list[float]) -> VerifyBudget:
+        b = VerifyBudget(gamma=4)
+        b.cost = StepCostModel(prior=weights)
+        b.speculative_steps = 10 ** 6  # past the warm-up
+        return b
+
+    def windows(b: VerifyBudget, rows: int) -> list[int]:
+        return b.plan(["greedy"] * rows, list(range(rows)), [[0.9] * 4] * rows, [4] * rows,
+                      [True] * rows, [False] * rows).drafts
+
+    machine = [0.010, 0.002, 0.0002, 0.0001, 0.003, 0.004]
+    cheap = budget(machine)  # a whole block for one of two: 1.2 ms more of a 26 ms step
+    assert [windows(cheap, 2) for _ in range(3)] == [[4, 1], [1, 4], [4, 1]]
+    assert windows(budget(TRUE.tolist()), 2) == [1, 1]  # 4.8 ms of 29: over EXPLORE_COST
+    padded = [*machine[:3], 0.01, *machine[4:]]  # a padded token 10 ms: one widens all 8
+    assert windows(budget(padded), 8) == [1] * 8
+    # A probe (the plan before the draft says plain for 8 steps, one request) verifies its
+    # whole block, here with the turns off.
+    monkeypatch.setattr(spec_budget, "EXPLORE_COST", -1.0)
+    assert windows(cheap, 1) == [1]
+    probing = budget(machine)
+    args = (["greedy"], [0], [4], [False])
+    drafted = [probing.to_draft(*args) for _ in range(spec_budget.PROBE_EVERY_MIN)]
+    assert drafted[-1] == [0] and not any(drafted[:-1])
+    assert windows(probing, 1) == [4]
+
+
 def test_windows_are_chosen_before_the_target_speaks(tmp_path: Path) -> None:
     """In every speculative step the plan is made after the draft and before the verify
     forward: the target's verdict on a step cannot reach its windows. The engine's fitted
