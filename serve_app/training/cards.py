@@ -51,7 +51,8 @@ def bench_lines(bench: dict[str, Any]) -> list[str]:
         return ["Run `python bench/spec_decode.py` for speed and acceptance on this machine."]
     lines = [f"`python bench/spec_decode.py` ({bench['prompts']} held-out prompts x "
              f"{bench['max_tokens']} new tokens, batch 1, {bench['threads']} thread(s), "
-             f"{bench['repeats']} repeats, target-only and speculative alternating in one run):",
+             f"{bench['repeats']} repeats, target-only and speculative in one run, taking "
+             "turns step by step):",
              "",
              "| sampling | target-only tok/s | speculative tok/s | speedup (median / aggregate) "
              "| accept length, code / conversations (macro) | accept length, all (macro / "
@@ -74,7 +75,8 @@ def bench_lines(bench: dict[str, Any]) -> list[str]:
     conc = bench.get("concurrency")
     if conc:
         lines += [f"Concurrent requests, c submitted at once (requests: how many ran, c at a "
-                  f"time), {conc['max_tokens']} tokens each (tokens/s, median of "
+                  f"time; the modes taking turns step by step), {conc['max_tokens']} tokens "
+                  f"each (tokens/s, median of "
                   f"{conc['repeats']}, with the lowest and highest repeat's ratio to "
                   "target-only; the adaptive verify budget is the engine's default):", "",
                   "| sampling | c | requests | target-only | every draft verified | adaptive "
