@@ -126,7 +126,8 @@ def build_runner(
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = DTYPES[config.dtype]
     target = load_target(target_path, config, device, tp_rank, tp_size, group)
-    if torch.device(device).type == "cpu":
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu:
         column_major_linears(target.model if isinstance(target, PagedK3) else target)
     images = load_prompt_images(target_path, dtype, device) if is_hybrid(target_path) else None
     allocator = PagedAllocator(config.kv_capacity_tokens, config.page_size)
@@ -135,7 +136,7 @@ def build_runner(
         draft = load_dspark(draft_path, dtype=dtype, device=device)
         check_pair(target.config, draft.config, config.speculation.gamma)
         draft = shard_dspark(draft, tp_rank, tp_size, group)
-        if torch.device(device).type == "cpu":
+        if on_cpu:
             column_major_linears(draft)
         proposer = DSparkProposer(draft, target.embed_weight, target.lm_head_weight, allocator)
     return ModelRunner(target, proposer, allocator, tp_rank, tp_size, group,
