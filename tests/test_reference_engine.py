@@ -437,39 +437,29 @@ def test_generated_request_ids_are_unique(pair: tuple[Path, Path]) -> None:
         engine.add_request([1], GREEDY, request_id=next(iter(ids)))
 
 
-@pytest.mark.parametrize("scale", [0.1, 1.0, 3.0, 30.0])
-def test_top_p_by_top_k_keeps_what_the_full_sort_keeps(scale: float) -> None:
-    """The small-vocabulary top-p path (the nucleus among each row's most likely tokens, the
-    sort where it is not there) against the full sort, on the embedded pair's 4,096 tokens:
-    flat rows (their nucleus outside the candidates: the sort) to peaked ones, top_p from the
-    smallest double to almost 1, every row kept the same tokens."""
-    from serve_app.engines.reference.sampling import _top_p_by_sort, _top_p_by_top_k
-
-    g = torch.Generator().manual_seed(int(scale * 10))
-    probs = torch.softmax(torch.randn(6, 4096, generator=g) * scale, -1)
-    for top_p in (5e-324, 0.1, 0.5, 0.95, 0.999999):
-        assert torch.equal(_top_p_by_top_k(probs, top_p), _top_p_by_sort(probs, top_p)), top_p
-
-
+@pytest.mark.parametrize("vocab", [4096, 163_840])
 @pytest.mark.parametrize("scale", [0.1, 3.0, 30.0])
 @pytest.mark.parametrize("shape", ["plain", "ties", "top_k_zeros"])
-def test_top_p_by_buckets_keeps_what_the_full_sort_keeps(scale: float, shape: str) -> None:
-    """The large-vocabulary top-p path (a bucket histogram, one bucket sorted) against the full
-    sort, on K3's vocabulary: flat to peaked rows, a block of tied maxima, rows whose lower
-    half top-k removed, top_p from the smallest double to almost 1. The same number of
-    tokens kept, and the same values (which of several equal probabilities is kept is
-    arbitrary on either path)."""
-    from serve_app.engines.reference.sampling import _top_p_by_buckets, _top_p_by_sort
+def test_top_p_by_values_keeps_what_the_full_sort_keeps(vocab: int, scale: float,
+                                                        shape: str) -> None:
+    """The CPU top-p path (numpy's sort of the values, the cut by value) against torch's full
+    sort, on the embedded pair's and K3's vocabularies: flat to peaked rows, a block of tied
+    maxima, rows whose upper half top-k removed, top_p from the smallest double to almost 1.
+    The same tokens kept where no probabilities tie; with ties, as many tokens and the same
+    values (which of several equal probabilities is kept is arbitrary on either path)."""
+    from serve_app.engines.reference.sampling import _top_p_by_sort, _top_p_by_values
 
     g = torch.Generator().manual_seed(int(scale * 10))
-    logits = torch.randn(4, 163_840, generator=g) * scale
+    logits = torch.randn(4, vocab, generator=g) * scale
     if shape == "ties":
-        logits[:, :1000] = logits[:, :1].clone()
+        logits[:, : vocab // 160] = logits[:, :1].clone()
     if shape == "top_k_zeros":
-        logits[:, 81_920:] = float("-inf")
+        logits[:, vocab // 2:] = float("-inf")
     probs = torch.softmax(logits, -1)
     for top_p in (5e-324, 0.1, 0.5, 0.95, 0.999999):
-        by_sort, by_buckets = _top_p_by_sort(probs, top_p), _top_p_by_buckets(probs, top_p)
-        assert torch.equal(by_sort.sum(-1), by_buckets.sum(-1)), top_p
+        by_sort, by_values = _top_p_by_sort(probs, top_p), _top_p_by_values(probs, top_p)
+        if shape == "plain":
+            assert torch.equal(by_sort, by_values), top_p
+        assert torch.equal(by_sort.sum(-1), by_values.sum(-1)), top_p
         assert torch.equal((probs * by_sort).sort(-1).values,
-                           (probs * by_buckets).sort(-1).values), top_p
+                           (probs * by_values).sort(-1).values), top_p
