@@ -28,8 +28,8 @@ from serve_app.engines.reference.spec_budget import (
 )
 
 # Seconds per feature of a made-up machine: fixed, per row, per token, per padded token, per
-# drafted row, and once when the draft runs.
-TRUE = torch.tensor([0.010, 0.002, 0.0008, 0.0004, 0.003, 0.004], dtype=torch.float64)
+# drafted row, per drafted row not greedy, and once when the draft runs.
+TRUE = torch.tensor([0.010, 0.002, 0.0008, 0.0004, 0.003, 0.001, 0.004], dtype=torch.float64)
 
 
 def _seconds(shape: StepShape) -> float:
@@ -43,7 +43,7 @@ def _shapes(n: int, seed: int = 0) -> list[StepShape]:
         rows = rng.randint(1, 32)
         drafted = rng.randint(0, rows) if rng.random() < 0.8 else 0
         ks = [rng.randint(0, 7) if i < drafted else 0 for i in range(rows)]
-        out.append(StepShape(rows, rows + sum(ks), 1 + max(ks), drafted))
+        out.append(StepShape(rows, rows + sum(ks), 1 + max(ks), drafted, rng.randint(0, drafted)))
     return out
 
 
@@ -123,7 +123,7 @@ def test_a_feature_the_steps_price_below_zero_leaves_the_others_fitted() -> None
     # priced these speculative steps 24-27% over what they took (the budget then steps aside
     # where drafting pays); the non-negative fit prices plain and speculative steps within
     # 0.6% of what they took (three seeds).
-    truth = torch.tensor([0.016, 0.002, 0.0008, 0.0, 0.003, 0.005], dtype=torch.float64)
+    truth = torch.tensor([0.016, 0.002, 0.0008, 0.0, 0.003, 0.0, 0.005], dtype=torch.float64)
     rng = random.Random(0)
     model = StepCostModel()
     steps = []
@@ -147,13 +147,14 @@ def _survival(accept: torch.Tensor) -> list[list[float]]:
 
 
 def _brute_force(surv: list[list[float]], caps: list[int], cost: StepCostModel,
-                 drafted: list[bool] | None) -> float:
+                 drafted: list[bool] | None, costly: list[bool]) -> float:
     b = len(surv)
     best = 0.0
     for ks in itertools.product(*[range(c + 1) for c in caps]):
         tokens = b + sum(sum(surv[i][:k]) for i, k in enumerate(ks))
-        rows_drafted = (sum(drafted) if drafted is not None else sum(k > 0 for k in ks))
-        shape = StepShape(b, b + sum(ks), 1 + max(ks), rows_drafted)
+        ran = drafted if drafted is not None else [k > 0 for k in ks]
+        shape = StepShape(b, b + sum(ks), 1 + max(ks), sum(ran),
+                          sum(r and c for r, c in zip(ran, costly, strict=True)))
         best = max(best, tokens / cost.predict(shape))
     return best
 
@@ -169,13 +170,14 @@ def test_a_plan_is_as_good_as_every_window_tried(seed: int, before_draft: bool) 
     caps = [4, 2, 3]
     cost = StepCostModel(prior=(TRUE * torch.rand(len(FEATURES), generator=gen) * 3).tolist())
     drafted = None if before_draft else [True, True, True]
-    plan = plan_windows(surv, caps, cost, drafted)
+    costly = [bool(seed % 2), True, False]
+    plan = plan_windows(surv, caps, cost, drafted, costly)
     assert all(0 <= k <= c for k, c in zip(plan.drafts, caps, strict=True))
     got = plan.expected_tokens / plan.predicted_seconds
     assert got == pytest.approx(
         (3 + sum(sum(surv[i][:k]) for i, k in enumerate(plan.drafts)))
         / cost.predict(plan.shape))
-    assert got >= 0.98 * _brute_force(surv, caps, cost, drafted)
+    assert got >= 0.98 * _brute_force(surv, caps, cost, drafted, costly)
 
 
 def test_no_draft_where_it_cannot_pay() -> None:
@@ -186,7 +188,7 @@ def test_no_draft_where_it_cannot_pay() -> None:
     high = [[0.9 ** j for j in range(1, 8)]] * 16
     assert plan_windows(low, [7] * 16, cost).drafts == [0] * 16
     assert all(k > 0 for k in plan_windows(high, [7] * 16, cost).drafts)
-    dear = StepCostModel(prior=[0.01, 0.001, 0.001, 0.001, 0.05, 0.01])
+    dear = StepCostModel(prior=[0.01, 0.001, 0.001, 0.001, 0.05, 0.0, 0.01])
     assert plan_windows(high, [7] * 16, dear).drafts == [0] * 16
 
 
@@ -387,8 +389,8 @@ def test_a_probe_and_one_request_in_turn_verify_their_whole_block(
     cuts: list[bool] = [True]
     real = spec_budget.plan_windows
 
-    def plan(survival, caps, cost, drafted=None):  # the plans cut every window to one draft
-        out = real(survival, caps, cost, drafted)
+    def plan(survival, caps, cost, drafted=None, costly=None):  # every window cut to one draft
+        out = real(survival, caps, cost, drafted, costly)
         out.drafts = [1 if drafted is not None else (0 if cuts[0] else 1)] * len(caps)
         if drafted is None and cuts[0]:
             out.expected_tokens = out.base_rate * out.predicted_seconds  # plain pays best
@@ -406,7 +408,7 @@ def test_a_probe_and_one_request_in_turn_verify_their_whole_block(
         return b.plan(["greedy"] * rows, list(range(rows)), [[0.9] * 4] * rows, [4] * rows,
                       [True] * rows, [False] * rows).drafts
 
-    machine = [0.010, 0.002, 0.0002, 0.0001, 0.003, 0.004]
+    machine = [0.010, 0.002, 0.0002, 0.0001, 0.003, 0.0, 0.004]
     cheap = budget(machine)  # a whole block for one of two: 1.2 ms more of a 26 ms step
     assert [windows(cheap, 2) for _ in range(3)] == [[4, 1], [1, 4], [4, 1]]
     assert windows(budget(TRUE.tolist()), 2) == [1, 1]  # 4.8 ms of 29: over EXPLORE_COST

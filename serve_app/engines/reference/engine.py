@@ -34,7 +34,12 @@ from serve_app.engines.reference.sampling import (
 )
 from serve_app.engines.reference.scheduler import Scheduler
 from serve_app.engines.reference.sequence import Detokenize, Sequence, Status
-from serve_app.engines.reference.spec_budget import StepShape, VerifyBudget, request_class
+from serve_app.engines.reference.spec_budget import (
+    StepShape,
+    VerifyBudget,
+    costly_class,
+    request_class,
+)
 from serve_app.engines.spec_stats import EngineTotals
 from serve_app.grammar.closing import ClosingPaths
 from serve_app.grammar.compiler import GrammarCompiler
@@ -473,7 +478,8 @@ class EngineCore:
         if self.budget is not None:
             self.budget.step_time(
                 StepShape(len(seqs), sum(map(len, windows)), max(map(len, windows)),
-                          len(drafted)), time.perf_counter() - t0)
+                          len(drafted), sum(costly_class(classes[b]) for b in drafted)),
+                time.perf_counter() - t0)
         return ok
 
     def _plain_decode(self, seqs: list[Sequence], plain: bool, start_ns: int

@@ -46,12 +46,16 @@ log = logging.getLogger(__name__)
 # requests the draft ran for, and whether it ran at all (its forward and a verify's bookkeeping
 # cost a step a fixed part whatever the rows: on the embedded pair ~3 ms of a 12 ms decode
 # forward; without this feature the per-row weight, fitted where many rows draft, priced a
-# speculative step of a few rows ~25% under what it took).
-FEATURES = ("step", "rows", "tokens", "padded_tokens", "drafted_rows", "drafted")
+# speculative step of a few rows ~25% under what it took). Of the drafted requests, those not
+# greedy (`costly_rows`) cost more again: the draft samples their block and the verify walks the
+# rejection rule (or a grammar's masks) row by row; at 16 requests a K3-instant step's sampling
+# took 12 ms where a greedy one's took 0.8 ms, and a fit without this feature, carried over from
+# greedy traffic, priced the sampled steps 15% under what they took (the budget drafted and lost).
+FEATURES = ("step", "rows", "tokens", "padded_tokens", "drafted_rows", "costly_rows", "drafted")
 
 # Relative costs assumed before any step is measured (a decode forward of one row = 1.3):
 # only ratios matter to a plan, and the first measured steps rescale them (`StepCostModel`).
-_COLD_PRIOR = (1.0, 0.1, 0.1, 0.1, 0.1, 0.2)
+_COLD_PRIOR = (1.0, 0.1, 0.1, 0.1, 0.1, 0.05, 0.2)
 # How many steps' worth of evidence the prior counts for against measurements.
 _PRIOR_STEPS = 4.0
 # The diagonal's share of the prior's pull (`StepCostModel._solve`).
@@ -119,10 +123,11 @@ class StepShape:
     tokens: int
     width: int
     drafted: int  # requests whose draft ran
+    costly: int = 0  # of them, those not greedy (sampled or constrained: `request_class`)
 
     def features(self) -> list[float]:
         return [1.0, float(self.rows), float(self.tokens), float(self.rows * self.width),
-                float(self.drafted), float(self.drafted > 0)]
+                float(self.drafted), float(self.costly), float(self.drafted > 0)]
 
 
 class StepCostModel:
@@ -508,12 +513,14 @@ class Plan:
 
 
 def plan_windows(survival: Sequence[Sequence[float]], caps: Sequence[int],
-                 cost: StepCostModel, drafted: Sequence[bool] | None = None) -> Plan:
+                 cost: StepCostModel, drafted: Sequence[bool] | None = None,
+                 costly: Sequence[bool] | None = None) -> Plan:
     """The windows that maximise expected tokens per predicted second. `survival[b][j-1]`: the
     probability that drafts 1..j of request b are all accepted (non-increasing in j);
     `caps[b]`: the most drafts request b may verify. `drafted[b]`: whether request b's draft
     has run (its cost is part of the step whatever is verified); None: before the draft, so a
-    request's first verified draft also pays for drafting it.
+    request's first verified draft also pays for drafting it. `costly[b]`: request b is not
+    greedy (None: none is), and drafting it costs the `costly_rows` weight too.
 
     Each extra draft verified adds its survival to the expected tokens (the bonus token makes
     every row worth 1). Candidates go in order of survival, each request's positions in order,
@@ -522,42 +529,53 @@ def plan_windows(survival: Sequence[Sequence[float]], caps: Sequence[int],
     b = len(survival)
     if b == 0:
         return Plan([], 0.0, 0.0, "empty")
-    w_step, w_rows, w_tokens, w_padded, w_drafted, w_draft = cost.weights_list()
+    w_step, w_rows, w_tokens, w_padded, w_drafted, w_costly, w_draft = cost.weights_list()
+    costly = costly if costly is not None else [False] * b
+    # What drafting request r costs the step (its first draft pays it, before the draft).
+    per_request = [w_drafted + (w_costly if costly[r] else 0.0) for r in range(b)]
     sunk = sum(map(bool, drafted)) if drafted is not None else 0
+    sunk_costly = (sum(bool(d) and c for d, c in zip(drafted, costly, strict=True))
+                   if drafted is not None else 0)
     seconds = max(w_step + (w_rows + w_tokens + w_padded) * b + w_drafted * sunk
-                  + (w_draft if sunk else 0.0), 1e-12)
+                  + w_costly * sunk_costly + (w_draft if sunk else 0.0), 1e-12)
     base_rate = b / seconds
     candidates = sorted(((s, j, r) for r in range(b)
                          for j, s in enumerate(survival[r][: max(caps[r], 0)], 1) if s > 0),
                         key=lambda c: (-c[0], c[1], c[2]))
-    tokens, width, rows_drafted = float(b), 1, sunk
-    best = (tokens / seconds, 0, tokens, seconds, width, rows_drafted)
-    for n, (s, j, _) in enumerate(candidates, 1):
+    tokens, width, rows_drafted, costly_drafted = float(b), 1, sunk, sunk_costly
+    best = (tokens / seconds, 0, tokens, seconds, width, rows_drafted, costly_drafted)
+    for n, (s, j, r) in enumerate(candidates, 1):
         tokens += s
         seconds += w_tokens
         if j + 1 > width:
             seconds += w_padded * b * (j + 1 - width)
             width = j + 1
         if drafted is None and j == 1:
-            seconds += w_drafted + (w_draft if rows_drafted == 0 else 0.0)
+            seconds += per_request[r] + (w_draft if rows_drafted == 0 else 0.0)
             rows_drafted += 1
+            costly_drafted += costly[r]
         rate = tokens / seconds
         if rate > best[0]:
-            best = (rate, n, tokens, seconds, width, rows_drafted)
-    rate, n, tokens, seconds, width, rows_drafted = best
+            best = (rate, n, tokens, seconds, width, rows_drafted, costly_drafted)
+    rate, n, tokens, seconds, width, rows_drafted, costly_drafted = best
     drafts = [0] * b
     for _, _, r in candidates[:n]:
         drafts[r] += 1
     reason = ("verify nothing: no draft is worth its cost" if n == 0 else
               f"verify {n} of {len(candidates)} drafts: {rate:.1f} tok/s predicted vs "
               f"{base_rate:.1f} with none")
-    return Plan(drafts, tokens, seconds, reason, StepShape(b, b + n, width, rows_drafted),
-                base_rate)
+    return Plan(drafts, tokens, seconds, reason,
+                StepShape(b, b + n, width, rows_drafted, costly_drafted), base_rate)
 
 
 def request_class(greedy: bool, constrained: bool) -> str:
     """Acceptance is measured apart for these: a grammar's masks raise it, sampling lowers it."""
     return "grammar" if constrained else "greedy" if greedy else "sampled"
+
+
+def costly_class(cls: str) -> bool:
+    """Whether drafting a request of this class costs the step the `costly_rows` weight."""
+    return cls != "greedy"
 
 
 class VerifyBudget:
@@ -606,7 +624,8 @@ class VerifyBudget:
             key = (self.acceptance.version, self.cost.version, tuple(classes), tuple(rids),
                    tuple(caps))
             if self._pre_draft is None or self._pre_draft[0] != key:
-                plan = plan_windows(self.acceptance.expected(classes, rids), caps, self.cost)
+                plan = plan_windows(self.acceptance.expected(classes, rids), caps, self.cost,
+                                    costly=[costly_class(c) for c in classes])
                 rate = plan.expected_tokens / plan.predicted_seconds
                 self._pre_draft = (key, plan, rate > (1 + DRAFT_MARGIN) * plan.base_rate)
             _, plan, pays = self._pre_draft
@@ -639,17 +658,18 @@ class VerifyBudget:
             [c for c, d in zip(classes, drafted, strict=True) if d],
             [confidence[b] if confidence is not None else None
              for b, d in enumerate(drafted) if d])
+        costly = [costly_class(c) for c in classes]
         plan = plan_windows(self.acceptance.estimate(classes, rids, confidence), caps,
-                            self.cost, drafted)
+                            self.cost, drafted, costly)
         whole = [f or rid == self._probe_rid for f, rid in zip(fixed, rids, strict=True)]
         short = [b for b, (k, c) in enumerate(zip(plan.drafts, caps, strict=True))
                  if drafted[b] and k < c and not whole[b]]
         if short:
             b = short[self._explore % len(short)]
             self._explore += 1
-            now = self._step_seconds(self._windows(plan.drafts, caps, whole), drafted)
+            now = self._step_seconds(self._windows(plan.drafts, caps, whole), drafted, costly)
             whole[b] = True
-            then = self._step_seconds(self._windows(plan.drafts, caps, whole), drafted)
+            then = self._step_seconds(self._windows(plan.drafts, caps, whole), drafted, costly)
             whole[b] = then - now <= EXPLORE_COST * now
         plan.drafts = self._windows(plan.drafts, caps, whole)
         self.speculative_steps += 1
@@ -662,9 +682,11 @@ class VerifyBudget:
     def _windows(drafts: Sequence[int], caps: Sequence[int], whole: Sequence[bool]) -> list[int]:
         return [c if w else k for k, c, w in zip(drafts, caps, whole, strict=True)]
 
-    def _step_seconds(self, drafts: Sequence[int], drafted: Sequence[bool]) -> float:
-        return self.cost.predict(StepShape(len(drafts), len(drafts) + sum(drafts),
-                                           max(drafts) + 1, sum(map(bool, drafted))))
+    def _step_seconds(self, drafts: Sequence[int], drafted: Sequence[bool],
+                      costly: Sequence[bool]) -> float:
+        return self.cost.predict(StepShape(
+            len(drafts), len(drafts) + sum(drafts), max(drafts) + 1, sum(map(bool, drafted)),
+            sum(d and c for d, c in zip(drafted, costly, strict=True))))
 
     def verdict(self, cls: str, rid: Hashable, confidence: Sequence[float] | None,
                 drafted: int, accepted: int) -> None:
