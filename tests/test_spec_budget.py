@@ -461,3 +461,46 @@ def test_windows_are_chosen_before_the_target_speaks(tmp_path: Path) -> None:
     again = engine_from(pair, cost_table=str(table))
     assert again.budget is not None
     assert again.budget.cost.weights.tolist() == pytest.approx(budget.cost.weights.tolist())
+
+
+@pytest.mark.parametrize("speedup", [0.8, 1.1, 1.5])
+def test_the_budget_steps_aside_where_drafting_measured_less_than_plain_steps(
+        monkeypatch: pytest.MonkeyPatch, speedup: float) -> None:
+    """A plan that always drafts (its models wrong), on steps whose drafting commits `speedup`
+    x the tokens per second of a plain step: below 1x the budget steps aside, drafting once
+    every GOODPUT_RECHECK steps to see whether it pays again; above, it drafts, stepping
+    plainly once every GOODPUT_RECHECK steps (x GOODPUT_FAR_FACTOR where drafting is ahead by
+    GOODPUT_FAR) so that the comparison stays measured."""
+    real = spec_budget.plan_windows
+
+    def plan(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.drafts = [2] * len(out.drafts)
+        out.expected_tokens = 10 * out.base_rate * out.predicted_seconds
+        return out
+
+    monkeypatch.setattr(spec_budget, "plan_windows", plan)
+    budget = VerifyBudget(gamma=4)
+    budget.speculative_steps = 10 ** 6  # past the warm-up
+    rows, plain_seconds = 8, 0.040
+    args = (["sampled"] * rows, list(range(rows)), [4] * rows, [False] * rows)
+    drafted = []
+    for _ in range(1200):
+        if budget.to_draft(*args):
+            drafted.append(True)
+            # 3 tokens a row in the time that makes drafting `speedup` x plain
+            budget.step_time(StepShape(rows, 3 * rows, 3, rows), 3 * plain_seconds / speedup,
+                             3 * rows)
+        else:
+            drafted.append(False)
+            budget.step_time(StepShape(rows, rows, 1, 0), plain_seconds, rows)
+    late = drafted[400:]
+    every = spec_budget.GOODPUT_RECHECK
+    if speedup < 1:
+        assert late.count(True) == pytest.approx(len(late) / (every + 1), abs=2)
+    else:
+        far = spec_budget.GOODPUT_FAR_FACTOR if speedup >= spec_budget.GOODPUT_FAR else 1
+        assert late.count(False) == pytest.approx(len(late) / (every * far + 1), abs=2)
+    # Never a plain step measured at this batch size: one after the first few drafted.
+    first = spec_budget.GOODPUT_FIRST
+    assert drafted[: first + 1] == [True] * first + [False]

@@ -115,6 +115,20 @@ DRAFT_MARGIN = 0.05
 # and at one greedy request the plan's windows (mostly 2-5 drafts) ran 1.79x target-only where
 # verifying all 7 ran 2.00x.
 EXPLORE_COST = 0.1
+# The plan proposes, the measured goodput disposes: per batch size (in powers of two), the
+# committed tokens per second per row of the steps the plan drafted in and of plain steps
+# (exponentially weighted, GOODPUT_DECAY per measurement). Where the plan drafts but its steps
+# have committed less per second than plain steps, the budget steps aside; every GOODPUT_RECHECK
+# steps of a batch size it takes the other way once, so that both stay measured (every
+# GOODPUT_RECHECK x GOODPUT_FAR_FACTOR steps where drafting is ahead by GOODPUT_FAR or more).
+# The cost model's error is what this catches: at 16 K3-instant requests after greedy traffic
+# the plans expected the tokens the steps then committed (1,996 vs 1,995) but priced the steps
+# 11-17% under what they took, and drafting every step ran 0.89-0.94x target-only.
+GOODPUT_DECAY = 0.8
+GOODPUT_RECHECK = 32
+GOODPUT_FAR = 1.25
+GOODPUT_FAR_FACTOR = 8
+GOODPUT_FIRST = 4
 
 
 @dataclass(frozen=True)
@@ -578,6 +592,52 @@ def costly_class(cls: str) -> bool:
     return cls != "greedy"
 
 
+class Goodput:
+    """Committed tokens per second per row, measured, by batch size (its bit length) and way
+    of stepping ("speculative": the plan's drafts; "plain"), with the step each was last
+    measured at (steps passed in: this holds no clock)."""
+
+    def __init__(self) -> None:
+        self.rate: dict[tuple[int, str], float] = {}
+        self.at: dict[tuple[int, str], int] = {}
+        self.count: dict[tuple[int, str], int] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return rows.bit_length()
+
+    def observe(self, rows: int, way: str, tokens: int, seconds: float, step: int) -> None:
+        if rows <= 0 or not seconds > 0:
+            return
+        key, rate = (self.bucket(rows), way), tokens / seconds / rows
+        old = self.rate.get(key)
+        self.rate[key] = rate if old is None else GOODPUT_DECAY * old + (1 - GOODPUT_DECAY) * rate
+        self.at[key] = step
+        self.count[key] = self.count.get(key, 0) + 1
+
+    def choose(self, rows: int, drafting: bool, step: int) -> tuple[bool, str]:
+        """Whether to draft as the plan says (`drafting`), from what was measured, and why."""
+        b = self.bucket(rows)
+        spec, plain = self.rate.get((b, "speculative")), self.rate.get((b, "plain"))
+        if not drafting or spec is None:
+            return drafting, ""
+        if plain is None:  # never stepped plainly at this size: once, after a few drafted steps
+            if self.count[(b, "speculative")] >= GOODPUT_FIRST:
+                return False, "recheck: no plain step measured"
+            return True, ""
+        ratio = spec / plain
+        since_spec = step - self.at[(b, "speculative")]
+        since_plain = step - self.at[(b, "plain")]
+        if ratio < 1.0:
+            if since_spec >= GOODPUT_RECHECK:
+                return True, f"recheck: drafting measured {ratio:.2f}x plain"
+            return False, f"measured: drafting {ratio:.2f}x plain"
+        recheck = GOODPUT_RECHECK * (GOODPUT_FAR_FACTOR if ratio >= GOODPUT_FAR else 1)
+        if since_plain >= recheck:
+            return False, f"recheck: drafting measured {ratio:.2f}x plain"
+        return True, ""
+
+
 class VerifyBudget:
     """The engine's adaptive speculation policy: its acceptance and cost models, the plans it
     made and how they went (`stats`), and where the cost table persists."""
@@ -595,6 +655,8 @@ class VerifyBudget:
         self._probe_rid: Hashable | None = None  # this step's probe, which verifies its block
         self._explore = 0  # whose turn it is to verify its whole block (EXPLORE_COST)
         self._pre_draft: tuple[tuple[Any, ...], Plan, bool] | None = None
+        self.goodput = Goodput()
+        self._way: str | None = None  # how this step goes, as `goodput` counts it
         self.draft_histogram = [0] * (gamma + 1)  # requests' windows: how many drafts
         self.plain_steps = 0
         self.probe_steps = 0
@@ -612,9 +674,11 @@ class VerifyBudget:
         steps."""
         self.acceptance.tick()
         self._probe_rid = None
+        self._way = None
         able = [b for b, c in enumerate(caps) if c > 0]
         if self.speculative_steps < WARMUP_STEPS:
             chosen = able
+            self._way = "speculative"
             self.last_reason = "warm-up: every request drafted for"
         else:
             # Between plain steps nothing a plan reads moves (no verdict, no refit, no new
@@ -629,10 +693,14 @@ class VerifyBudget:
                 rate = plan.expected_tokens / plan.predicted_seconds
                 self._pre_draft = (key, plan, rate > (1 + DRAFT_MARGIN) * plan.base_rate)
             _, plan, pays = self._pre_draft
-            chosen = [b for b in able if (plan.drafts[b] > 0 and pays) or fixed[b]]
-            self.last_reason = plan.reason if pays else f"plain: {plan.reason}"
-            if pays and any(plan.drafts[b] > 0 for b in able):
+            drafting = pays and any(plan.drafts[b] > 0 for b in able)
+            go, why = self.goodput.choose(len(rids), drafting, self.acceptance.step)
+            chosen = [b for b in able if (plan.drafts[b] > 0 and go) or fixed[b]]
+            self.last_reason = (why + ": " if why else "") + (
+                plan.reason if pays else f"plain: {plan.reason}")
+            if drafting and go:
                 self._probe_backoff = 1
+                self._way = "speculative"
             # A probe's price grows with the batch (at one request it is a speculative step
             # like any other, and pays about what it costs), so the backoff does too.
             probe_every = min(self._probe_backoff, len(rids)) * max(
@@ -644,6 +712,8 @@ class VerifyBudget:
                 self._probe_backoff = min(2 * self._probe_backoff, PROBE_BACKOFF_MAX)
                 self.probe_steps += 1
                 self.last_reason = "probe: " + plan.reason
+        if not chosen:
+            self._way = "plain"
         self._since_draft = 0 if chosen else self._since_draft + 1
         self.plain_steps += not chosen
         return chosen
@@ -692,8 +762,12 @@ class VerifyBudget:
                 drafted: int, accepted: int) -> None:
         self.acceptance.observe(cls, rid, confidence, drafted, accepted)
 
-    def step_time(self, shape: StepShape, seconds: float) -> None:
+    def step_time(self, shape: StepShape, seconds: float, committed: int | None = None) -> None:
+        """A decode step's measured time, and the tokens it committed (None: not counted)."""
         self.cost.observe(shape, seconds)
+        if self._way is not None and committed is not None:
+            self.goodput.observe(shape.rows, self._way, committed, seconds, self.acceptance.step)
+        self._way = None
         if self.cost_table is not None and self.cost.observed % self._save_every == 0:
             self.save()
 
