@@ -466,11 +466,12 @@ def test_windows_are_chosen_before_the_target_speaks(tmp_path: Path) -> None:
 @pytest.mark.parametrize("speedup", [0.8, 1.1, 1.5])
 def test_the_budget_steps_aside_where_drafting_measured_less_than_plain_steps(
         monkeypatch: pytest.MonkeyPatch, speedup: float) -> None:
-    """A plan that always drafts (its models wrong), on steps whose drafting commits `speedup`
-    x the tokens per second of a plain step: below 1x the budget steps aside, drafting once
-    every GOODPUT_RECHECK steps to see whether it pays again; above, it drafts, stepping
-    plainly once every GOODPUT_RECHECK steps (x GOODPUT_FAR_FACTOR where drafting is ahead by
-    GOODPUT_FAR) so that the comparison stays measured."""
+    """A plan that always drafts (its cost model wrong), on steps that take the time that makes
+    drafting `speedup` x as many tokens per second as a plain step (the tokens its windows are
+    expected to commit): below 1x the budget steps aside, drafting once every GOODPUT_RECHECK
+    steps to see whether it pays again; above, it drafts, stepping plainly once every
+    GOODPUT_RECHECK steps (x GOODPUT_FAR_FACTOR where drafting is ahead by GOODPUT_FAR) so that
+    the comparison stays measured."""
     real = spec_budget.plan_windows
 
     def plan(*args, **kwargs):
@@ -483,17 +484,18 @@ def test_the_budget_steps_aside_where_drafting_measured_less_than_plain_steps(
     budget = VerifyBudget(gamma=4)
     budget.speculative_steps = 10 ** 6  # past the warm-up
     rows, plain_seconds = 8, 0.040
-    args = (["sampled"] * rows, list(range(rows)), [4] * rows, [False] * rows)
+    classes, rids, caps, fixed = ["sampled"] * rows, list(range(rows)), [4] * rows, [False] * rows
     drafted = []
     for _ in range(1200):
-        if budget.to_draft(*args):
-            drafted.append(True)
-            # 3 tokens a row in the time that makes drafting `speedup` x plain
-            budget.step_time(StepShape(rows, 3 * rows, 3, rows), 3 * plain_seconds / speedup,
-                             3 * rows)
+        chosen = budget.to_draft(classes, rids, caps, fixed)
+        drafted.append(bool(chosen))
+        if chosen:
+            windows = budget.plan(classes, rids, [[0.8] * 4] * rows, caps, [True] * rows, fixed)
+            assert windows.expected_tokens > rows
+            seconds = windows.expected_tokens / rows * plain_seconds / speedup
+            budget.step_time(StepShape(rows, rows + sum(windows.drafts), 3, rows, rows), seconds)
         else:
-            drafted.append(False)
-            budget.step_time(StepShape(rows, rows, 1, 0), plain_seconds, rows)
+            budget.step_time(StepShape(rows, rows, 1, 0), plain_seconds)
     late = drafted[400:]
     every = spec_budget.GOODPUT_RECHECK
     if speedup < 1:

@@ -420,7 +420,7 @@ class EngineCore:
             ok = self._plain_decode(seqs, self.speculative, start_ns)
             if self.budget is not None:
                 self.budget.step_time(StepShape(len(seqs), len(seqs), 1, 0),
-                                      time.perf_counter() - t0, len(ok))
+                                      time.perf_counter() - t0)
             return ok
         proposal = self.runner.propose([seqs[b] for b in drafted])
         row = {b: i for i, b in enumerate(drafted)}  # request -> its row of the proposal
@@ -479,7 +479,7 @@ class EngineCore:
             self.budget.step_time(
                 StepShape(len(seqs), sum(map(len, windows)), max(map(len, windows)),
                           len(drafted), sum(costly_class(classes[b]) for b in drafted)),
-                time.perf_counter() - t0, sum(tap_rows))
+                time.perf_counter() - t0)
         return ok
 
     def _plain_decode(self, seqs: list[Sequence], plain: bool, start_ns: int

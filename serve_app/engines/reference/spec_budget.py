@@ -116,9 +116,10 @@ DRAFT_MARGIN = 0.05
 # verifying all 7 ran 2.00x.
 EXPLORE_COST = 0.1
 # The plan proposes, the measured goodput disposes: per batch size (in powers of two), the
-# committed tokens per second per row of the steps the plan drafted in and of plain steps
-# (exponentially weighted, GOODPUT_DECAY per measurement). Where the plan drafts but its steps
-# have committed less per second than plain steps, the budget steps aside; every GOODPUT_RECHECK
+# tokens per measured second per row of the steps the plan drafted in (the tokens their windows
+# were expected to commit) and of plain steps (exponentially weighted, GOODPUT_DECAY per
+# measurement). Where the plan drafts but its steps have done less per second than plain
+# steps, the budget steps aside; every GOODPUT_RECHECK
 # steps of a batch size it takes the other way once, so that both stay measured (every
 # GOODPUT_RECHECK x GOODPUT_FAR_FACTOR steps where drafting is ahead by GOODPUT_FAR or more).
 # The cost model's error is what this catches: at 16 K3-instant requests after greedy traffic
@@ -593,9 +594,9 @@ def costly_class(cls: str) -> bool:
 
 
 class Goodput:
-    """Committed tokens per second per row, measured, by batch size (its bit length) and way
-    of stepping ("speculative": the plan's drafts; "plain"), with the step each was last
-    measured at (steps passed in: this holds no clock)."""
+    """Tokens per measured second per row, by batch size (its bit length) and way of stepping
+    ("speculative": the plan's drafts; "plain"), with the step each was last measured at
+    (steps passed in: this holds no clock)."""
 
     def __init__(self) -> None:
         self.rate: dict[tuple[int, str], float] = {}
@@ -606,7 +607,7 @@ class Goodput:
     def bucket(rows: int) -> int:
         return rows.bit_length()
 
-    def observe(self, rows: int, way: str, tokens: int, seconds: float, step: int) -> None:
+    def observe(self, rows: int, way: str, tokens: float, seconds: float, step: int) -> None:
         if rows <= 0 or not seconds > 0:
             return
         key, rate = (self.bucket(rows), way), tokens / seconds / rows
@@ -657,6 +658,7 @@ class VerifyBudget:
         self._pre_draft: tuple[tuple[Any, ...], Plan, bool] | None = None
         self.goodput = Goodput()
         self._way: str | None = None  # how this step goes, as `goodput` counts it
+        self._expected = 0.0  # the tokens this step's windows are expected to commit
         self.draft_histogram = [0] * (gamma + 1)  # requests' windows: how many drafts
         self.plain_steps = 0
         self.probe_steps = 0
@@ -694,13 +696,15 @@ class VerifyBudget:
                 self._pre_draft = (key, plan, rate > (1 + DRAFT_MARGIN) * plan.base_rate)
             _, plan, pays = self._pre_draft
             drafting = pays and any(plan.drafts[b] > 0 for b in able)
-            go, why = self.goodput.choose(len(rids), drafting, self.acceptance.step)
+            # A step with a seeded request always drafts for it: neither way is measured there.
+            go, why = (self.goodput.choose(len(rids), drafting, self.acceptance.step)
+                       if not any(fixed) else (drafting, ""))
             chosen = [b for b in able if (plan.drafts[b] > 0 and go) or fixed[b]]
             self.last_reason = (why + ": " if why else "") + (
                 plan.reason if pays else f"plain: {plan.reason}")
             if drafting and go:
                 self._probe_backoff = 1
-                self._way = "speculative"
+                self._way = "speculative" if not any(fixed) else None
             # A probe's price grows with the batch (at one request it is a speculative step
             # like any other, and pays about what it costs), so the backoff does too.
             probe_every = min(self._probe_backoff, len(rids)) * max(
@@ -729,8 +733,8 @@ class VerifyBudget:
             [confidence[b] if confidence is not None else None
              for b, d in enumerate(drafted) if d])
         costly = [costly_class(c) for c in classes]
-        plan = plan_windows(self.acceptance.estimate(classes, rids, confidence), caps,
-                            self.cost, drafted, costly)
+        survival = self.acceptance.estimate(classes, rids, confidence)
+        plan = plan_windows(survival, caps, self.cost, drafted, costly)
         whole = [f or rid == self._probe_rid for f, rid in zip(fixed, rids, strict=True)]
         short = [b for b, (k, c) in enumerate(zip(plan.drafts, caps, strict=True))
                  if drafted[b] and k < c and not whole[b]]
@@ -742,6 +746,10 @@ class VerifyBudget:
             then = self._step_seconds(self._windows(plan.drafts, caps, whole), drafted, costly)
             whole[b] = then - now <= EXPLORE_COST * now
         plan.drafts = self._windows(plan.drafts, caps, whole)
+        # What the windows, widened or not, are expected to commit (the calibrated survival).
+        plan.expected_tokens = len(rids) + sum(sum(s[:k]) for s, k in zip(survival, plan.drafts,
+                                                                           strict=True))
+        self._expected = plan.expected_tokens
         self.speculative_steps += 1
         for k in plan.drafts:
             self.draft_histogram[k] += 1
@@ -762,11 +770,15 @@ class VerifyBudget:
                 drafted: int, accepted: int) -> None:
         self.acceptance.observe(cls, rid, confidence, drafted, accepted)
 
-    def step_time(self, shape: StepShape, seconds: float, committed: int | None = None) -> None:
-        """A decode step's measured time, and the tokens it committed (None: not counted)."""
+    def step_time(self, shape: StepShape, seconds: float) -> None:
         self.cost.observe(shape, seconds)
-        if self._way is not None and committed is not None:
-            self.goodput.observe(shape.rows, self._way, committed, seconds, self.acceptance.step)
+        if self._way is not None:
+            # A drafted step counts the tokens its windows were expected to commit (the
+            # calibrated acceptance, which matched what such steps committed), not what it
+            # did: at one sampled request a step commits 1 token or 8, and the luck of a
+            # few steps turned the budget plain where drafting paid 1.3-1.5x.
+            tokens = self._expected if self._way == "speculative" else shape.rows
+            self.goodput.observe(shape.rows, self._way, tokens, seconds, self.acceptance.step)
         self._way = None
         if self.cost_table is not None and self.cost.observed % self._save_every == 0:
             self.save()
