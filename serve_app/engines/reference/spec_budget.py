@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -116,12 +117,14 @@ DRAFT_MARGIN = 0.05
 # verifying all 7 ran 2.00x.
 EXPLORE_COST = 0.1
 # The plan proposes, the measured goodput disposes: per batch size (in powers of two), the
-# tokens per measured second per row of drafted steps (the tokens their windows were expected
-# to commit) and of plain steps (exponentially weighted, GOODPUT_DECAY per measurement). Once
-# both are measured the budget steps the way that has done more per second, whatever the plan
-# says (the plan still chooses whom to draft for and the windows); every GOODPUT_RECHECK steps
-# of a batch size it takes the other way once, so that both stay measured (every
-# GOODPUT_RECHECK x GOODPUT_FAR_FACTOR steps where one way is ahead by GOODPUT_FAR or more).
+# ratio of the tokens per measured second per row of a drafted step (the tokens its windows
+# were expected to commit) to a plain step's next to it (`Goodput`; exponentially weighted,
+# GOODPUT_DECAY per pair). Once measured the budget steps the way that does more per second,
+# whatever the plan says (the plan still chooses whom to draft for and the windows); every
+# GOODPUT_RECHECK steps of a batch size it takes the other way once, which makes the next pair
+# (every GOODPUT_RECHECK x GOODPUT_FAR_FACTOR steps where one way is ahead by GOODPUT_FAR or
+# more). Rates measured apart rather than in pairs took this machine's drift for a difference:
+# at 16 sampled requests the budget then drafted in 70% of the steps and ran 0.91x target-only.
 # The cost model's error is what this catches: at 16 K3-instant requests after greedy traffic
 # the plans expected the tokens the steps then committed (1,996 vs 1,995) but priced the steps
 # 11-17% under what they took, and drafting every step ran 0.89-0.94x target-only; at 16 and 32
@@ -131,6 +134,8 @@ GOODPUT_RECHECK = 32
 GOODPUT_FAR = 1.25
 GOODPUT_FAR_FACTOR = 8
 GOODPUT_FIRST = 4
+# Two steps at most this many decode steps apart make a pair (a recheck follows the last step).
+GOODPUT_ADJACENT = 2
 
 
 @dataclass(frozen=True)
@@ -595,13 +600,17 @@ def costly_class(cls: str) -> bool:
 
 
 class Goodput:
-    """Tokens per measured second per row, by batch size (its bit length) and way of stepping
-    ("speculative": the plan's drafts; "plain"), with the step each was last measured at
-    (steps passed in: this holds no clock)."""
+    """Drafting against plain steps, by batch size (its bit length): tokens per measured second
+    per row of a drafted step over those of a plain step next to it (a pair of adjacent steps:
+    this machine's speed drifts by ±15% over seconds, and rates measured apart took that drift
+    for a difference, as whole bench runs did), exponentially weighted over the pairs. Steps
+    are passed in: this holds no clock."""
 
     def __init__(self) -> None:
-        self.rate: dict[tuple[int, str], float] = {}
-        self.at: dict[tuple[int, str], int] = {}
+        self.last: dict[int, tuple[str, float, int]] = {}  # bucket -> (way, rate, step)
+        self.log_ratio: dict[int, float] = {}  # bucket -> log(drafted rate / plain rate)
+        self.pairs: dict[int, int] = {}
+        self.at: dict[tuple[int, str], int] = {}  # (bucket, way) -> step last measured
         self.count: dict[tuple[int, str], int] = {}
 
     @staticmethod
@@ -609,31 +618,36 @@ class Goodput:
         return rows.bit_length()
 
     def observe(self, rows: int, way: str, tokens: float, seconds: float, step: int) -> None:
-        if rows <= 0 or not seconds > 0:
+        if rows <= 0 or not seconds > 0 or not tokens > 0:
             return
-        key, rate = (self.bucket(rows), way), tokens / seconds / rows
-        old = self.rate.get(key)
-        self.rate[key] = rate if old is None else GOODPUT_DECAY * old + (1 - GOODPUT_DECAY) * rate
-        self.at[key] = step
-        self.count[key] = self.count.get(key, 0) + 1
+        b, rate = self.bucket(rows), tokens / seconds / rows
+        last = self.last.get(b)
+        if last is not None and last[0] != way and step - last[2] <= GOODPUT_ADJACENT:
+            spec, plain = (rate, last[1]) if way == "speculative" else (last[1], rate)
+            pair = math.log(spec / plain)
+            old = self.log_ratio.get(b)
+            self.log_ratio[b] = pair if old is None else (
+                GOODPUT_DECAY * old + (1 - GOODPUT_DECAY) * pair)
+            self.pairs[b] = self.pairs.get(b, 0) + 1
+        self.last[b] = (way, rate, step)
+        self.at[(b, way)] = step
+        self.count[(b, way)] = self.count.get((b, way), 0) + 1
 
     def choose(self, rows: int, drafting: bool, step: int) -> tuple[bool, str]:
         """Whether to draft this step (`drafting`: what the plan says), from what was measured
         at this batch size, and why ("": as the plan says)."""
         b = self.bucket(rows)
-        spec, plain = self.rate.get((b, "speculative")), self.rate.get((b, "plain"))
-        if spec is None or plain is None:
-            # One way never measured at this size: once, after a few steps the other way.
-            if spec is None and plain is None:
-                return drafting, ""
-            missing, other = ("plain", "speculative") if plain is None else ("speculative", "plain")
-            if self.count[(b, other)] >= GOODPUT_FIRST:
-                return missing == "speculative", f"recheck: no {missing} step measured"
+        if b not in self.log_ratio:
+            # No pair yet: after a few steps one way, the other once (next to the last).
+            way = "speculative" if drafting else "plain"
+            if self.count.get((b, way), 0) >= GOODPUT_FIRST and (
+                    self.last.get(b, ("", 0.0, -10**9))[2] >= step - GOODPUT_ADJACENT):
+                return not drafting, "recheck: no pair of steps measured"
             return drafting, ""
-        ratio = spec / plain
+        ratio = math.exp(self.log_ratio[b])
         best = ratio >= 1.0
         lead = ratio if best else 1.0 / ratio
-        since_other = step - self.at[(b, "plain" if best else "speculative")]
+        since_other = step - self.at.get((b, "plain" if best else "speculative"), -10**9)
         if since_other >= GOODPUT_RECHECK * (GOODPUT_FAR_FACTOR if lead >= GOODPUT_FAR else 1):
             return not best, f"recheck: drafting measured {ratio:.2f}x plain"
         return best, f"measured: drafting {ratio:.2f}x plain"
