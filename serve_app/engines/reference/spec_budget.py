@@ -687,7 +687,9 @@ class VerifyBudget:
         plain step, except a probe now and then (PROBE_EVERY_PER_ROW, backing off while the
         plans stay plain), which drafts for one request (in turn) so that what this decides on
         stays measured. Everyone is drafted for in the first WARMUP_STEPS speculative
-        steps."""
+        steps. Once drafted and plain steps of this batch size are measured in pairs
+        (`Goodput`), the way that did more per second is taken whatever the plan says (where
+        the plan names no one, everyone is drafted for)."""
         self.acceptance.tick()
         self._probe_rid = None
         self._way = None
