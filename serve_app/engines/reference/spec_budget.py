@@ -123,12 +123,12 @@ EXPLORE_COST = 0.1
 # whatever the plan says (the plan still chooses whom to draft for and the windows); every
 # GOODPUT_RECHECK steps of a batch size it takes the other way once, which makes the next pair
 # (every GOODPUT_RECHECK x GOODPUT_FAR_FACTOR steps where one way is ahead by GOODPUT_FAR or
-# more). Rates measured apart rather than in pairs took this machine's drift for a difference:
-# at 16 sampled requests the budget then drafted in 70% of the steps and ran 0.91x target-only.
-# The cost model's error is what this catches: at 16 K3-instant requests after greedy traffic
-# the plans expected the tokens the steps then committed (1,996 vs 1,995) but priced the steps
-# 11-17% under what they took, and drafting every step ran 0.89-0.94x target-only; at 16 and 32
-# greedy requests the plans stayed plain where verifying every draft ran 1.05-1.08x.
+# more). The cost model's error is what this catches: at 16 K3-instant requests after greedy
+# traffic the plans expected the tokens the steps then committed (1,996 vs 1,995) but priced the
+# steps 11-17% under what they took, and drafting every step ran 0.89-0.94x target-only; at 16
+# and 32 greedy requests the plans stayed plain where verifying every draft ran 1.05-1.08x.
+# Rates measured apart rather than in pairs took this machine's drift for a difference: at 16
+# sampled requests the budget then drafted in 70% of the steps and ran 0.91x target-only.
 GOODPUT_DECAY = 0.8
 GOODPUT_RECHECK = 32
 GOODPUT_FAR = 1.25
@@ -609,7 +609,6 @@ class Goodput:
     def __init__(self) -> None:
         self.last: dict[int, tuple[str, float, int]] = {}  # bucket -> (way, rate, step)
         self.log_ratio: dict[int, float] = {}  # bucket -> log(drafted rate / plain rate)
-        self.pairs: dict[int, int] = {}
         self.at: dict[tuple[int, str], int] = {}  # (bucket, way) -> step last measured
         self.count: dict[tuple[int, str], int] = {}
 
@@ -628,7 +627,6 @@ class Goodput:
             old = self.log_ratio.get(b)
             self.log_ratio[b] = pair if old is None else (
                 GOODPUT_DECAY * old + (1 - GOODPUT_DECAY) * pair)
-            self.pairs[b] = self.pairs.get(b, 0) + 1
         self.last[b] = (way, rate, step)
         self.at[(b, way)] = step
         self.count[(b, way)] = self.count.get((b, way), 0) + 1
