@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from spec_helpers import engine_from, random_prompts
@@ -69,7 +70,7 @@ def test_the_cost_table_persists_and_a_restart_plans_from_it(tmp_path: Path) -> 
     table = tmp_path / "deployment" / "step_cost.json"
     save_cost_model(model, table)
     restarted = load_cost_model(table)
-    assert torch.allclose(restarted.weights, model.weights)
+    assert np.allclose(restarted.weights, model.weights)
     shape = StepShape(8, 40, 6, 8)
     assert restarted.predict(shape) == pytest.approx(model.predict(shape))
     # No table yet, or one another version measured (other features): the cold prior.
@@ -111,7 +112,7 @@ def test_the_fit_is_the_best_non_negative_one(seed: int) -> None:
                 w[idx] = torch.linalg.solve(a[idx][:, idx], b[idx])
             if bool((w >= 0).all()):
                 best = min(best, _objective(a, b, w))
-        w = nonnegative_solve(a, b)
+        w = torch.from_numpy(nonnegative_solve(a.numpy(), b.numpy()))
         assert bool((w >= 0).all())
         assert _objective(a, b, w) <= best + 1e-9 * abs(best)
     assert negatives >= 20

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -160,18 +160,17 @@ class StepCostModel:
     def __init__(self, prior: Sequence[float] | None = None, prior_steps: float = _PRIOR_STEPS,
                  decay: float = _DECAY) -> None:
         n = len(FEATURES)
-        self._prior = torch.tensor(prior if prior is not None else _COLD_PRIOR,
-                                   dtype=torch.float64)
+        self._prior = np.array(prior if prior is not None else _COLD_PRIOR, dtype=np.float64)
         self._prior_absolute = prior is not None
         self._prior_steps = prior_steps
         self._decay = decay
-        self._xtx = torch.zeros(n, n, dtype=torch.float64)
-        self._xty = torch.zeros(n, dtype=torch.float64)
+        self._xtx = np.zeros((n, n))
+        self._xty = np.zeros(n)
         self._weight_sum = 0.0
         self._y_sum = 0.0
         self._p_sum = 0.0  # the cold prior's predictions of the same steps, for its scale
         self.observed = 0
-        self._weights: torch.Tensor | None = None  # the fit as of the last observed step
+        self._weights: np.ndarray | None = None  # the fit as of the last observed step
         self._weights_list: list[float] | None = None  # what predict() and the plans read
         self._since_refit = 0
         self.version = 0  # counts the refits: a plan made with the same version stands
@@ -179,17 +178,17 @@ class StepCostModel:
         self.errors: list[float] = []
 
     @property
-    def weights(self) -> torch.Tensor:
+    def weights(self) -> np.ndarray:
         if self._weights is None:
             self._weights = self._solve()
         return self._weights
 
-    def _scaled_prior(self) -> torch.Tensor:
+    def _scaled_prior(self) -> np.ndarray:
         if self._prior_absolute or self._p_sum <= 0:
             return self._prior
         return self._prior * (self._y_sum / self._p_sum)
 
-    def _solve(self) -> torch.Tensor:
+    def _solve(self) -> np.ndarray:
         prior = self._scaled_prior()
         if self._weight_sum == 0:
             return prior
@@ -200,7 +199,7 @@ class StepCostModel:
         # rows): the fit traded one weight for another (a made-up machine's fixed draft cost
         # came out 0, and small steps 28% off).
         moments = self._xtx / self._weight_sum
-        diagonal = torch.diag(torch.diagonal(moments).clamp(min=1e-12))
+        diagonal = np.diag(np.maximum(np.diagonal(moments), 1e-12))
         ridge = self._prior_steps * (moments + _THIN_RIDGE * diagonal)
         return nonnegative_solve(self._xtx + ridge, self._xty + ridge @ prior)
 
@@ -221,8 +220,8 @@ class StepCostModel:
             predicted = self.predict(shape)
             self.errors.append(abs(predicted - seconds) / seconds)
             del self.errors[:-4096]
-        x = torch.tensor(shape.features(), dtype=torch.float64)
-        self._xtx = self._decay * self._xtx + torch.outer(x, x)
+        x = np.array(shape.features())
+        self._xtx = self._decay * self._xtx + np.outer(x, x)
         self._xty = self._decay * self._xty + x * seconds
         self._weight_sum = self._decay * self._weight_sum + 1.0
         self._y_sum = self._decay * self._y_sum + seconds
@@ -250,7 +249,7 @@ class StepCostModel:
         return cls(prior=weights)
 
 
-def nonnegative_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """argmin over w >= 0 of wᵀ a w − 2 bᵀ w (a symmetric positive definite): Lawson and
     Hanson's active set on the normal equations. Solving freely and clamping the negative
     weights to 0 left the others fitted for weights that were no longer there: at 4 sampled
@@ -258,26 +257,26 @@ def nonnegative_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     12 ms over its own unclamped fit and ~20 ms over what such steps took, and the budget
     stepped aside where verifying everything paid 1.05-1.25x."""
     n = b.shape[0]
-    w = torch.zeros_like(b)
-    free = torch.zeros(n, dtype=torch.bool)
-    tol = 1e-12 * float(b.abs().max().clamp(min=1e-30))
+    w = np.zeros(n)
+    free = np.zeros(n, dtype=bool)
+    tol = 1e-12 * max(float(np.abs(b).max()), 1e-30)
     for _ in range(3 * n):
         gradient = b - a @ w
-        gradient[free] = float("-inf")
+        gradient[free] = -np.inf
         j = int(gradient.argmax())
         if free.all() or float(gradient[j]) <= tol:
             break
         free[j] = True
-        while bool(free.any()):
-            s = torch.zeros_like(b)
-            idx = free.nonzero().flatten()
-            s[idx] = torch.linalg.solve(a[idx][:, idx], b[idx])
-            if bool((s[idx] > 0).all()):
+        while free.any():
+            s = np.zeros(n)
+            idx = free.nonzero()[0]
+            s[idx] = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+            if (s[idx] > 0).all():
                 w = s
                 break
             # Step from w toward s until the first free weight reaches 0; free it no longer.
             blocked = idx[s[idx] <= 0]
-            alpha = float((w[blocked] / (w[blocked] - s[blocked]).clamp(min=1e-300)).min())
+            alpha = float((w[blocked] / np.maximum(w[blocked] - s[blocked], 1e-300)).min())
             w = w + alpha * (s - w)
             free &= w > tol
             w[~free] = 0.0
@@ -631,17 +630,12 @@ class Goodput:
         self.at[(b, way)] = step
         self.count[(b, way)] = self.count.get((b, way), 0) + 1
 
-    def choose(self, rows: int, drafting: bool, step: int) -> tuple[bool, str]:
-        """Whether to draft this step (`drafting`: what the plan says), from what was measured
-        at this batch size, and why ("": as the plan says)."""
+    def measured(self, rows: int, step: int) -> tuple[bool, str] | None:
+        """Whether to draft this step, from the pairs measured at this batch size, and why;
+        None before the first pair (`unmeasured` decides)."""
         b = self.bucket(rows)
         if b not in self.log_ratio:
-            # No pair yet: after a few steps one way, the other once (next to the last).
-            way = "speculative" if drafting else "plain"
-            if self.count.get((b, way), 0) >= GOODPUT_FIRST and (
-                    self.last.get(b, ("", 0.0, -10**9))[2] >= step - GOODPUT_ADJACENT):
-                return not drafting, "recheck: no pair of steps measured"
-            return drafting, ""
+            return None
         ratio = math.exp(self.log_ratio[b])
         best = ratio >= 1.0
         lead = ratio if best else 1.0 / ratio
@@ -649,6 +643,16 @@ class Goodput:
         if since_other >= GOODPUT_RECHECK * (GOODPUT_FAR_FACTOR if lead >= GOODPUT_FAR else 1):
             return not best, f"recheck: drafting measured {ratio:.2f}x plain"
         return best, f"measured: drafting {ratio:.2f}x plain"
+
+    def unmeasured(self, rows: int, drafting: bool, step: int) -> tuple[bool, str]:
+        """Before the first pair at this batch size: as the plan says (`drafting`), but after
+        a few steps one way, the other once (next to the last), which makes the pair."""
+        b = self.bucket(rows)
+        way = "speculative" if drafting else "plain"
+        if self.count.get((b, way), 0) >= GOODPUT_FIRST and (
+                self.last.get(b, ("", 0.0, -10**9))[2] >= step - GOODPUT_ADJACENT):
+            return not drafting, "recheck: no pair of steps measured"
+        return drafting, ""
 
 
 class VerifyBudget:
@@ -697,31 +701,32 @@ class VerifyBudget:
             self._way = "speculative"
             self.last_reason = "warm-up: every request drafted for"
         else:
-            # Between plain steps nothing a plan reads moves (no verdict, no refit, no new
-            # period of the request fade) unless a request joins, leaves or nears its end: the
-            # last plan stands, and a plain step does not pay for planning (0.4 ms of a 40 ms
-            # step at 16 requests).
-            key = (self.acceptance.version, self.cost.version, tuple(classes), tuple(rids),
-                   tuple(caps))
-            if self._pre_draft is None or self._pre_draft[0] != key:
-                plan = plan_windows(self.acceptance.expected(classes, rids), caps, self.cost,
-                                    costly=[costly_class(c) for c in classes])
-                rate = plan.expected_tokens / plan.predicted_seconds
-                self._pre_draft = (key, plan, rate > (1 + DRAFT_MARGIN) * plan.base_rate)
-            _, plan, pays = self._pre_draft
-            drafting = pays and any(plan.drafts[b] > 0 for b in able)
-            # A step with a seeded request always drafts for it: neither way is measured there.
-            go, why = (self.goodput.choose(len(rids), drafting, self.acceptance.step)
-                       if not any(fixed) else (drafting, ""))
+            # Once this batch size's pairs are measured, a plain step needs no plan (0.25 ms
+            # of a 37 ms plain step at 16 requests): only the requests it drafts for read one.
+            seeded = any(fixed)  # always drafted for: neither way is measured there
+            measured = None if seeded else self.goodput.measured(len(rids),
+                                                                 self.acceptance.step)
+            plan, pays, drafting = None, False, False
+            if measured is None or measured[0]:
+                plan, pays = self._pre_draft_plan(classes, rids, caps)
+                drafting = pays and any(plan.drafts[b] > 0 for b in able)
+            if measured is not None:
+                go, why = measured
+            elif seeded:
+                go, why = drafting, ""
+            else:
+                go, why = self.goodput.unmeasured(len(rids), drafting, self.acceptance.step)
             # Drafting where the plan says none pays (what was measured says it does): for
             # everyone, and the windows are the plan's after the draft.
-            chosen = [b for b in able if (go and (plan.drafts[b] > 0 or not drafting))
+            chosen = [b for b in able if (go and plan is not None
+                                          and (plan.drafts[b] > 0 or not drafting))
                       or fixed[b]]
-            self.last_reason = (why + ": " if why else "") + (
+            said = "plain: as measured" if plan is None else (
                 plan.reason if pays else f"plain: {plan.reason}")
+            self.last_reason = (why + ": " if why else "") + said
             if go:
                 self._probe_backoff = 1
-                self._way = "speculative" if not any(fixed) else None
+                self._way = "speculative" if not seeded else None
             # A probe's price grows with the batch (at one request it is a speculative step
             # like any other, and pays about what it costs), so the backoff does too.
             probe_every = min(self._probe_backoff, len(rids)) * max(
@@ -732,12 +737,27 @@ class VerifyBudget:
                 self._probe += 1
                 self._probe_backoff = min(2 * self._probe_backoff, PROBE_BACKOFF_MAX)
                 self.probe_steps += 1
+                plan = self._pre_draft_plan(classes, rids, caps)[0]
                 self.last_reason = "probe: " + plan.reason
         if not chosen:
             self._way = "plain"
         self._since_draft = 0 if chosen else self._since_draft + 1
         self.plain_steps += not chosen
         return chosen
+
+    def _pre_draft_plan(self, classes: Sequence[str], rids: Sequence[Hashable],
+                        caps: Sequence[int]) -> tuple[Plan, bool]:
+        """The plan before the draft, and whether it beats a plain step by DRAFT_MARGIN.
+        Between plain steps nothing it reads moves (no verdict, no refit, no new period of the
+        request fade) unless a request joins, leaves or nears its end: the last plan stands."""
+        key = (self.acceptance.version, self.cost.version, tuple(classes), tuple(rids),
+               tuple(caps))
+        if self._pre_draft is None or self._pre_draft[0] != key:
+            plan = plan_windows(self.acceptance.expected(classes, rids), caps, self.cost,
+                                costly=[costly_class(c) for c in classes])
+            rate = plan.expected_tokens / plan.predicted_seconds
+            self._pre_draft = (key, plan, rate > (1 + DRAFT_MARGIN) * plan.base_rate)
+        return self._pre_draft[1], self._pre_draft[2]
 
     def plan(self, classes: Sequence[str], rids: Sequence[Hashable],
              confidence: Sequence[Sequence[float]] | None, caps: Sequence[int],
