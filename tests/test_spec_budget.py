@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -470,11 +472,11 @@ def test_the_budget_steps_the_way_measured_to_do_more_per_second(
         monkeypatch: pytest.MonkeyPatch, speedup: float, plan_drafts: bool) -> None:
     """A plan that always drafts, or never (its cost model wrong), on steps that take the time
     that makes drafting `speedup` x as many tokens per second as a plain step (the tokens its
-    windows are expected to commit): below 1x the budget steps plainly, drafting once every
-    GOODPUT_RECHECK steps to see whether it pays again; above, it drafts, stepping plainly once
-    every GOODPUT_RECHECK steps (x GOODPUT_FAR_FACTOR where one way is ahead by GOODPUT_FAR) so
-    that the comparison stays measured. The way never measured is taken after a few steps
-    the other way."""
+    windows are expected to commit): below 1x the budget steps plainly, drafting now and then to
+    see whether it pays again; above, it drafts, stepping plainly now and then, so that the
+    comparison stays measured: a recheck once its step's loss is GOODPUT_RECHECK_COST of the
+    time since the last. Where the plan names no one, drafting verifies whole blocks. The way
+    never measured is taken after a few steps the other way."""
     real = spec_budget.plan_windows
 
     def plan(survival, caps, cost, drafted=None, costly=None):
@@ -492,7 +494,7 @@ def test_the_budget_steps_the_way_measured_to_do_more_per_second(
     budget.speculative_steps = 10 ** 6  # past the warm-up
     rows, plain_seconds = 8, 0.040
     classes, rids, caps, fixed = ["sampled"] * rows, list(range(rows)), [4] * rows, [False] * rows
-    drafted = []
+    drafted, drafted_seconds = [], []
     for _ in range(1200):
         probes = budget.probe_steps
         chosen = budget.to_draft(classes, rids, caps, fixed)
@@ -501,14 +503,19 @@ def test_the_budget_steps_the_way_measured_to_do_more_per_second(
         if chosen:
             windows = budget.plan(classes, rids, [[0.8] * 4] * rows, caps, [True] * rows, fixed)
             assert windows.expected_tokens > rows
+            if drafted[-1]:
+                assert windows.drafts == ([2] * rows if plan_drafts else caps)
             seconds = windows.expected_tokens / rows * plain_seconds / speedup
+            drafted_seconds.append(seconds)
             budget.step_time(StepShape(rows, rows + sum(windows.drafts), 3, rows, rows), seconds)
         else:
             budget.step_time(StepShape(rows, rows, 1, 0), plain_seconds)
     late = drafted[400:]
-    lead = max(speedup, 1 / speedup)
-    every = spec_budget.GOODPUT_RECHECK * (
-        spec_budget.GOODPUT_FAR_FACTOR if lead >= spec_budget.GOODPUT_FAR else 1)
-    assert late.count(speedup < 1) == pytest.approx(len(late) / (every + 1), abs=2)
+    spec_seconds = statistics.median(drafted_seconds[-50:])
+    lost, per_step = ((1 - speedup) * spec_seconds, plain_seconds) if speedup < 1 else (
+        (1 - 1 / speedup) * plain_seconds, spec_seconds)
+    every = math.ceil(min(max(lost / (spec_budget.GOODPUT_RECHECK_COST * per_step),
+                              spec_budget.GOODPUT_RECHECK_MIN), spec_budget.GOODPUT_RECHECK_MAX))
+    assert late.count(speedup < 1) == pytest.approx(len(late) / every, abs=2)
     first = spec_budget.GOODPUT_FIRST
     assert drafted[: first + 1] == [plan_drafts] * first + [not plan_drafts]

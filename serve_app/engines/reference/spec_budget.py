@@ -120,19 +120,22 @@ EXPLORE_COST = 0.1
 # ratio of the tokens per measured second per row of a drafted step (the tokens its windows
 # were expected to commit) to a plain step's next to it (`Goodput`; exponentially weighted,
 # GOODPUT_DECAY per pair). Once measured the budget steps the way that does more per second,
-# whatever the plan says (the plan still chooses whom to draft for and the windows); every
-# GOODPUT_RECHECK steps of a batch size it takes the other way once, which makes the next pair
-# (every GOODPUT_RECHECK x GOODPUT_FAR_FACTOR steps where one way is ahead by GOODPUT_FAR or
-# more). The cost model's error is what this catches: at 16 K3-instant requests after greedy
+# whatever the plan says (the plan still chooses whom to draft for and the windows, and where
+# it names no one everyone verifies the whole block: its windows are priced by the cost model
+# the measurement overrules); now and then it takes the other way once, which makes the next
+# pair, as often as that costs GOODPUT_RECHECK_COST of the time since the last (at least
+# GOODPUT_RECHECK_MIN steps apart, at most GOODPUT_RECHECK_MAX): the nearer the two ways, the
+# less a recheck costs and the sooner the lead may turn. The cost model's error is what this
+# catches: at 16 K3-instant requests after greedy
 # traffic the plans expected the tokens the steps then committed (1,996 vs 1,995) but priced the
 # steps 11-17% under what they took, and drafting every step ran 0.89-0.94x target-only; at 16
 # and 32 greedy requests the plans stayed plain where verifying every draft ran 1.05-1.08x.
 # Rates measured apart rather than in pairs took this machine's drift for a difference: at 16
 # sampled requests the budget then drafted in 70% of the steps and ran 0.91x target-only.
 GOODPUT_DECAY = 0.8
-GOODPUT_RECHECK = 32
-GOODPUT_FAR = 1.25
-GOODPUT_FAR_FACTOR = 8
+GOODPUT_RECHECK_COST = 0.005
+GOODPUT_RECHECK_MIN = 8
+GOODPUT_RECHECK_MAX = 512
 GOODPUT_FIRST = 4
 # Two steps at most this many decode steps apart make a pair (a recheck follows the last step).
 GOODPUT_ADJACENT = 2
@@ -610,6 +613,7 @@ class Goodput:
         self.log_ratio: dict[int, float] = {}  # bucket -> log(drafted rate / plain rate)
         self.at: dict[tuple[int, str], int] = {}  # (bucket, way) -> step last measured
         self.count: dict[tuple[int, str], int] = {}
+        self.seconds: dict[tuple[int, str], float] = {}  # (bucket, way) -> a step's seconds
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -627,6 +631,9 @@ class Goodput:
             self.log_ratio[b] = pair if old is None else (
                 GOODPUT_DECAY * old + (1 - GOODPUT_DECAY) * pair)
         self.last[b] = (way, rate, step)
+        old_seconds = self.seconds.get((b, way))
+        self.seconds[(b, way)] = seconds if old_seconds is None else (
+            GOODPUT_DECAY * old_seconds + (1 - GOODPUT_DECAY) * seconds)
         self.at[(b, way)] = step
         self.count[(b, way)] = self.count.get((b, way), 0) + 1
 
@@ -638,9 +645,15 @@ class Goodput:
             return None
         ratio = math.exp(self.log_ratio[b])
         best = ratio >= 1.0
-        lead = ratio if best else 1.0 / ratio
-        since_other = step - self.at.get((b, "plain" if best else "speculative"), -10**9)
-        if since_other >= GOODPUT_RECHECK * (GOODPUT_FAR_FACTOR if lead >= GOODPUT_FAR else 1):
+        drafted, plain = self.seconds[(b, "speculative")], self.seconds[(b, "plain")]
+        # A recheck comes once what its step loses against the way ahead (seconds) is at most
+        # GOODPUT_RECHECK_COST of the time spent the way ahead since the last one.
+        lost, per_step = ((1 - 1 / ratio) * plain, drafted) if best else (
+            (1 - ratio) * drafted, plain)
+        every = min(max(lost / (GOODPUT_RECHECK_COST * per_step), GOODPUT_RECHECK_MIN),
+                    GOODPUT_RECHECK_MAX)
+        since_other = step - self.at[(b, "plain" if best else "speculative")]
+        if since_other >= every:
             return not best, f"recheck: drafting measured {ratio:.2f}x plain"
         return best, f"measured: drafting {ratio:.2f}x plain"
 
@@ -670,6 +683,7 @@ class VerifyBudget:
         self._probe = 0
         self._probe_backoff = 1  # the probe interval's factor (PROBE_BACKOFF_MAX)
         self._probe_rid: Hashable | None = None  # this step's probe, which verifies its block
+        self._whole_batch = False  # this step drafts where the plan says no one: whole blocks
         self._explore = 0  # whose turn it is to verify its whole block (EXPLORE_COST)
         self._pre_draft: tuple[tuple[Any, ...], Plan, bool] | None = None
         self.goodput = Goodput()
@@ -694,6 +708,7 @@ class VerifyBudget:
         the plan names no one, everyone is drafted for)."""
         self.acceptance.tick()
         self._probe_rid = None
+        self._whole_batch = False
         self._way = None
         able = [b for b, c in enumerate(caps) if c > 0]
         if self.speculative_steps < WARMUP_STEPS:
@@ -717,7 +732,11 @@ class VerifyBudget:
             else:
                 go, why = self.goodput.unmeasured(len(rids), drafting, self.acceptance.step)
             # Drafting where the plan says none pays (what was measured says it does): for
-            # everyone, and the windows are the plan's after the draft.
+            # everyone, each verifying its whole block. The plan's windows are priced by the
+            # cost model the measurement overrules: at 16 greedy requests a fit made from plain
+            # steps and narrow windows priced a verified token at 1.3 ms where it cost ~0.6, its
+            # windows (2-3 drafts) ran 0.8x a plain step, and whole blocks 1.33x.
+            self._whole_batch = go and plan is not None and not drafting
             chosen = [b for b in able if (go and plan is not None
                                           and (plan.drafts[b] > 0 or not drafting))
                       or fixed[b]]
@@ -772,7 +791,8 @@ class VerifyBudget:
         costly = [costly_class(c) for c in classes]
         survival = self.acceptance.estimate(classes, rids, confidence)
         plan = plan_windows(survival, caps, self.cost, drafted, costly)
-        whole = [f or rid == self._probe_rid for f, rid in zip(fixed, rids, strict=True)]
+        whole = [f or rid == self._probe_rid or self._whole_batch
+                 for f, rid in zip(fixed, rids, strict=True)]
         short = [b for b, (k, c) in enumerate(zip(plan.drafts, caps, strict=True))
                  if drafted[b] and k < c and not whole[b]]
         if short:
