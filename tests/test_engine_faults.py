@@ -279,15 +279,18 @@ def poison_sampling(mp: pytest.MonkeyPatch, engine: EngineCore, rid: str, n: int
 
 
 def poison_verify(mp: pytest.MonkeyPatch, engine: EngineCore, rid: str, n: int) -> None:
-    real, hit = sequence_module.verify_drafts, _fail_nth(n)
+    real, hit = sequence_module.verify_batch, _fail_nth(n)
     generator = engine.sequences[rid].generator
 
     def verify(*args: Any) -> Any:
-        if args[4] is generator and hit():
-            raise IndexError("index 99 is out of bounds for dimension 0 with size 64")
-        return real(*args)
+        # The batch walks together: the poisoned request's walk raises inside it.
+        verdicts = real(*args)
+        for i, g in enumerate(args[4]):
+            if g is generator and hit():
+                verdicts[i] = IndexError("index 99 is out of bounds for dimension 0 with size 64")
+        return verdicts
 
-    mp.setattr(sequence_module, "verify_drafts", verify)
+    mp.setattr(sequence_module, "verify_batch", verify)
 
 
 def poison_method(name: str) -> Stage:

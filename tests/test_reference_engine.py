@@ -463,3 +463,69 @@ def test_top_p_by_values_keeps_what_the_full_sort_keeps(vocab: int, scale: float
         assert torch.equal(by_sort.sum(-1), by_values.sum(-1)), top_p
         assert torch.equal((probs * by_sort).sort(-1).values,
                            (probs * by_values).sort(-1).values), top_p
+
+
+def test_a_batch_walks_each_request_as_it_would_walk_alone() -> None:
+    """`verify_batch` (the engine's verify) gives each request exactly the verdict
+    `verify_drafts` gives it alone from the same generator state, and the generator ends in the
+    same state: the walks share the target's rows and draws, not randomness. The batch mixes
+    greedy and sampled requests, sampling settings, ragged windows (0-7 drafts), one-hot and
+    NaN draft rows, a draft that is not a token, a grammar mask, and one request whose logits
+    are not finite, which fails alone."""
+    from serve_app.engines.reference.sampling import (
+        SamplingError,
+        verify_batch,
+        verify_drafts,
+    )
+
+    vocab = 64
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                SamplingParams(temperature=1.0, top_p=0.95), SamplingParams(temperature=0.6,
+                                                                           top_p=0.95),
+                SamplingParams(temperature=0.7, top_k=5)]
+    for trial in range(40):
+        rng = random.Random(trial)
+        gen = torch.Generator().manual_seed(trial)
+        batch = []
+        for b in range(rng.randint(1, 9)):
+            k = rng.randint(0, 7)
+            logits = torch.randn(k + 1, vocab, generator=gen) * rng.choice([0.5, 2.0, 6.0])
+            q = torch.softmax(torch.randn(k, vocab, generator=gen) * 2, -1)
+            # Drafts the draft's q would propose, mostly: some rows accepted deep.
+            drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(k)]
+            if k and rng.random() < 0.5:
+                drafts = [int(t) for t in logits[:k].argmax(-1)]
+            kind = rng.random()
+            q_in: torch.Tensor | None = q
+            allowed = None
+            if kind < 0.1:
+                q_in = None  # one-hot proposals
+            elif kind < 0.2 and k:
+                q_in = q.clone()
+                q_in[rng.randrange(k)] = float("nan")
+            elif kind < 0.3 and k:
+                drafts[rng.randrange(k)] = vocab + 3  # not a token
+            elif kind < 0.4:
+                allowed = torch.rand(k + 1, vocab, generator=gen) < 0.7
+                allowed[:, 0] = True
+            elif kind < 0.45:
+                logits[rng.randrange(k + 1)] = float("nan")
+            batch.append((logits, drafts, q_in, rng.choice(settings), 1000 * trial + b, allowed))
+        alone, alone_state = [], []
+        for logits, drafts, q, params, seed, allowed in batch:
+            g = torch.Generator().manual_seed(seed)
+            try:
+                alone.append(verify_drafts(logits, drafts, q, params, g, allowed=allowed))
+            except SamplingError as exc:
+                alone.append(exc)
+            alone_state.append(g.get_state())
+        generators = [torch.Generator().manual_seed(seed) for *_, seed, _ in batch]
+        together = verify_batch([x[0] for x in batch], [x[1] for x in batch],
+                                [x[2] for x in batch], [x[3] for x in batch], generators,
+                                allowed=[x[5] for x in batch])
+        for a, t, state, g in zip(alone, together, alone_state, generators, strict=True):
+            if isinstance(a, Exception):
+                assert isinstance(t, SamplingError)
+            else:
+                assert isinstance(t, type(a)) and (t.tokens, t.accepted) == (a.tokens, a.accepted)
+            assert torch.equal(g.get_state(), state)

@@ -33,7 +33,7 @@ from serve_app.engines.reference.sampling import (
     residual_distribution,
 )
 from serve_app.engines.reference.scheduler import Scheduler
-from serve_app.engines.reference.sequence import Detokenize, Sequence, Status
+from serve_app.engines.reference.sequence import Detokenize, Sequence, Status, verify_windows
 from serve_app.engines.reference.spec_budget import (
     StepShape,
     VerifyBudget,
@@ -447,16 +447,19 @@ class EngineCore:
         end_ns = time.time_ns()
         ok, lengths, tap_rows = [], [], []
         moved: list[tuple[Sequence, int, int]] = []
-        for b, seq in enumerate(seqs):
+        verdicts = verify_windows(
+            seqs, [logits[b, : len(d) + 1] for b, d in enumerate(drafts)], drafts,
+            [proposal.probs[row[b], : len(d)] if proposal.probs is not None and d else None
+             for b, d in enumerate(drafts)], self.residual_rule)
+        for b, (seq, verdict) in enumerate(zip(seqs, verdicts, strict=True)):
             k = len(drafts[b])
-            stage = "verifying drafts"
+            if isinstance(verdict, Exception):
+                self._isolate(seq, "verifying drafts", verdict)
+                continue
             try:
-                q = proposal.probs[row[b], :k] if proposal.probs is not None and k else None
-                verdict = seq.verify(logits[b, : k + 1], drafts[b], q, self.residual_rule)
-                stage = "checking stop conditions"
                 kept = seq.append(verdict.tokens)
             except Exception as exc:
-                self._isolate(seq, stage, exc)
+                self._isolate(seq, "checking stop conditions", exc)
                 continue
             seq.stats.record(k, verdict.accepted)
             if self.budget is not None:

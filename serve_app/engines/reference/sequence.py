@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,7 @@ from serve_app.engines.reference.sampling import (
     SamplingParams,
     Verdict,
     sample_token,
-    verify_drafts,
+    verify_batch,
 )
 from serve_app.engines.spec_stats import SpecStats
 from serve_app.grammar.matchers import RequestGrammar
@@ -101,20 +102,6 @@ class Sequence:
             grammar.consume([token])
         return token
 
-    def verify(self, logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
-               residual_rule: ResidualRule) -> Verdict:
-        """The verdict on a verify window [anchor, *drafts] (`logits` [k+1, V]), each row under
-        the grammar's mask after the drafts before it; the grammar keeps the accepted drafts
-        (the window's prefix), then takes the bonus token like any sampled one."""
-        grammar = self.grammar
-        allowed = grammar.window_masks(drafts) if grammar is not None else None
-        verdict = verify_drafts(logits, drafts, draft_probs, self.params, self.generator,
-                                residual_rule, allowed)
-        if grammar is not None:
-            grammar.commit(grammar.length + verdict.accepted)
-            grammar.consume(verdict.tokens[-1:])
-        return verdict
-
     def append(self, tokens: list[int]) -> list[int]:
         """Commit generated tokens, stopping exactly at EOS, a stop token, a stop string or
         max_tokens. Returns the tokens actually kept."""
@@ -169,3 +156,36 @@ class Sequence:
         delta = self.text[self.streamed_text:end]
         self.streamed_text = end
         return delta
+
+
+def verify_windows(seqs: Seq[Sequence], logits: Seq[torch.Tensor], drafts: Seq[list[int]],
+                   draft_probs: Seq[torch.Tensor | None], residual_rule: ResidualRule
+                   ) -> list[Verdict | Exception]:
+    """Each sequence's verdict on its verify window [anchor, *drafts] (`logits[i]` [k+1, V]),
+    each row under its grammar's mask after the drafts before it, or what failed for that
+    sequence alone. The batch walks together (`verify_batch`); a grammar keeps the accepted
+    drafts (the window's prefix), then takes the bonus token like any sampled one."""
+    out: list[Verdict | Exception | None] = [None] * len(seqs)
+    allowed: list[torch.Tensor | None] = []
+    for b, seq in enumerate(seqs):
+        try:
+            allowed.append(seq.grammar.window_masks(drafts[b]) if seq.grammar is not None
+                           else None)
+        except Exception as exc:
+            out[b] = exc
+            allowed.append(None)
+    batch = [b for b in range(len(seqs)) if out[b] is None]
+    verdicts = verify_batch([logits[b] for b in batch], [drafts[b] for b in batch],
+                            [draft_probs[b] for b in batch], [seqs[b].params for b in batch],
+                            [seqs[b].generator for b in batch], residual_rule,
+                            [allowed[b] for b in batch])
+    for b, verdict in zip(batch, verdicts, strict=True):
+        grammar = seqs[b].grammar
+        if grammar is not None and isinstance(verdict, Verdict):
+            try:
+                grammar.commit(grammar.length + verdict.accepted)
+                grammar.consume(verdict.tokens[-1:])
+            except Exception as exc:
+                verdict = exc
+        out[b] = verdict
+    return [v if v is not None else RuntimeError("no verdict") for v in out]
