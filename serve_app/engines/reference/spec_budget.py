@@ -705,7 +705,7 @@ class VerifyBudget:
         stays measured. Everyone is drafted for in the first WARMUP_STEPS speculative
         steps. Once drafted and plain steps of this batch size are measured in pairs
         (`Goodput`), the way that did more per second is taken whatever the plan says (where
-        the plan names no one, everyone is drafted for)."""
+        the plan names no one, everyone is drafted for and verifies the whole block)."""
         self.acceptance.tick()
         self._probe_rid = None
         self._whole_batch = False
