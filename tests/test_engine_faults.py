@@ -283,7 +283,8 @@ def poison_verify(mp: pytest.MonkeyPatch, engine: EngineCore, rid: str, n: int) 
     generator = engine.sequences[rid].generator
 
     def verify(*args: Any) -> Any:
-        # The batch walks together: the poisoned request's walk raises inside it.
+        # The batch walks together: the poisoned request's verdict is the error, as a walk
+        # that raised leaves it.
         verdicts = real(*args)
         for i, g in enumerate(args[4]):
             if g is generator and hit():
